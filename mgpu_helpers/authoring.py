@@ -1,0 +1,151 @@
+"""The notebook metadata schema, the solution → student transformation, and the mutant harness.
+
+Schema (DESIGN.md §4)
+---------------------
+* notebook: ``metadata.mgpu = {"notebook": "04", "module": "ddp"}``
+* exercise cell (code): tag ``exercise``;
+  ``metadata.mgpu = {"exercise": "4.1", "function": "average_gradients", "task": "<what to do>"}``;
+  its source holds exactly one ``### BEGIN SOLUTION`` … ``### END SOLUTION`` block.
+* check cell (code): tag ``check``; ``metadata.mgpu = {"check": "4.1", "points": 2}``; it calls the
+  registered check, e.g. ``check_4_1(average_gradients)``.
+
+Release replaces each solution block by ``raise NotImplementedError("Exercise 4.1: <task>")`` at the
+block's indentation, clears outputs and execution counts, and keeps cell ids, tags and metadata.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import nbformat
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+EXERCISE_ID = re.compile(r"^\d{1,2}\.\d{1,2}$")
+
+
+def mgpu(cell) -> dict:
+    return cell.get("metadata", {}).get("mgpu", {}) or {}
+
+
+def exercise_cells(nb) -> dict[str, Any]:
+    return {mgpu(c)["exercise"]: c for c in nb.cells if c.cell_type == "code" and "exercise" in mgpu(c)}
+
+
+def check_cells(nb) -> dict[str, Any]:
+    return {mgpu(c)["check"]: c for c in nb.cells if c.cell_type == "code" and "check" in mgpu(c)}
+
+
+def strip_solution(source: str, message: str) -> str:
+    """Replace every BEGIN/END SOLUTION block by a ``raise NotImplementedError(message)``."""
+    out, inside = [], False
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(BEGIN):
+            if inside:
+                raise ValueError("nested ### BEGIN SOLUTION")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(f"{indent}raise NotImplementedError({message!r})")
+        elif stripped.startswith(END):
+            if not inside:
+                raise ValueError("### END SOLUTION without BEGIN")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError("### BEGIN SOLUTION without END")
+    return "\n".join(out)
+
+
+def validate(nb, name: str = "notebook") -> list[str]:
+    """Problems with a solution notebook's schema (empty list when it is fine)."""
+    problems, seen_ex, seen_check = [], set(), set()
+    for i, c in enumerate(nb.cells):
+        m = mgpu(c)
+        tags = c.get("metadata", {}).get("tags", [])
+        src = c.source if isinstance(c.source, str) else "".join(c.source)
+        if "exercise" in m:
+            ex = m["exercise"]
+            if not EXERCISE_ID.match(str(ex)):
+                problems.append(f"{name} cell {i}: bad exercise id {ex!r}")
+            if ex in seen_ex:
+                problems.append(f"{name} cell {i}: duplicate exercise {ex}")
+            seen_ex.add(ex)
+            if "exercise" not in tags:
+                problems.append(f"{name} cell {i}: exercise {ex} lacks the 'exercise' tag")
+            if src.count(BEGIN) != 1 or src.count(END) != 1:
+                problems.append(f"{name} cell {i}: exercise {ex} needs exactly one solution block")
+            if not m.get("function") or not m.get("task"):
+                problems.append(f"{name} cell {i}: exercise {ex} needs 'function' and 'task'")
+        elif BEGIN in src:
+            problems.append(f"{name} cell {i}: solution block outside an exercise cell")
+        if "check" in m:
+            ck = m["check"]
+            if ck in seen_check:
+                problems.append(f"{name} cell {i}: duplicate check {ck}")
+            seen_check.add(ck)
+            if "check" not in tags:
+                problems.append(f"{name} cell {i}: check {ck} lacks the 'check' tag")
+            if not isinstance(m.get("points"), int) or m["points"] <= 0:
+                problems.append(f"{name} cell {i}: check {ck} needs positive integer 'points'")
+            if "NBVAL_SKIP" in src or "NBVAL_IGNORE_OUTPUT" in src or "NBVAL_RAISES_EXCEPTION" in src:
+                problems.append(f"{name} cell {i}: check {ck} must be compared by nbval (no NBVAL_ markers)")
+    for ex in seen_ex - seen_check:
+        problems.append(f"{name}: exercise {ex} has no check cell")
+    for ck in seen_check - seen_ex:
+        problems.append(f"{name}: check {ck} has no exercise cell")
+    return problems
+
+
+def release_notebook(nb):
+    """The student copy of a solution notebook."""
+    nb = copy.deepcopy(nb)
+    for c in nb.cells:
+        if c.cell_type != "code":
+            continue
+        m = mgpu(c)
+        if "exercise" in m:
+            c.source = strip_solution(c.source, f"Exercise {m['exercise']}: {m['task']}")
+        c.outputs = []
+        c.execution_count = None
+    return nb
+
+
+def dumps(nb) -> str:
+    return nbformat.writes(nb) + ("" if nbformat.writes(nb).endswith("\n") else "\n")
+
+
+# --- mutant harness: run a check on the solution, the stub, and planted mistakes ---------------------
+
+def exercise_source(nb_path: str | Path, exercise: str) -> str:
+    nb = nbformat.read(str(nb_path), as_version=4)
+    return exercise_cells(nb)[exercise].source
+
+
+def exec_cell(source: str) -> dict:
+    """Execute an exercise cell as a notebook would (module ``__main__``) and return its namespace."""
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(source, "<exercise cell>", "exec"), ns)
+    return ns
+
+
+def mutate(source: str, old: str, new: str) -> str:
+    if old not in source:
+        raise AssertionError(f"mutant does not apply: {old!r} is not in the solution")
+    return source.replace(old, new)
+
+
+def verdict(check: Callable, fn: Callable, seed: int | None = None) -> tuple[bool, str]:
+    """(passed, message) of ``check(fn)``; the message is the printed line or the failure text."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            check(fn, seed=seed)
+    except AssertionError as e:
+        return False, str(e)
+    return True, buf.getvalue().strip()

@@ -1,0 +1,181 @@
+"""How exercises are checked.
+
+A check runs the learner's function on fresh random inputs, compares what it returns against PyTorch
+itself, a single-process baseline or a measurement, and either prints one deterministic line::
+
+    Exercise 4.1 ✓ average_gradients: 3/3 cases
+
+or raises :class:`CheckFailure` (an ``AssertionError``) saying what differed, by how much, and -- when
+the wrong answer matches a known mistake -- which mistake it looks like.
+
+A check is split into three steps so that a grader can keep the verdict out of the learner's kernel:
+
+* ``cases(rng)``    -- the inputs, drawn from a seed (plain Python data: ints, floats, strings, lists);
+* ``run(fn, case)`` -- calls the learner's code on one case and returns plain data or CPU tensors;
+* ``judge(case, result)`` -- decides, raising :class:`CheckFailure`; never calls learner code.
+
+In a notebook all three run in the kernel (``check_4_1(average_gradients)``). The grader runs ``run`` in
+the learner's kernel on inputs it chooses and ``judge`` in a separate process that never runs learner code.
+"""
+from __future__ import annotations
+
+import os
+import random
+import traceback
+from typing import Any, Callable
+
+import torch
+
+REGISTRY: dict[str, "Check"] = {}
+
+
+class CheckFailure(AssertionError):
+    """A check did not pass; the message says what differed and, when it can, why."""
+
+
+class Check:
+    """Base class: subclasses set ``id``, ``function`` and implement ``cases``, ``run`` and ``judge``."""
+
+    id: str = ""            # "4.1": the same id in the stub, the check line, the grade row and the test marker
+    function: str = ""      # the name of the learner's function, for messages
+    points: int = 1
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.id:
+            REGISTRY[cls.id] = cls()
+
+    # --- to implement -------------------------------------------------------------------------------
+    def cases(self, rng: random.Random) -> list[dict]:
+        raise NotImplementedError
+
+    def run(self, fn: Callable, case: dict) -> Any:
+        raise NotImplementedError
+
+    def judge(self, case: dict, result: Any) -> None:
+        raise NotImplementedError
+
+    def describe(self, case: dict) -> str:
+        """A short description of a case for failure messages (default: its items)."""
+        return ", ".join(f"{k}={v}" for k, v in case.items() if not k.startswith("_") and k != "seed")
+
+    # --- driving ------------------------------------------------------------------------------------
+    def make_cases(self, seed: int | None = None) -> list[dict]:
+        # Fresh inputs on every call unless a seed is given (the grader gives one).
+        seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+        return self.cases(random.Random(seed))
+
+    def _call(self, fn: Callable, case: dict) -> Any:
+        try:
+            return self.run(fn, case)
+        except NotImplementedError as e:
+            raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
+        except CheckFailure:
+            raise
+        except Exception as e:  # the learner's code raised: show it, with the traceback chained below
+            raise CheckFailure(
+                f"Exercise {self.id} ✗ {self.function} raised {type(e).__name__}: {e}\n"
+                f"  on case: {self.describe(case)}"
+            ) from e
+
+    def judge_one(self, i: int, n: int, case: dict, result: Any) -> None:
+        try:
+            self.judge(case, result)
+        except CheckFailure as e:
+            raise CheckFailure(
+                f"Exercise {self.id} ✗ {self.function}, case {i + 1} of {n} ({self.describe(case)}):\n  {e}"
+            ) from None
+
+    def __call__(self, fn: Callable, seed: int | None = None) -> None:
+        if not callable(fn):
+            raise CheckFailure(f"Exercise {self.id} ✗ expected a function `{self.function}`, got {type(fn).__name__}")
+        cases = self.make_cases(seed)
+        for i, case in enumerate(cases):
+            self.judge_one(i, len(cases), case, self._call(fn, case))
+        print(f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases")
+
+    # --- grading split: run in the learner's kernel, judge elsewhere -----------------------------------
+    def run_all(self, fn: Callable, seed: int) -> list[dict]:
+        """Results of the learner's function on the seed's cases, as plain data (for the grader)."""
+        out = []
+        for case in self.make_cases(seed):
+            try:
+                out.append({"ok": True, "result": self.run(fn, case)})
+            except BaseException as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                out.append({"ok": False, "error": f"{type(e).__name__}: {e}",
+                            "traceback": "".join(traceback.format_exception(e))[-4000:]})
+        return out
+
+    def judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:
+        """Verdict on results from :meth:`run_all`; never runs learner code."""
+        cases = self.make_cases(seed)
+        if not isinstance(results, list) or len(results) != len(cases):
+            return False, f"Exercise {self.id} ✗ {self.function}: no results for this check"
+        for i, (case, r) in enumerate(zip(cases, results)):
+            if not isinstance(r, dict) or not r.get("ok"):
+                err = r.get("error", "no result") if isinstance(r, dict) else "malformed result"
+                if "NotImplementedError" in str(err):
+                    return False, f"Exercise {self.id} ✗ {self.function}: not implemented yet"
+                return False, f"Exercise {self.id} ✗ {self.function} raised {err}"
+            try:
+                self.judge_one(i, len(cases), case, r["result"])
+            except CheckFailure as e:
+                return False, str(e)
+            except Exception as e:  # a malformed result must not crash the judge
+                return False, f"Exercise {self.id} ✗ {self.function}: unusable result ({type(e).__name__}: {e})"
+        return True, f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases"
+
+
+# --- comparison helpers that name the mistake --------------------------------------------------------
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    return x.detach().to("cpu", torch.float64) if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.float64)
+
+
+def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
+    try:
+        ta, tb = _as_tensor(a), _as_tensor(b)
+    except Exception:
+        return False
+    return ta.shape == tb.shape and bool(torch.allclose(ta, tb, rtol=rtol, atol=atol, equal_nan=False))
+
+
+def expect_close(actual: Any, expected: Any, what: str, *, mistakes: dict[str, Any] | None = None,
+                 hint: str = "", rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Fail unless ``actual`` ≈ ``expected``; if ``actual`` matches one of ``mistakes`` (name → the value
+    that mistake would produce), say so by name."""
+    if _close(actual, expected, rtol, atol):
+        return
+    for name, wrong in (mistakes or {}).items():
+        if _close(actual, wrong, rtol, atol):
+            raise CheckFailure(f"{what} is wrong: it matches a common mistake: {name}. {hint}".rstrip())
+    try:
+        ta, tb = _as_tensor(actual), _as_tensor(expected)
+    except Exception:
+        raise CheckFailure(f"{what}: expected a number or tensor, got {type(actual).__name__}. {hint}".rstrip()) from None
+    if ta.shape != tb.shape:
+        raise CheckFailure(f"{what} has shape {tuple(ta.shape)}, expected {tuple(tb.shape)}. {hint}".rstrip())
+    diff = (ta - tb).abs().max().item()
+    if ta.numel() == 1:
+        detail = f"got {ta.item():.6g}, expected {tb.item():.6g}"
+    else:
+        detail = f"max |difference| = {diff:.3g} (tolerance {atol:g} + {rtol:g}·|expected|)"
+    raise CheckFailure(f"{what} differs: {detail}. {hint}".rstrip())
+
+
+def expect_equal(actual: Any, expected: Any, what: str, *, mistakes: dict[str, Any] | None = None,
+                 hint: str = "") -> None:
+    """Exact equality (ints, strings, byte counts), naming a matching mistake when there is one."""
+    if actual == expected:
+        return
+    for name, wrong in (mistakes or {}).items():
+        if actual == wrong:
+            raise CheckFailure(f"{what} is {actual!r}, expected {expected!r}: it matches a common mistake: {name}. {hint}".rstrip())
+    raise CheckFailure(f"{what} is {actual!r}, expected {expected!r}. {hint}".rstrip())
+
+
+def expect(cond: bool, message: str) -> None:
+    if not cond:
+        raise CheckFailure(message)

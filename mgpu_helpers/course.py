@@ -1,0 +1,103 @@
+"""`mgpu-course`: the authoring command line.
+
+    mgpu-course release            write notebooks/ (student copies) from solutions/
+    mgpu-course release --check    exit 1 if notebooks/ differs from what release would write
+    mgpu-course execute [NB ...]   re-run solution notebooks in place, storing the outputs nbval compares
+    mgpu-course validate           check the metadata schema of every solution notebook
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+
+from .authoring import dumps, release_notebook, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _solutions(d: Path) -> list[Path]:
+    return sorted(p for p in d.glob("[0-9][0-9]_*.ipynb"))
+
+
+def cmd_validate(sol: Path) -> int:
+    problems = []
+    for p in _solutions(sol):
+        problems += validate(nbformat.read(str(p), as_version=4), p.name)
+    for line in problems:
+        print(line)
+    print(f"{len(_solutions(sol))} notebooks, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+def cmd_release(sol: Path, out: Path, check: bool) -> int:
+    if cmd_validate_quiet(sol):
+        return 1
+    expected = {p.name: dumps(release_notebook(nbformat.read(str(p), as_version=4))) for p in _solutions(sol)}
+    if check:
+        present = {p.name for p in out.glob("*.ipynb")}
+        drift = sorted(n for n, text in expected.items()
+                       if not (out / n).exists() or (out / n).read_text(encoding="utf-8") != text)
+        extra = sorted(present - set(expected))
+        for n in drift:
+            print(f"drift: {out.name}/{n} differs from the release of {sol.name}/{n}")
+        for n in extra:
+            print(f"drift: {out.name}/{n} has no source in {sol.name}/")
+        if drift or extra:
+            print("notebooks/ is out of date: run `mgpu-course release`")
+            return 1
+        print(f"notebooks/ is up to date ({len(expected)} notebooks)")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    for n, text in expected.items():
+        (out / n).write_text(text, encoding="utf-8")
+    for p in out.glob("*.ipynb"):
+        if p.name not in expected:
+            p.unlink()
+    print(f"released {len(expected)} notebooks to {out}")
+    return 0
+
+
+def cmd_validate_quiet(sol: Path) -> int:
+    problems = [pr for p in _solutions(sol) for pr in validate(nbformat.read(str(p), as_version=4), p.name)]
+    for line in problems:
+        print(line)
+    return 1 if problems else 0
+
+
+def cmd_execute(paths: list[Path], timeout: int) -> int:
+    from nbclient import NotebookClient
+
+    for p in paths:
+        nb = nbformat.read(str(p), as_version=4)
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(p.parent)}}).execute()
+        p.write_text(dumps(nb), encoding="utf-8")
+        print(f"executed {p}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mgpu-course", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--solutions", type=Path, default=ROOT / "solutions")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("release", help="write student notebooks from solutions/")
+    r.add_argument("--out", type=Path, default=ROOT / "notebooks")
+    r.add_argument("--check", action="store_true", help="only check that notebooks/ is up to date")
+    e = sub.add_parser("execute", help="re-run solution notebooks in place")
+    e.add_argument("notebooks", nargs="*", type=Path)
+    e.add_argument("--timeout", type=int, default=600)
+    sub.add_parser("validate", help="check the metadata schema")
+    a = ap.parse_args(argv)
+    if a.cmd == "release":
+        return cmd_release(a.solutions, a.out, a.check)
+    if a.cmd == "execute":
+        return cmd_execute(a.notebooks or _solutions(a.solutions), a.timeout)
+    return cmd_validate(a.solutions)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
