@@ -1,0 +1,77 @@
+"""Memory plots shared by the notebooks: stacked per-category bars, per-rank bars, timelines.
+
+Every figure is labelled in MiB (or GiB when large) and uses one colour per category, the same in every
+notebook, so a learner recognises "optimizer state" at a glance wherever it appears.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+
+COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_state": "#55A868",
+          "activations": "#C44E52", "other": "#8C8C8C"}
+LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
+          "activations": "activations", "other": "other"}
+
+
+def unit_for(max_bytes: float) -> tuple[float, str]:
+    """(divisor, name): GiB for figures above 2 GiB, KiB below 1 MiB, MiB otherwise."""
+    if max_bytes >= 2 * 2**30:
+        return 2**30, "GiB"
+    if max_bytes < 2**20:
+        return 2**10, "KiB"
+    return 2**20, "MiB"
+
+
+def fmt_bytes(n: float) -> str:
+    div, unit = unit_for(n)
+    return f"{n / div:.2f} {unit}" if unit != "KiB" or n >= 1024 else f"{int(n)} B"
+
+
+def stacked_bars(bars: Mapping[str, Mapping[str, int]], title: str = "", ax=None, xlabel: str = ""):
+    """One stacked bar per entry of ``bars`` (label → {category: bytes}), totals written on top."""
+    ax = ax or plt.subplots(figsize=(1.6 + 1.3 * len(bars), 4))[1]
+    totals = [sum(b.values()) for b in bars.values()]
+    div, unit = unit_for(max(totals + [1]))
+    cats = [c for c in COLORS if any(b.get(c, 0) for b in bars.values())]
+    bottoms = [0.0] * len(bars)
+    for c in cats:
+        vals = [b.get(c, 0) / div for b in bars.values()]
+        ax.bar(list(bars), vals, bottom=bottoms, color=COLORS[c], label=LABELS[c])
+        bottoms = [x + v for x, v in zip(bottoms, vals)]
+    for i, t in enumerate(totals):
+        ax.text(i, t / div, f"{t / div:.1f}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.legend(loc="upper left", fontsize=8, frameon=False)
+    return ax
+
+
+def timeline(samples: Sequence[tuple[str, int, Mapping[str, int]]], title: str = "", ax=None):
+    """Stacked area of a tracker timeline, with phase boundaries marked and named."""
+    ax = ax or plt.subplots(figsize=(9, 3.8))[1]
+    if not samples:
+        return ax
+    div, unit = unit_for(max(s[1] for s in samples))
+    xs = list(range(len(samples)))
+    cats = [c for c in COLORS if any(s[2].get(c, 0) for s in samples)]
+    ax.stackplot(xs, *[[s[2].get(c, 0) / div for s in samples] for c in cats],
+                 colors=[COLORS[c] for c in cats], labels=[LABELS[c] for c in cats], step="post")
+    last = None
+    for x, (phase, _, _) in enumerate(samples):
+        if phase != last:
+            ax.axvline(x, color="k", lw=0.6, ls=":")
+            ax.text(x, ax.get_ylim()[1] * 0.97, f" {phase}", fontsize=8, va="top")
+            last = phase
+    ax.set_xlabel("allocation / free events")
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8, frameon=False)
+    return ax
+
+
+def per_rank_bars(per_rank: Sequence[Mapping[str, int]], title: str = "", ax=None):
+    """Stacked bars, one per rank (or device)."""
+    return stacked_bars({f"rank {i}": b for i, b in enumerate(per_rank)}, title=title, ax=ax)
