@@ -1,0 +1,300 @@
+"""Notebook 02 -- measuring memory: allocated vs reserved vs peak, snapshots, the profiler, and checks.
+
+On a GPU the allocator's counters are read live (:func:`allocator_demo`) and a snapshot of one training
+step is recorded (:func:`record_step_snapshot`). A CPU cannot run those, so the notebook shows figures
+stored under ``solutions/assets/02_gpu_*`` by ``PYTHONPATH=. python3 bench/profiling_gpu.py``, which runs
+these same functions on a GPU: ``02_gpu_figures.json`` (the numbers), ``02_gpu_snapshot.pickle``
+(``torch.cuda.memory._dump_snapshot``: open it at https://pytorch.org/memory_viz) and
+``02_gpu_snapshot.png`` (drawn by :func:`plot_snapshot` from that pickle).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import pickle
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checks import REGISTRY, Check, expect, expect_equal
+from .memory import make_optimizer, mlp
+from .tracker import MemoryTracker
+
+MiB = 2**20
+PHASES = ("forward", "backward", "optimizer")
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES, SNAPSHOT, PNG = "02_gpu_figures.json", "02_gpu_snapshot.pickle", "02_gpu_snapshot.png"
+
+
+def mib(n: float, sign: bool = False) -> str:
+    return f"{n / MiB:{'+' if sign else ''},.1f} MiB"
+
+
+def asset(name: str) -> Path:
+    """An asset, found from solutions/ or notebooks/ (release copies notebooks only), the repo, or the package."""
+    dirs = [Path.cwd() / "assets", Path.cwd().parent / "solutions" / "assets", ROOT / "solutions" / "assets",
+            Path(__file__).parent / "assets"]
+    for d in dirs:
+        if (d / name).exists():
+            return d / name
+    raise FileNotFoundError(f"{name}: not in " + ", ".join(map(str, dirs)))
+
+
+def stored_figures() -> dict:
+    return json.loads(asset(FIGURES).read_text())
+
+
+def stored_snapshot() -> dict:  # our own file (bench/profiling_gpu.py): plain dicts and lists
+    return pickle.loads(asset(SNAPSHOT).read_bytes())
+
+
+# --- the caching allocator, live on a GPU ---------------------------------------------------------
+
+def _counters(dev) -> dict:
+    free, total = torch.cuda.mem_get_info(dev)
+    return {"allocated": torch.cuda.memory_allocated(dev), "reserved": torch.cuda.memory_reserved(dev),
+            "peak": torch.cuda.max_memory_allocated(dev), "device_used": total - free}
+
+
+def allocator_demo(device="cuda") -> dict:
+    """Allocated / reserved / peak / device-wide use after each step of a short story; needs CUDA.
+    ``device_used`` is ``total - free`` from ``cudaMemGetInfo``: what nvidia-smi shows for the GPU (all
+    processes on it), so it includes the CUDA context and whatever the allocator keeps cached."""
+    dev = torch.device(device)
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    out = {"start": _counters(dev)}
+    a = torch.empty(256 * MiB, dtype=torch.uint8, device=dev)
+    out["a = 256 MiB tensor"] = _counters(dev)
+    b = a.float()                                    # a 1 GiB temporary...
+    del b                                            # ...freed, but its block stays cached
+    out["b = a.float(); del b"] = _counters(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    out["reset_peak_memory_stats()"] = _counters(dev)
+    torch.cuda.empty_cache()                         # unused cached segments go back to CUDA
+    out["empty_cache()"] = _counters(dev)
+    del a
+    torch.cuda.empty_cache()
+    # Fragmentation: 32 blocks of 20 MiB (each its own cudaMalloc segment), every other one freed. The
+    # 320 MiB of holes stay reserved, but blocks of different segments never merge: no hole holds 40 MiB.
+    blocks = [torch.empty(20 * MiB, dtype=torch.uint8, device=dev) for _ in range(32)]
+    del blocks[::2]
+    out["32 x 20 MiB, every other one freed"] = _counters(dev)
+    big = torch.empty(40 * MiB, dtype=torch.uint8, device=dev)
+    out["then one 40 MiB tensor"] = _counters(dev)
+    del big, blocks
+    torch.cuda.empty_cache()
+    out["all freed, empty_cache()"] = _counters(dev)
+    return out
+
+
+def print_allocator_table(rows: dict) -> None:
+    print(f"{'after':38s}{'allocated':>13s}{'reserved':>13s}{'peak':>13s}{'device used':>14s}")
+    for label, r in rows.items():
+        print(f"{label:38s}" + "".join(f"{mib(r[k]):>13s}" for k in ("allocated", "reserved", "peak"))
+              + f"{mib(r['device_used']):>14s}")
+
+
+def explain_allocator(rows: dict) -> None:
+    """What the table of :func:`allocator_demo` says, as differences between its rows."""
+    r = list(rows.values())
+
+    def d(i, k):  # the change row i made
+        return mib(r[i][k] - r[i - 1][k], sign=True)
+    print(f"del b:        allocated {d(2, 'allocated')}, reserved {d(2, 'reserved')}, device used "
+          f"{d(2, 'device_used')}; the peak still counts b ({mib(r[2]['peak'])})")
+    print(f"reset peak:   the peak drops to what is allocated now ({mib(r[3]['peak'])})")
+    print(f"empty_cache:  reserved {d(4, 'reserved')}, device used {d(4, 'device_used')}")
+    print(f"fragmented:   {mib(r[5]['reserved'] - r[5]['allocated'])} reserved but free, yet 40 MiB more "
+          f"grew reserved by {d(6, 'reserved')[1:]}")
+    print(f"not PyTorch's: device used - reserved = {mib(r[-1]['device_used'] - r[-1]['reserved'])} "
+          f"(the CUDA context, and any other process on the GPU)")
+
+
+# --- memory snapshots ------------------------------------------------------------------------------
+
+def train_step(model, opt, x, y, mark=lambda phase: None) -> None:
+    """One training step in three phases; ``mark(phase)`` is called as each begins."""
+    mark("forward")
+    loss = F.cross_entropy(model(x), y)
+    mark("backward")
+    loss.backward()
+    mark("optimizer")
+    opt.step()
+    opt.zero_grad()
+
+
+def _trace_len(dev) -> int:
+    return len(torch.cuda.memory._snapshot()["device_traces"][dev.index])
+
+
+def record_step_snapshot(path, widths=(4096, 4096, 4096, 4096, 10), batch=16384, device="cuda") -> dict:
+    """Record the allocator's history over one Adam step of an MLP, dump it to ``path`` (a pickle that
+    https://pytorch.org/memory_viz opens) and return the trace index at which each phase starts."""
+    dev = torch.device(device)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev
+    model = mlp(list(widths)).to(dev)
+    x, y = torch.randn(batch, widths[0], device=dev), torch.randint(0, widths[-1], (batch,), device=dev)
+    opt, marks = make_optimizer("adam", model.parameters()), {}
+    # stacks="python": Python frames only, which keeps the file small; memory_viz shows them on hover.
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python", device=dev)
+    train_step(model, opt, x, y, mark=lambda phase: marks.__setitem__(phase, _trace_len(dev)))
+    torch.cuda.synchronize(dev)
+    marks["end"] = _trace_len(dev)
+    torch.cuda.memory._dump_snapshot(str(path))
+    torch.cuda.memory._record_memory_history(enabled=None, device=dev)
+    return marks
+
+
+def snapshot_series(snap: dict) -> tuple[list[int], list[int]]:
+    """(allocated, reserved) bytes after each event of the first non-empty device trace.
+    The trace holds the events since recording started; the segments hold the state at the dump.
+    Undoing the events from the dump's totals gives the totals at the start."""
+    trace = next((t for t in snap["device_traces"] if t), [])
+    sign = {"alloc": (1, 0), "free_completed": (-1, 0), "segment_alloc": (0, 1), "segment_free": (0, -1)}
+    d = [[s * e.get("size", 0) for s in sign.get(e["action"], (0, 0))] for e in trace]
+    alloc = sum(s["allocated_size"] for s in snap["segments"]) - sum(a for a, _ in d)
+    res = sum(s["total_size"] for s in snap["segments"]) - sum(r for _, r in d)
+    allocated, reserved = list(itertools.accumulate((a for a, _ in d), initial=alloc))[1:], \
+        list(itertools.accumulate((r for _, r in d), initial=res))[1:]
+    return allocated, reserved
+
+
+def snapshot_summary(snap: dict, marks: dict) -> dict:
+    """Peak allocated bytes within each phase and overall, reserved bytes at the end, event counts."""
+    allocated, reserved = snapshot_series(snap)
+    ends = [marks[p] for p in PHASES[1:]] + [marks["end"]]
+    out = {f"peak in {p}": max(allocated[marks[p]:e], default=0) for p, e in zip(PHASES, ends)}
+    out.update({"peak allocated": max(allocated), "reserved at the end": reserved[-1],
+                "allocations": sum(e["action"] == "alloc" for t in snap["device_traces"] for e in t),
+                "segments at the end": len(snap["segments"])})
+    return out
+
+
+def plot_snapshot(snap: dict, marks: dict, title: str = "", ax=None):
+    """Allocated and reserved bytes over the allocator's events, phases marked: memory_viz in short."""
+    import matplotlib.pyplot as plt
+
+    allocated, reserved = snapshot_series(snap)
+    ax = ax or plt.subplots(figsize=(9, 3.8))[1]
+    div, unit = (2**30, "GiB") if max(reserved) > 2 * 2**30 else (MiB, "MiB")
+    xs = range(len(allocated))
+    ax.step(xs, [r / div for r in reserved], where="post", color="#8C8C8C", label="reserved")
+    ax.fill_between(xs, [a / div for a in allocated], step="post", color="#4C72B0", alpha=0.7, label="allocated")
+    for p in PHASES:
+        ax.axvline(marks[p], color="k", lw=0.6, ls=":")
+        ax.text(marks[p], max(reserved) / div * 0.98, f" {p}", va="top", fontsize=9)
+    ax.set(xlabel="allocator events (alloc, free, cudaMalloc, cudaFree)", ylabel=unit, title=title)
+    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    return ax
+
+
+def top_memory_ops(prof, k: int = 6) -> list[tuple[str, int]]:
+    """torch.profiler: the ``k`` ops that allocated the most (self CPU memory, bytes), ties by name."""
+    rows = [(e.key, int(e.self_cpu_memory_usage)) for e in prof.key_averages() if e.self_cpu_memory_usage > 0]
+    return sorted(rows, key=lambda r: (-r[1], r[0]))[:k]
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+def _inputs(case):
+    model = mlp(case["widths"], seed=case["seed"])
+    g = torch.Generator().manual_seed(case["seed"])
+    x = torch.randn(case["batch"], case["widths"][0], generator=g)
+    return model, (x, torch.randint(0, case["widths"][-1], (case["batch"],), generator=g))
+
+
+def _peak_scenario(case: dict, fn=None) -> dict:
+    """A tracker that already holds a baseline and an earlier, larger peak; then one training-like step,
+    measured by the learner's ``fn(step, tracker)`` when given, else by the reference."""
+    model, (x, y) = _inputs(case)
+
+    def step():
+        F.cross_entropy(model(x), y).backward()  # the gradients stay allocated after the step
+
+    with MemoryTracker() as t:
+        baseline = torch.zeros(case["baseline"], dtype=torch.uint8)  # noqa: F841 - allocated before the step
+        spike = torch.empty(case["spike"], dtype=torch.uint8)
+        del spike                                                      # an earlier peak, above the step's
+        if fn is not None:
+            return {"result": fn(step, t)}
+        before, old_peak = t.current_bytes, t.peak_bytes
+        t.reset_peak()
+        step()
+        return {"before": before, "old_peak": old_peak, "peak": t.peak_bytes, "after": t.current_bytes}
+
+
+class PeakMemory(Check):
+    id, function = "2.1", "peak_memory"
+
+    def cases(self, rng):
+        out = [{"widths": [rng.randint(8, 64) for _ in range(rng.randint(3, 5))], "batch": rng.randint(64, 512),
+                "seed": rng.randrange(2**31), "baseline": rng.randint(1, 64) * 4096} for _ in range(3)]
+        for c in out:  # the earlier spike: well above anything the step allocates (activations, grads, temps)
+            w, b = c["widths"], c["batch"]
+            c["spike"] = 8 * (3 * b * sum(w) + 3 * sum(i * o + o for i, o in zip(w, w[1:]))) + rng.randint(1, 64) * 4096
+        return out
+
+    def run(self, fn, case):
+        return int(_peak_scenario(case, fn)["result"])
+
+    def judge(self, case, result):
+        m = _peak_scenario(case)
+        expect(m["old_peak"] > m["peak"], f"check error: the earlier peak is not above the step's ({case})")
+        expect_equal(result, m["peak"] - m["before"], "the bytes the step added at its peak", mistakes={
+            "returned the CURRENT bytes after the step (what it left behind), not its peak":
+                m["after"] - m["before"],
+            "returned the current bytes after the step, baseline included": m["after"],
+            "forgot to reset the peak first, so an earlier, larger peak leaked in": m["old_peak"] - m["before"],
+            "forgot to reset the peak, and included the baseline": m["old_peak"],
+            "included the baseline allocated before the step (subtract what was allocated before it)": m["peak"],
+        }, hint="Hint: note what is allocated, reset the peak, run the step, subtract.")
+
+
+def phase_peaks(case: dict) -> tuple[dict, dict]:
+    """(peak bytes within each phase, bytes at the end of each phase) of the reference step, for 2.2."""
+    model, (x, y) = _inputs(case)
+    opt = make_optimizer(case["optimizer"], model.parameters())
+    with MemoryTracker(model, opt) as t:
+        train_step(model, opt, x, y, mark=t.mark)
+    return t.phase_peaks(), {phase: total for phase, total, _ in t.timeline}
+
+
+class PeakPhase(Check):
+    id, function = "2.2", "peak_phase"
+
+    def cases(self, rng):
+        # Fixed kinds, random sizes. Weight-heavy (tiny batch): the optimizer's first step peaks (Adam's
+        # two states, momentum's buffer). Activation-heavy (big batch, narrow layers): backward peaks.
+        out = []
+        for kind, opt in (("weights", "adam"), ("weights", "momentum"), ("activations", "adam"),
+                          ("activations", "sgd")):
+            if kind == "weights":
+                hidden, batch, first = rng.randint(256, 384), rng.randint(2, 8), rng.randint(128, 256)
+            else:
+                hidden, batch, first = rng.randint(32, 64), rng.randint(1024, 2048), rng.randint(16, 32)
+            widths = [first] + [hidden] * rng.randint(1, 3) + [10]
+            out.append({"widths": widths, "batch": batch, "optimizer": opt, "seed": rng.randrange(2**31)})
+        return out
+
+    def run(self, fn, case):
+        model, batch = _inputs(case)
+        return str(fn(model, make_optimizer(case["optimizer"], model.parameters()), batch))
+
+    def judge(self, case, result):
+        peaks, ends = phase_peaks(case)
+        expected = max(peaks, key=peaks.get)
+        wrong: dict[str, list[str]] = {}  # mistaken answer -> the mistakes that give it here
+        for name, value in (("returned the phase with the largest memory at its END, not the largest peak "
+                             "within it", max(ends, key=ends.get)), ("returned simply the first phase", "forward")):
+            if value != expected:
+                wrong.setdefault(value, []).append(name)
+        expect_equal(result, expected, "the phase where memory peaks",
+                     mistakes={"; or ".join(names): value for value, names in wrong.items()},
+                     hint="Hint: mark the three phases, then take the one with the largest phase_peaks().")
+
+
+check_2_1 = REGISTRY["2.1"]
+check_2_2 = REGISTRY["2.2"]

@@ -1,0 +1,54 @@
+"""Each check of notebook 02 passes the solution, fails the stub, and names planted mistakes."""
+from pathlib import Path
+
+import pytest
+
+from mgpu_helpers.authoring import exec_cell, exercise_source, mutate, strip_solution, verdict
+from mgpu_helpers.checks import REGISTRY
+import mgpu_helpers.profiling  # noqa: F401  (registers 2.1 and 2.2)
+
+NB = Path(__file__).resolve().parent.parent / "solutions" / "02_measuring_memory.ipynb"
+
+CASES = {
+    "2.1": ("peak_memory", [
+        ("return tracker.peak_bytes - before", "return tracker.current_bytes - before",
+         "returned the CURRENT bytes after the step"),
+        ("    tracker.reset_peak()", "    pass", "forgot to reset the peak first"),
+        ("return tracker.peak_bytes - before", "return tracker.peak_bytes", "included the baseline"),
+    ]),
+    "2.2": ("peak_phase", [
+        ("peaks = t.phase_peaks()", "peaks = {phase: total for phase, total, _ in t.timeline}",
+         "largest memory at its END"),
+        ("return max(peaks, key=peaks.get)", "return next(iter(peaks))", "returned simply the first phase"),
+    ]),
+}
+
+
+def _marked(ex):
+    return getattr(pytest.mark, f"ex_{ex.replace('.', '_')}")
+
+
+PARAMS = [pytest.param(ex, m, seed, marks=_marked(ex), id=f"{ex}-{m[2][:24]}-{seed}")
+          for ex, (_, ms) in CASES.items() for m in ms for seed in (7, 2024)]
+
+
+@pytest.mark.parametrize("ex", [pytest.param(e, marks=_marked(e)) for e in CASES])
+def test_solution_passes_and_stub_fails(ex):
+    fn_name, _ = CASES[ex]
+    src = exercise_source(NB, ex)
+    for seed in (None, 7):
+        ok, msg = verdict(REGISTRY[ex], exec_cell(src)[fn_name], seed=seed)
+        assert ok, msg
+    stub = exec_cell(strip_solution(src, f"Exercise {ex}: stub"))[fn_name]
+    ok, msg = verdict(REGISTRY[ex], stub)
+    assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg
+
+
+@pytest.mark.parametrize("ex,mutant,seed", PARAMS)
+def test_planted_mistake_is_named(ex, mutant, seed):
+    fn_name, _ = CASES[ex]
+    old, new, named = mutant
+    fn = exec_cell(mutate(exercise_source(NB, ex), old, new))[fn_name]
+    ok, msg = verdict(REGISTRY[ex], fn, seed=seed)
+    assert not ok, f"mutant {new!r} passed the check"
+    assert named in msg, msg
