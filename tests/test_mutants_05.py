@@ -1,0 +1,68 @@
+"""Each check of notebook 05 passes the solution, fails the stub, and names planted mistakes."""
+from pathlib import Path
+
+import pytest
+
+from mgpu_helpers.authoring import exec_cell, exercise_source, mutate, strip_solution, verdict
+from mgpu_helpers.checks import REGISTRY
+import mgpu_helpers.accumulation  # noqa: F401  (registers 5.1 and 5.2)
+
+NB = Path(__file__).resolve().parent.parent / "solutions" / "05_gradient_accumulation.ipynb"
+
+# (old text, new text) pairs applied in turn to the solution cell, and the words the failure must contain
+LOSS_51 = "loss = loss_fn(model(x), y) / k"
+LOSS_52 = "loss = loss_fn(ddp_model(x), y) / k"
+CTX = "contextlib.nullcontext() if last else ddp_model.no_sync()"
+CASES = {
+    "5.1": ("accumulate_gradients", [
+        ([(LOSS_51, "loss = loss_fn(model(x), y)")], "loss not divided by k"),
+        ([("        loss.backward()", "        model.zero_grad()\n        loss.backward()")],
+         "zero_grad inside the loop"),
+        ([(LOSS_51, LOSS_51 + " / len(x)")], "divided by the batch size as well as by k"),
+        ([(LOSS_51, LOSS_51 + " / len(inputs) * k")], "divided by the batch size as well as by k"),
+        ([(LOSS_51, "loss = loss_fn(model(x), y) / len(x)")], "divided by the micro-batch size instead of k"),
+        ([("zip(inputs.tensor_split(k), targets.tensor_split(k))", "[(inputs, targets)]"),
+          (LOSS_51, "loss = loss_fn(model(x), y)")], "one forward over the whole batch"),
+        ([("total += loss.item()", "total = loss.item()")], "returned only the last micro-batch's loss"),
+    ]),
+    "5.2": ("accumulate_ddp", [
+        ([(CTX, "contextlib.nullcontext()")], "no no_sync"),
+        ([(CTX, "ddp_model.no_sync()")], "no_sync on every micro-step, including the last"),
+        ([(LOSS_52, "loss = loss_fn(ddp_model(x), y)")], "loss not divided by k"),
+        ([("total += loss.item()", "total = loss.item()")], "returned only the last micro-batch's loss"),
+        ([(f"        with {CTX}:   # forward AND backward inside\n            {LOSS_52}\n",
+           f"        {LOSS_52}\n        with {CTX}:\n")], "the forward ran outside it"),
+        ([("zip(inputs.tensor_split(k), targets.tensor_split(k))", "[(inputs, targets)]"),
+          ("last = i == k - 1", "last = True"), (LOSS_52, "loss = loss_fn(ddp_model(x), y)")],
+         "one forward over the whole batch"),
+    ]),
+}
+
+
+def _marked(ex, *values, id=None):
+    return pytest.param(ex, *values, marks=getattr(pytest.mark, f"ex_{ex.replace('.', '_')}"), id=id)
+
+
+PARAMS = [_marked(ex, edits, named, id=f"{ex}-{named[:28]}") for ex, (_, ms) in CASES.items() for edits, named in ms]
+
+
+@pytest.mark.parametrize("ex", [_marked(e) for e in CASES])
+def test_solution_passes_and_stub_fails(ex):
+    fn_name, _ = CASES[ex]
+    src = exercise_source(NB, ex)
+    ok, msg = verdict(REGISTRY[ex], exec_cell(src)[fn_name])
+    assert ok, msg
+    stub = exec_cell(strip_solution(src, f"Exercise {ex}: stub"))[fn_name]
+    ok, msg = verdict(REGISTRY[ex], stub)
+    assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg
+
+
+@pytest.mark.parametrize("ex,edits,named", PARAMS)
+def test_planted_mistake_is_named(ex, edits, named):
+    fn_name, _ = CASES[ex]
+    src = exercise_source(NB, ex)
+    for old, new in edits:
+        src = mutate(src, old, new)
+    ok, msg = verdict(REGISTRY[ex], exec_cell(src)[fn_name], seed=7)
+    assert not ok, f"mutant {edits!r} passed the check"
+    assert named in msg, msg
