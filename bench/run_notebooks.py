@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import io
 import json
+import linecache
 import os
 import sys
 import time
@@ -41,10 +42,12 @@ def run(path: Path, show_diff: bool, outdir: Path | None) -> tuple[int, int, int
     try:
         for i, cell in enumerate(cells):
             src = "".join(cell["source"])
-            buf = io.StringIO()
+            buf, name = io.StringIO(), f"<{path.name} cell {i}>"
+            # as IPython does: tracebacks (a rank's too) then show the cell's source lines
+            linecache.cache[name] = (len(src), None, src.splitlines(True), name)
             try:
                 with contextlib.redirect_stdout(buf):
-                    exec(compile(src, f"<{path.name} cell {i}>", "exec"), ns)
+                    exec(compile(src, name, "exec"), ns)
             except BaseException:  # noqa: BLE001 - report and go on, like a notebook run with errors
                 errors += 1
                 buf.write("ERROR\n" + traceback.format_exc())

@@ -13,13 +13,7 @@ As a script, ``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2
 would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving
 ``timeout`` s raises ``TimeoutError``; every way out (Ctrl-C too) kills and joins every child.
 """
-import datetime
-import io
-import linecache
-import multiprocessing as mp
-import os
-import pickle
-import signal
+import datetime, io, linecache, multiprocessing as mp, os, pickle, signal  # noqa: E401
 import sys
 import tempfile
 import time
@@ -66,22 +60,28 @@ def _choose_backend(backend, ranks_here, who="run_ranks"):
     return backend, ""
 
 
-def _start_method(backend):
-    # Fork starts 2 ranks in 0.1 s against 2.3 s for spawn (FACTS.md) and ranks see notebook globals, but
-    # a forked child cannot use CUDA once the parent asked for it (even is_available()), nor run backward
-    # once a CUDA build's autograd started its per-GPU threads (seen on an H200): fork only with no GPU.
+def _start_method(backend, threads=None):
+    # Fork starts 2 ranks in 0.1 s, spawn in 2.3 s (FACTS.md), and ranks see notebook globals. But forked
+    # children can't use CUDA once the parent asked for it, nor run backward once a CUDA build's autograd
+    # started per-GPU threads (H200): no fork with a GPU. GNU OpenMP hangs a forked child's first parallel
+    # op if the parent ran one: forked ranks get 1 thread; more threads means spawn.
     if os.environ.get("MGPU_START_METHOD"):  # tests, debugging
         return os.environ["MGPU_START_METHOD"]
     fork_ok = (sys.platform.startswith("linux") and backend == "gloo" and not torch.cuda.is_initialized()
-               and torch.cuda.device_count() == 0)
+               and torch.cuda.device_count() == 0 and (threads or 1) == 1)
     return "fork" if fork_ok else "spawn"
+
+
+def _threads(method, world_size, threads):
+    return threads or (1 if method == "fork" else max(1, _cores() // world_size))
 
 
 def describe(world_size=2, backend="auto", threads=None):
     """How ``run_ranks(fn, world_size)`` would start, e.g. 'fork, gloo, 1 thread/rank'."""
     backend, _ = _choose_backend(backend, world_size)
-    n = threads or max(1, _cores() // world_size)
-    return f"{_start_method(backend)}, {backend}, {n} thread{'s' * (n > 1)}/rank"
+    method = _start_method(backend, threads)
+    n = _threads(method, world_size, threads)
+    return f"{method}, {backend}, {n} thread{'s' * (n > 1)}/rank"
 
 
 def rank_device():
@@ -98,8 +98,7 @@ def _setup_rank(local_rank, backend, threads):
     _device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)  # before anything touches CUDA, else every rank uses GPU 0
-    if threads:  # default threads oversubscribe the cores: world 2 ran 4x slower (FACTS.md)
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads) if threads else None  # all cores per rank: 4x slower (FACTS.md)
 
 
 class _JobPickler(cloudpickle.Pickler):
@@ -130,8 +129,7 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
         # Die with the caller (a kernel restart SIGKILLs it): else a rank blocked in a collective would
         # outlive it until the process-group timeout. 1 = PR_SET_PDEATHSIG.
         __import__("ctypes").CDLL(None).prctl(1, signal.SIGKILL)
-        if os.getppid() != parent_pid:  # the caller died before prctl took effect
-            os._exit(1)
+        os._exit(1) if os.getppid() != parent_pid else None  # the caller died before prctl took effect
     try:
         _setup_rank(rank, backend, threads)  # first: unpickling CUDA tensors in args touches CUDA
         if isinstance(job, bytes):  # spawned: see _ship
@@ -169,15 +167,15 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
 
     The process group is initialised before ``fn`` and destroyed after it. ``backend='auto'`` picks nccl
-    when there is a GPU per rank, else gloo on CPU. Each rank gets ``threads`` torch threads (default
-    cores // world_size, at least 1). Raises RankError if a rank fails, TimeoutError after ``timeout`` s.
+    when there is a GPU per rank, else gloo on CPU. Each rank gets ``threads`` torch threads (default:
+    1 for forked ranks, else cores // world_size). Raises RankError if a rank fails, TimeoutError after ``timeout`` s.
     """
     backend, note = _choose_backend(backend, world_size)
     if note:
         print(note)
-    method = _start_method(backend)
+    method = _start_method(backend, threads)
     ctx = mp.get_context(method)
-    threads = threads or max(1, _cores() // world_size)
+    threads = _threads(method, world_size, threads)
     job = (fn, args) if method == "fork" else _ship(fn, args)  # forked ranks inherit fn and args
     # The ranks' group times out after the launch does, so our TimeoutError names the hung ranks
     # first; theirs is a backstop (gloo's default, 30 minutes, kept orphans alive).

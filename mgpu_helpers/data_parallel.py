@@ -1,0 +1,298 @@
+"""Notebook 03 -- how ``nn.DataParallel`` works, what it costs on device 0, and why DDP replaced it.
+
+``nn.DataParallel`` is one process with one Python thread per GPU. Each forward it
+1. *scatters* the batch along dim 0 like ``torch.chunk`` (ceil(B/n) rows per chunk: maybe < n chunks),
+2. *replicates* the module onto every device it uses -- a fresh copy of every parameter, every step,
+3. runs the replicas in threads (*parallel_apply*; the GIL serialises their Python),
+4. *gathers* the outputs onto device 0, where the loss is computed.
+Backward flows from that one loss through every replica, and the replicas' gradients are summed
+(``ReduceAddCoalesced``) into the original module's ``.grad`` on device 0.
+
+On a CPU-only machine ``nn.DataParallel`` silently calls the module, and ``replicate``/``scatter``/
+``gather``/``parallel_apply`` refuse CPU tensors, so exercise 3.1 writes the mechanism over CPU replicas,
+and :func:`simulate_data_parallel` runs it with one thread per simulated device, each thread under its
+own :class:`MemoryTracker` (a TorchDispatchMode, hence thread-local), to measure what each device holds.
+
+As a script -- DDP, the replacement, one process per device -- on 2 ranks:
+``torchrun --nproc-per-node 2 -m mgpu_helpers.data_parallel``
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import timeit
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checks import REGISTRY, Check, expect, expect_close, expect_equal
+
+# The notebook's demo problem: a small "language-model head" whose logits (tokens x vocab) outweigh
+# its parameters, as in real LMs -- which is what makes gathering them on device 0 expensive.
+DEMO = {"tokens": 512, "d_model": 64, "hidden": 256, "vocab": 8192}
+
+
+def make_problem(tokens, d_model, hidden, vocab, seed=0, dtype=torch.float32):
+    """(model, inputs, targets): Linear -> Tanh -> Linear over ``tokens`` rows, classes = ``vocab``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(d_model, hidden), nn.Tanh(), nn.Linear(hidden, vocab)).to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, d_model, generator=g, dtype=dtype)
+    return model, x, torch.randint(0, vocab, (tokens,), generator=g)
+
+
+def single_device_grads(model, x, y, per_chunk=None):
+    """Gradients of the mean cross-entropy on one device (the reference), on a fresh copy of ``model``.
+    ``per_chunk=n`` instead averages the n chunks' own mean losses (unweighted): a common mistake."""
+    m = copy.deepcopy(model)
+    m.zero_grad(set_to_none=True)  # a copy would carry over any .grad already there
+    pairs = list(zip(x.chunk(per_chunk), y.chunk(per_chunk))) if per_chunk else [(x, y)]
+    loss = torch.stack([F.cross_entropy(m(a), b) for a, b in pairs]).mean()
+    loss.backward()
+    return loss.detach(), [p.grad for p in m.parameters()]
+
+
+class DataParallelStep(Check):
+    id, function, points = "3.1", "data_parallel_step", 3
+
+    def cases(self, rng):
+        dims = lambda: {"features": rng.randint(3, 8), "hidden": rng.randint(4, 16),  # noqa: E731
+                        "classes": rng.randint(2, 6), "seed": rng.randrange(2**31)}
+        n, c = rng.randint(2, 4), rng.randint(2, 4)
+        last = rng.randint(1, c - 1)
+        fewer = rng.choice([(5, 4), (6, 4), (9, 4), (8, 5), (7, 5)])  # torch.chunk gives fewer than n chunks
+        return [dict(dims(), batch=n * rng.randint(2, 5), n_replicas=n),              # divides evenly
+                dict(dims(), batch=c * 3 + last, n_replicas=4),                       # unequal chunks
+                dict(dims(), batch=fewer[0], n_replicas=fewer[1])]
+
+    def _problem(self, case):
+        return make_problem(case["batch"], case["features"], case["hidden"], case["classes"], case["seed"],
+                            torch.float64)
+
+    def run(self, fn, case):
+        model, x, y = self._problem(case)
+        calls, caller = [], threading.get_ident()
+
+        def spy(module, args):  # copied along with the module by deepcopy: sees every replica's forward
+            calls.append([module is model, threading.get_ident() == caller, int(args[0].shape[0])])
+        model.register_forward_pre_hook(spy)
+        loss = fn(model, x.clone(), y.clone(), case["n_replicas"])
+        return {"loss": float(loss), "calls": calls,
+                "grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]}
+
+    def judge(self, case, r):
+        model, x, y = self._problem(case)
+        n, calls = case["n_replicas"], r["calls"]
+        sizes = [len(c) for c in x.chunk(n)]
+        expect(len(calls) > 0, "no replica ran forward: call each replica as `replica(x)`.")
+        expect(not any(c[0] for c in calls), "the original model ran forward itself: replicate it "
+               "(copy.deepcopy(model) per chunk) and run the copies, as DataParallel does.")
+        expect_equal(sorted(c[2] for c in calls), sorted(sizes), "the list of the replicas' batch sizes", mistakes={
+            "split with tensor_split-style sizes; DataParallel's scatter uses torch.chunk "
+            "(ceil(B/n) rows per chunk, so possibly fewer chunks than n)": sorted(len(c) for c in x.tensor_split(n))})
+        expect(len(sizes) == 1 or not all(c[1] for c in calls), "every replica ran forward in the calling "
+               "thread: parallel_apply runs each replica in its own thread (e.g. ThreadPoolExecutor.map).")
+        loss, grads = single_device_grads(model, x, y)
+        bad_loss, bad_grads = single_device_grads(model, x, y, per_chunk=n)
+        expect_close(r["loss"], loss, "the returned loss", mistakes={
+            "averaged per-replica losses without weighting the unequal chunks": bad_loss},
+            hint="Hint: gather the outputs (torch.cat) and compute one loss over the whole batch.")
+        for i, (g, ref) in enumerate(zip(r["grads"], grads)):
+            expect(g is not None, f"the model's parameter {i} has .grad None: the replica gradients were "
+                   "never copied back (reduced) into the original model.")
+            expect_close(g, ref, f"the gradient of parameter {i}", mistakes={
+                "forgot to copy the replica gradients back into the model (they are zero)": torch.zeros_like(ref),
+                "averaged the replica gradients instead of summing them": ref / len(sizes),
+                "averaged the replica gradients (over n_replicas) instead of summing them": ref / n,
+                "averaged per-replica losses without weighting the unequal chunks": bad_grads[i]},
+                hint="Hint: the loss is a mean over the gathered batch, so each replica's gradient is its "
+                     "share of the total: sum them, as DataParallel's backward does.", rtol=1e-7, atol=1e-9)
+
+
+check_3_1 = REGISTRY["3.1"]
+
+
+# --- what each device holds: simulated devices, one thread and one tracker each -----------------------
+
+class LossInside(nn.Module):
+    """The fix: the replicas compute their share of the loss, so only n numbers are gathered on device 0.
+    Each returns sum-of-losses / total rows (not its chunk's mean), so the shares add up to the mean."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y, total: int):
+        return (F.cross_entropy(self.model(x), y, reduction="sum") / total).reshape(1)
+
+
+class SimDevice:
+    """A thread standing in for GPU ``index``: what its tasks allocate is counted by its own tracker."""
+
+    def __init__(self, index, model):
+        from .tracker import MemoryTracker
+        self.index, self.model = index, model
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"device{index}")
+        self.tracker = MemoryTracker(model, device="cpu")
+        self.run(self.tracker.__enter__)  # the mode is pushed on this device's thread only
+
+    def run(self, fn, *args):
+        return self.pool.submit(fn, *args).result()
+
+    def close(self):
+        self.run(self.tracker.__exit__, None, None, None)
+        self.pool.shutdown()
+
+
+def simulate_data_parallel(model, x, y, n, loss_inside=False):
+    """One DataParallel step over ``n`` simulated devices (device 0 holds ``model`` itself, as replicate
+    does); returns the loss, the gradients left in ``model`` and, per device, its peak bytes, the
+    breakdown at the peak and the peak of each phase. Devices run one after another, so the figures are
+    exact and repeatable; DataParallel would run them at once, which changes no device's own figure."""
+    xs, ys = x.chunk(n), y.chunk(n)
+    replicas = [LossInside(model) if loss_inside else model]
+    replicas += [copy.deepcopy(replicas[0]) for _ in xs[1:]]  # replicate: a full copy per extra device
+    devs = [SimDevice(i, r) for i, r in enumerate(replicas)]
+    for d in devs:
+        d.run(d.tracker.mark, "forward")
+    if loss_inside:  # each device: its chunk (scatter copies it over), forward, its share of the loss
+        outs = [d.run(lambda d=d, i=i: d.model(xs[i].clone(), ys[i].clone(), len(x))) for i, d in enumerate(devs)]
+        devs[0].run(devs[0].tracker.mark, "gather + loss")
+        loss = devs[0].run(lambda: torch.cat([o.detach() for o in outs]).sum())  # n numbers on device 0
+        grads_out = [torch.ones(1)] * n
+    else:
+        outs = [d.run(lambda d=d, i=i: d.model(xs[i].clone())) for i, d in enumerate(devs)]
+        devs[0].run(devs[0].tracker.mark, "gather + loss")
+
+        def gather_and_loss():  # all the logits copied onto device 0, the loss and its gradient there
+            gathered = torch.cat([o.detach() for o in outs]).requires_grad_()
+            loss = F.cross_entropy(gathered, y)
+            loss.backward()
+            return loss.detach(), gathered.grad
+        loss, grad = devs[0].run(gather_and_loss)
+        grads_out = list(grad.split([len(c) for c in xs]))
+        del grad
+    for i, d in enumerate(devs):  # backward on each device, from its slice of the gathered gradient
+        d.run(d.tracker.mark, "backward")
+        d.run(lambda i=i: outs[i].backward(grads_out[i].clone()))
+    del outs, grads_out
+    devs[0].run(devs[0].tracker.mark, "reduce")
+
+    def reduce():  # ReduceAddCoalesced: each replica's gradients copied to device 0 and added
+        for p, *copies in zip(replicas[0].parameters(), *(r.parameters() for r in replicas[1:])):
+            for c in copies:
+                p.grad += c.grad.clone()
+    devs[0].run(reduce)
+    for d in reversed(devs):  # exit in reverse order: each tracker restores what the one before patched
+        d.close()
+    return {"loss": loss, "grads": [p.grad for p in model.parameters()],
+            "devices": [{"peak": d.tracker.peak_bytes, "breakdown": d.tracker.peak_breakdown(),
+                         "phases": d.tracker.phase_peaks()} for d in devs]}
+
+
+def device_table(devices, name="device", cols=("parameters", "gradients", "activations", "other")):
+    """Print each device's peak and the breakdown at its peak, in MiB (exact bytes: deterministic)."""
+    print(f"{name:>8} {'peak MiB':>10}" + "".join(f"{c:>12}" for c in cols))
+    for i, d in enumerate(devices):
+        print(f"{i:>8} {d['peak'] / 2**20:>10.2f}" + "".join(f"{d['breakdown'][c] / 2**20:>12.2f}" for c in cols))
+
+
+def device_bars(devices, title="", ax=None, name="device"):
+    """Stacked bars, one per device (or rank), of the breakdown at each one's peak."""
+    from .plots import stacked_bars
+    ax = stacked_bars({f"{name} {i}": d["breakdown"] for i, d in enumerate(devices)}, title=title, ax=ax)
+    ax.legend(loc="upper right", fontsize=8, frameon=False)  # device 0's tall bar sits on the left
+    return ax
+
+
+# --- real GPUs (>= 2): nn.DataParallel itself, read from the CUDA allocator ---------------------------
+
+def real_data_parallel_memory(n_gpus, loss_inside=False, spec=DEMO, seed=0):
+    """Peak ``torch.cuda.max_memory_allocated(i)`` per GPU above what GPU i held before a DataParallel
+    step (the second; the first warms cuBLAS up), the loss and the gradients (on CPU)."""
+    model, x, y = make_problem(**spec, seed=seed)
+    model = model.cuda(0)
+    net = nn.DataParallel(LossInside(model) if loss_inside else model, device_ids=list(range(n_gpus)))
+    peaks = []
+    for _ in range(2):  # x stays on the CPU: scatter copies each chunk straight to its GPU
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = [torch.cuda.memory_allocated(i) for i in range(n_gpus)]
+        for i in range(n_gpus):
+            torch.cuda.reset_peak_memory_stats(i)
+        loss = net(x, y, len(x)).sum() if loss_inside else F.cross_entropy(net(x), y.cuda(0))
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks = [torch.cuda.max_memory_allocated(i) - before[i] for i in range(n_gpus)]
+    return {"loss": loss.detach().cpu(), "grads": [p.grad.cpu() for p in model.parameters()], "peaks": peaks}
+
+
+# --- why DDP replaced it --------------------------------------------------------------------------------
+
+def _best_of(fn, repeat=5):
+    return min(timeit.repeat(fn, number=1, repeat=repeat))  # the least disturbed of `repeat` timings
+
+
+def time_replicate(hiddens=(128, 256, 512, 1024), layers=4, batch=32, repeat=3):
+    """Per model width: parameters, seconds to replicate (deepcopy) it, seconds for one training step."""
+    rows = []
+    for h in hiddens:
+        model = nn.Sequential(*[nn.Linear(h, h) for _ in range(layers)])
+        x = torch.randn(batch, h)
+        rows.append({"params": sum(p.numel() for p in model.parameters()),
+                     "replicate_s": _best_of(lambda: copy.deepcopy(model), repeat),
+                     "step_s": _best_of(lambda: model(x).square().mean().backward(), repeat)})
+    return rows
+
+
+def gil_demo(n=2):
+    """Seconds for n replicas' forwards one after another vs in n threads, for Python-bound replicas
+    (many tiny ops: the GIL serialises them) and kernel-bound ones (big matmuls release the GIL)."""
+    threads, out = torch.get_num_threads(), {}
+    torch.set_num_threads(1)  # one core per replica, as one GPU per replica: threads could use them all
+    try:
+        with ThreadPoolExecutor(n) as pool, torch.no_grad():
+            for name, layer, x in (("Python-bound (100 tiny layers)", lambda: nn.Sequential(
+                    *[nn.Linear(8, 8) for _ in range(100)]), torch.randn(2, 8)),
+                    ("kernel-bound (one big matmul)", lambda: nn.Linear(1024, 1024), torch.randn(512, 1024))):
+                ms = [layer() for _ in range(n)]
+                out[name] = {"sequential_s": _best_of(lambda: [m(x) for m in ms]),
+                             "threads_s": _best_of(lambda: list(pool.map(lambda m: m(x), ms)))}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def ddp_step(rank, world_size, spec=None, seed=0):
+    """One DDP step on this rank's share of the batch (one process per device: no threads, no replicate,
+    no gather); returns the rank's peak bytes, breakdown and the gradients (on CPU)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .launch import rank_device
+    from .tracker import MemoryTracker
+    dev = rank_device()
+    model, x, y = make_problem(**(spec or DEMO), seed=seed)
+    model = model.to(dev)
+    xr, yr = x.chunk(world_size)[rank].to(dev), y.chunk(world_size)[rank].to(dev)
+    with MemoryTracker(model, device=dev) as mt:
+        ddp = DDP(model)  # made inside: its gradient buckets count too
+        F.cross_entropy(ddp(xr), yr).backward()  # DDP averages grads: equal chunks give the full-batch mean
+    return {"peak": mt.peak_bytes, "breakdown": mt.peak_breakdown(),
+            "grads": [p.grad.detach().cpu() for p in model.parameters()]}
+
+
+def _torchrun_demo(rank, world_size):
+    spec = {"tokens": 8 * world_size, "d_model": 16, "hidden": 32, "vocab": 64}
+    r = ddp_step(rank, world_size, spec)
+    model, x, y = make_problem(**spec)
+    _, ref = single_device_grads(model, x, y)
+    diff = max((g - e).abs().max().item() for g, e in zip(r["grads"], ref))
+    return (f"DDP on {world_size} ranks: gradients equal one device on the whole batch: {diff < 1e-5} "
+            f"(max |diff| {diff:.1e}); rank {rank} peak {r['peak']} bytes")
+
+
+if __name__ == "__main__":
+    from .launch import torchrun_main
+    torchrun_main(_torchrun_demo)

@@ -1,0 +1,50 @@
+"""The check of notebook 03 passes the solution, fails the stub, and names planted mistakes."""
+from pathlib import Path
+
+import pytest
+
+import mgpu_helpers.data_parallel  # noqa: F401  (registers 3.1)
+from mgpu_helpers.authoring import exec_cell, exercise_source, mutate, strip_solution, verdict
+from mgpu_helpers.checks import REGISTRY
+
+NB = Path(__file__).resolve().parent.parent / "solutions" / "03_data_parallel.ipynb"
+FN = "data_parallel_step"
+pytestmark = pytest.mark.ex_3_1
+
+SUM = "total = torch.stack([c.grad for c in copies]).sum(0)"
+REDUCE = "p.grad = total if p.grad is None else p.grad + total"
+LOSS = "loss = F.cross_entropy(torch.cat(outputs), targets)"
+MUTANTS = [  # (old, new, what the failure message must say)
+    (SUM, SUM.replace(".sum(0)", ".mean(0)"), "averaged the replica gradients instead of summing them"),
+    (SUM, SUM + " / n_replicas", "averaged the replica gradients"),
+    (LOSS, "loss = torch.stack([F.cross_entropy(o, t) for o, t in zip(outputs, targets.chunk(n_replicas))]).mean()",
+     "averaged per-replica losses without weighting the unequal chunks"),
+    (REDUCE, "pass", "never copied back"),
+    (REDUCE, "p.grad = torch.zeros_like(p)", "forgot to copy the replica gradients back"),
+    ("chunks = inputs.chunk(n_replicas)", "chunks = inputs.tensor_split(n_replicas)", "torch.chunk"),
+    ("outputs = list(pool.map(lambda replica, x: replica(x), replicas, chunks))",
+     "outputs = [replica(x) for replica, x in zip(replicas, chunks)]", "in the calling thread"),
+    ("replicas = [copy.deepcopy(model) for _ in chunks]", "replicas = [model for _ in chunks]",
+     "the original model ran forward itself"),
+]
+
+
+@pytest.mark.parametrize("seed", [None, 0, 1, 2])
+def test_solution_passes(seed):
+    ok, msg = verdict(REGISTRY["3.1"], exec_cell(exercise_source(NB, "3.1"))[FN], seed=seed)
+    assert ok and msg == "Exercise 3.1 ✓ data_parallel_step: 3/3 cases", msg
+
+
+def test_stub_fails():
+    stub = exec_cell(strip_solution(exercise_source(NB, "3.1"), "Exercise 3.1: stub"))[FN]
+    ok, msg = verdict(REGISTRY["3.1"], stub)
+    assert not ok and "not implemented yet" in msg and "Exercise 3.1" in msg, msg
+
+
+@pytest.mark.parametrize("old,new,named", MUTANTS, ids=[m[2][:32] for m in MUTANTS])
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_planted_mistake_is_named(old, new, named, seed):
+    fn = exec_cell(mutate(exercise_source(NB, "3.1"), old, new))[FN]
+    ok, msg = verdict(REGISTRY["3.1"], fn, seed=seed)
+    assert not ok, f"mutant {new!r} passed the check"
+    assert named in msg, msg
