@@ -22,8 +22,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-from .checks import Check, REGISTRY, expect, expect_close, expect_equal
-from .launch import RankError, rank_device, run_ranks, torchrun_main
+from .checks import Check, REGISTRY, expect, expect_close, expect_equal, run_learner_ranks
+from .launch import rank_device, run_ranks, torchrun_main
 from .memory import mlp
 from .tracker import MemoryTracker
 
@@ -271,13 +271,7 @@ class AccumulateDDP(Check):
         return f"{self.world} ranks, batch {case['k'] * case['micro']} per rank, k={case['k']}, widths={case['widths']}"
 
     def run(self, fn, case):
-        try:
-            return {"ranks": run_ranks(_ddp_case, self.world, fn, case, timeout=60)}
-        except RankError as e:  # the stub raised in the ranks: report it as the stub, not as a crash
-            first = str(e).splitlines()[0]
-            if "raised NotImplementedError: " in first:
-                raise NotImplementedError(first.split("NotImplementedError: ", 1)[1]) from None
-            raise
+        return {"ranks": run_learner_ranks(_ddp_case, self.world, fn, case, timeout=60)}
 
     def judge(self, case, result):
         for rank, res in enumerate(result["ranks"]):

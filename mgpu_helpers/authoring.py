@@ -149,3 +149,27 @@ def verdict(check: Callable, fn: Callable, seed: int | None = None) -> tuple[boo
     except AssertionError as e:
         return False, str(e)
     return True, buf.getvalue().strip()
+
+
+def _check(exercise: str):
+    from .checks import REGISTRY
+    return REGISTRY[exercise]
+
+
+def solution_verdict(nb_path, exercise: str, function: str, seed: int | None = None) -> tuple[bool, str]:
+    """The check's verdict on the solution notebook's exercise cell, as written."""
+    return verdict(_check(exercise), exec_cell(exercise_source(nb_path, exercise))[function], seed)
+
+
+def stub_verdict(nb_path, exercise: str, function: str) -> tuple[bool, str]:
+    """The check's verdict on the released stub of that cell."""
+    stub = strip_solution(exercise_source(nb_path, exercise), f"Exercise {exercise}: stub")
+    return verdict(_check(exercise), exec_cell(stub)[function])
+
+
+def mutant_verdict(nb_path, exercise: str, function: str, edits, seed: int | None = 7) -> tuple[bool, str]:
+    """The check's verdict on the solution with textual ``edits`` [(old, new), ...] planted in it."""
+    src = exercise_source(nb_path, exercise)
+    for old, new in edits:
+        src = mutate(src, old, new)
+    return verdict(_check(exercise), exec_cell(src)[function], seed)

@@ -3,8 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import exec_cell, exercise_source, mutate, strip_solution, verdict
-from mgpu_helpers.checks import REGISTRY
+from mgpu_helpers.authoring import mutant_verdict, solution_verdict, stub_verdict
 import mgpu_helpers.profiling  # noqa: F401  (registers 2.1 and 2.2)
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "02_measuring_memory.ipynb"
@@ -35,20 +34,16 @@ PARAMS = [pytest.param(ex, m, seed, marks=_marked(ex), id=f"{ex}-{m[2][:24]}-{se
 @pytest.mark.parametrize("ex", [pytest.param(e, marks=_marked(e)) for e in CASES])
 def test_solution_passes_and_stub_fails(ex):
     fn_name, _ = CASES[ex]
-    src = exercise_source(NB, ex)
     for seed in (None, 7):
-        ok, msg = verdict(REGISTRY[ex], exec_cell(src)[fn_name], seed=seed)
+        ok, msg = solution_verdict(NB, ex, fn_name, seed=seed)
         assert ok, msg
-    stub = exec_cell(strip_solution(src, f"Exercise {ex}: stub"))[fn_name]
-    ok, msg = verdict(REGISTRY[ex], stub)
+    ok, msg = stub_verdict(NB, ex, fn_name)
     assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg
 
 
 @pytest.mark.parametrize("ex,mutant,seed", PARAMS)
 def test_planted_mistake_is_named(ex, mutant, seed):
-    fn_name, _ = CASES[ex]
     old, new, named = mutant
-    fn = exec_cell(mutate(exercise_source(NB, ex), old, new))[fn_name]
-    ok, msg = verdict(REGISTRY[ex], fn, seed=seed)
+    ok, msg = mutant_verdict(NB, ex, CASES[ex][0], [(old, new)], seed=seed)
     assert not ok, f"mutant {new!r} passed the check"
     assert named in msg, msg

@@ -4,8 +4,7 @@ from pathlib import Path
 import pytest
 
 import mgpu_helpers.data_parallel  # noqa: F401  (registers 3.1)
-from mgpu_helpers.authoring import exec_cell, exercise_source, mutate, strip_solution, verdict
-from mgpu_helpers.checks import REGISTRY
+from mgpu_helpers.authoring import mutant_verdict, solution_verdict, stub_verdict
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "03_data_parallel.ipynb"
 FN = "data_parallel_step"
@@ -31,20 +30,18 @@ MUTANTS = [  # (old, new, what the failure message must say)
 
 @pytest.mark.parametrize("seed", [None, 0, 1, 2])
 def test_solution_passes(seed):
-    ok, msg = verdict(REGISTRY["3.1"], exec_cell(exercise_source(NB, "3.1"))[FN], seed=seed)
+    ok, msg = solution_verdict(NB, "3.1", FN, seed=seed)
     assert ok and msg == "Exercise 3.1 ✓ data_parallel_step: 3/3 cases", msg
 
 
 def test_stub_fails():
-    stub = exec_cell(strip_solution(exercise_source(NB, "3.1"), "Exercise 3.1: stub"))[FN]
-    ok, msg = verdict(REGISTRY["3.1"], stub)
+    ok, msg = stub_verdict(NB, "3.1", FN)
     assert not ok and "not implemented yet" in msg and "Exercise 3.1" in msg, msg
 
 
 @pytest.mark.parametrize("old,new,named", MUTANTS, ids=[m[2][:32] for m in MUTANTS])
 @pytest.mark.parametrize("seed", [3, 4, 5])
 def test_planted_mistake_is_named(old, new, named, seed):
-    fn = exec_cell(mutate(exercise_source(NB, "3.1"), old, new))[FN]
-    ok, msg = verdict(REGISTRY["3.1"], fn, seed=seed)
+    ok, msg = mutant_verdict(NB, "3.1", FN, [(old, new)], seed=seed)
     assert not ok, f"mutant {new!r} passed the check"
     assert named in msg, msg

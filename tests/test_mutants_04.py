@@ -3,8 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import exec_cell, exercise_source, mutate, strip_solution, verdict
-from mgpu_helpers.checks import REGISTRY
+from mgpu_helpers.authoring import mutant_verdict, solution_verdict, stub_verdict
 import mgpu_helpers.ddp  # noqa: F401  (registers 4.1 and 4.2)
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "04_ddp.ipynb"
@@ -38,21 +37,15 @@ PARAMS = [pytest.param(ex, edits, named, marks=_marks(ex), id=f"{ex}-{named[:30]
 @pytest.mark.parametrize("ex", [pytest.param(e, marks=_marks(e)) for e in CASES])
 def test_solution_passes_and_stub_fails(ex):
     fn_name, _ = CASES[ex]
-    src = exercise_source(NB, ex)
-    ok, msg = verdict(REGISTRY[ex], exec_cell(src)[fn_name])
+    ok, msg = solution_verdict(NB, ex, fn_name)
     assert ok, msg
     assert msg == f"Exercise {ex} ✓ {fn_name}: 3/3 cases"
-    stub = exec_cell(strip_solution(src, f"Exercise {ex}: stub"))[fn_name]
-    ok, msg = verdict(REGISTRY[ex], stub)
+    ok, msg = stub_verdict(NB, ex, fn_name)
     assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg
 
 
 @pytest.mark.parametrize("ex,edits,named", PARAMS)
 def test_planted_mistake_is_named(ex, edits, named):
-    fn_name, _ = CASES[ex]
-    src = exercise_source(NB, ex)
-    for old, new in edits:
-        src = mutate(src, old, new)
-    ok, msg = verdict(REGISTRY[ex], exec_cell(src)[fn_name], seed=7)
+    ok, msg = mutant_verdict(NB, ex, CASES[ex][0], edits, seed=7)
     assert not ok, f"mutant {edits!r} passed the check"
     assert named in msg, msg

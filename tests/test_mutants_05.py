@@ -3,8 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import exec_cell, exercise_source, mutate, strip_solution, verdict
-from mgpu_helpers.checks import REGISTRY
+from mgpu_helpers.authoring import mutant_verdict, solution_verdict, stub_verdict
 import mgpu_helpers.accumulation  # noqa: F401  (registers 5.1 and 5.2)
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "05_gradient_accumulation.ipynb"
@@ -49,20 +48,14 @@ PARAMS = [_marked(ex, edits, named, id=f"{ex}-{named[:28]}") for ex, (_, ms) in 
 @pytest.mark.parametrize("ex", [_marked(e) for e in CASES])
 def test_solution_passes_and_stub_fails(ex):
     fn_name, _ = CASES[ex]
-    src = exercise_source(NB, ex)
-    ok, msg = verdict(REGISTRY[ex], exec_cell(src)[fn_name])
+    ok, msg = solution_verdict(NB, ex, fn_name)
     assert ok, msg
-    stub = exec_cell(strip_solution(src, f"Exercise {ex}: stub"))[fn_name]
-    ok, msg = verdict(REGISTRY[ex], stub)
+    ok, msg = stub_verdict(NB, ex, fn_name)
     assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg
 
 
 @pytest.mark.parametrize("ex,edits,named", PARAMS)
 def test_planted_mistake_is_named(ex, edits, named):
-    fn_name, _ = CASES[ex]
-    src = exercise_source(NB, ex)
-    for old, new in edits:
-        src = mutate(src, old, new)
-    ok, msg = verdict(REGISTRY[ex], exec_cell(src)[fn_name], seed=7)
+    ok, msg = mutant_verdict(NB, ex, CASES[ex][0], edits, seed=7)
     assert not ok, f"mutant {edits!r} passed the check"
     assert named in msg, msg
