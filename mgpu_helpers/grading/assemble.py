@@ -1,0 +1,176 @@
+"""Build the notebook the grader executes, never trusting the submitted file (DESIGN.md §5).
+
+Only the learner's *exercise cells* are taken, found by the exercise id in ``metadata.mgpu.exercise``;
+their tags, outputs and metadata are dropped and any ``# NBVAL_*`` comment line is removed. Their source
+is spliced into a pristine copy of the instructor's solution notebook, so check cells, expected outputs
+and every other cell come from the instructor. Around each check cell the grader adds two cells of its
+own (harvest.py): *prime* before it (the check runs on the grader's seed and records what the learner's
+function returns) and *harvest* after it (saves those results, plus the hidden cases' results, for the
+judge). An exercise that is missing or duplicated in the submission, or that took the kernel
+down in an earlier run ("stubbed"), gets the release's stub (``raise NotImplementedError``) instead.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from ..authoring import mgpu, release_notebook, validate
+
+MAX_SUBMISSION_BYTES = 32 * 2**20  # a notebook with a few plots is < 5 MB; anything bigger is refused
+HARVEST_OUT = "mgpu_grade_out_{}.pt"  # written by the harvest cell in the work dir, one per exercise
+
+
+@dataclass
+class ExerciseSpec:
+    id: str
+    function: str
+    points: int          # the check cell's points
+    stub: str            # the release's source of the exercise cell
+
+
+@dataclass
+class CourseNotebook:
+    name: str            # "01_where_memory_goes.ipynb"
+    nb: nbformat.NotebookNode
+    module: str          # metadata mgpu.module: the helper module whose import registers the checks
+    exercises: list[ExerciseSpec]
+
+
+def load_course(solutions: Path) -> list[CourseNotebook]:
+    """The solution notebooks, validated against the schema (a broken course is the instructor's error)."""
+    course, problems = [], []
+    for p in sorted(Path(solutions).glob("[0-9][0-9]_*.ipynb")):
+        nb = nbformat.read(str(p), as_version=4)
+        problems += validate(nb, p.name)
+        checks = {mgpu(c)["check"]: c for c in nb.cells if "check" in mgpu(c)}
+        stubs = {mgpu(c)["exercise"]: c.source for c in release_notebook(nb).cells if "exercise" in mgpu(c)}
+        exercises = [ExerciseSpec(m["exercise"], m["function"], int(mgpu(checks[m["exercise"]]).get("points", 1)),
+                                  stubs[m["exercise"]])
+                     for c in nb.cells if "exercise" in (m := mgpu(c)) and m["exercise"] in checks]
+        course.append(CourseNotebook(p.name, nb, nb.metadata.get("mgpu", {}).get("module", ""), exercises))
+    if problems:
+        raise ValueError("the solution notebooks do not follow the schema:\n  " + "\n  ".join(problems))
+    return course
+
+
+def clean_source(source: str) -> str:
+    """The learner's code without nbval markers (``# NBVAL_SKIP`` & co. would change how nbval runs it)."""
+    keep = [line for line in source.splitlines()
+            if not (line.lstrip().startswith("#") and ("NBVAL_" in line.upper() or "PYTEST_VALIDATE" in line.upper()))]
+    return "\n".join(keep)
+
+
+@dataclass
+class Submission:
+    status: str = "ok"   # ok | missing-notebook | invalid-notebook
+    message: str = ""
+    sources: dict[str, str] = field(default_factory=dict)              # exercise id -> cleaned source
+    problems: dict[str, tuple[str, str]] = field(default_factory=dict)  # exercise id -> (status, message)
+
+
+def read_submission(path: Path, course: CourseNotebook) -> Submission:
+    """Parse and validate one submitted notebook and take its exercise cells by id."""
+    if not path.is_file():
+        return Submission("missing-notebook", f"{course.name} was not submitted")
+    if path.stat().st_size > MAX_SUBMISSION_BYTES:
+        return Submission("invalid-notebook", f"{course.name} is larger than {MAX_SUBMISSION_BYTES >> 20} MiB")
+    try:
+        text = path.read_bytes().decode("utf-8")
+        json.loads(text)
+    except UnicodeDecodeError:
+        return Submission("invalid-notebook", f"{course.name} is not UTF-8 text")
+    except ValueError as e:
+        return Submission("invalid-notebook", f"{course.name} is not valid JSON ({e.msg} at line {e.lineno}, "
+                                              f"column {e.colno}); was it edited by hand or truncated?")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # duplicate cell ids are repaired by nbformat; the grader ignores them
+            nb = nbformat.reads(text, as_version=4)
+            nbformat.validate(nb)
+    except Exception as e:  # noqa: BLE001 - any failure to parse is the file's
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return Submission("invalid-notebook", f"{course.name} is not a valid Jupyter notebook ({first})")
+    found: dict[str, list[str]] = {}
+    for c in nb.cells:
+        meta = c.get("metadata", {}).get("mgpu", {})
+        ex = meta.get("exercise") if isinstance(meta, dict) else None
+        if c.get("cell_type") == "code" and isinstance(ex, str):
+            found.setdefault(ex, []).append(c.source if isinstance(c.source, str) else "".join(c.source))
+    sub = Submission()
+    for spec in course.exercises:
+        cells = found.get(spec.id, [])
+        if not cells:
+            sub.problems[spec.id] = ("missing-exercise", f"no exercise cell with id {spec.id} in {course.name} "
+                                     "(was the cell deleted or its metadata changed?)")
+        elif len(cells) > 1:
+            sub.problems[spec.id] = ("duplicate-exercise", f"{len(cells)} cells claim exercise {spec.id} in "
+                                     f"{course.name}; keep exactly one")
+        else:
+            sub.sources[spec.id] = clean_source(cells[0])
+    return sub
+
+
+@dataclass
+class Layout:
+    """nbval's code-cell numbers ("Cell N") of each exercise's cells in the assembled notebook."""
+    exercise: dict[str, int]
+    check: dict[str, int]
+    harvest: dict[str, int]
+    n_code: int
+
+    def span_end(self, ex: str) -> int:
+        return max(self.check[ex], self.harvest[ex])
+
+
+def harvest_source(ex: str, work: str, step: str = "harvest") -> str:
+    # __import__ keeps the learner's namespace free of grader names.
+    args = f"{ex!r}, globals(), {work!r}" if step == "harvest" else f"{ex!r}, {work!r}"
+    return ("# Added by mgpu-grade: runs your function on the grader's inputs; the verdict is decided outside.\n"
+            f"__import__('mgpu_helpers.grading.harvest', fromlist=['{step}']).{step}({args})")
+
+
+def _grader_cell(ex: str, work: str, step: str):
+    return nbformat.v4.new_code_cell(harvest_source(ex, work, step), id=f"mgpu-grade-{step}-{ex.replace('.', '-')}",
+                                     metadata={"mgpu_grade": {step: ex}})
+
+
+def assemble(course: CourseNotebook, sources: dict[str, str], stubbed: set[str], work: str):
+    """(notebook, layout): the solution notebook with the learner's exercise sources and harvest cells."""
+    nb = copy.deepcopy(course.nb)
+    ids = {e.id: e for e in course.exercises}
+    last: dict[str, int] = {}  # the harvest goes after the later of an exercise's exercise and check cells
+    for i, c in enumerate(nb.cells):
+        m = mgpu(c)
+        for key in ("exercise", "check"):
+            if c.cell_type == "code" and m.get(key) in ids:
+                last[m[key]] = i
+    cells = []
+    for i, c in enumerate(nb.cells):
+        m = mgpu(c)
+        if c.cell_type == "code" and m.get("exercise") in ids:
+            ex = m["exercise"]
+            c.source = sources[ex] if ex in sources and ex not in stubbed else ids[ex].stub
+        if c.cell_type == "code" and m.get("check") in ids:
+            cells.append(_grader_cell(m["check"], work, "prime"))
+        cells.append(c)
+        for ex in [e for e, j in last.items() if j == i]:
+            cells.append(_grader_cell(ex, work, "harvest"))
+    nb.cells = cells
+    layout = Layout({}, {}, {}, 0)
+    for c in nb.cells:
+        if c.cell_type != "code":
+            continue
+        m = mgpu(c)
+        if m.get("exercise") in ids:
+            layout.exercise[m["exercise"]] = layout.n_code
+        if m.get("check") in ids:
+            layout.check[m["check"]] = layout.n_code
+        if "harvest" in c.metadata.get("mgpu_grade", {}):
+            layout.harvest[c.metadata["mgpu_grade"]["harvest"]] = layout.n_code
+        layout.n_code += 1
+    return nb, layout

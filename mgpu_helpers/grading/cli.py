@@ -1,0 +1,161 @@
+"""`mgpu-grade`: grade submitted notebooks without trusting them (DESIGN.md §5).
+
+    mgpu-grade SUBMISSIONS --out OUT [--jobs N] [--timeout S] [--hidden DIR] [--solutions DIR]
+
+SUBMISSIONS holds ``<student>/<NN_name>.ipynb``; the notebook names are those of the solution notebooks.
+Writes OUT/grades.csv, OUT/<student>/feedback.md, OUT/<student>/results.json (Gradescope) and
+OUT/summary.png. Submissions are only read. Seeds come from a key (``--key``, $MGPU_GRADE_KEY, or
+OUT/.mgpu-grade-key, created on the first run): keep it to reproduce a grading run exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import secrets
+import shutil
+import sys
+import tempfile
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from importlib.util import find_spec
+from pathlib import Path
+
+from .assemble import load_course, read_submission
+from .execute import RUNNING, STOP, Limits, course_files, hidden_paths, needed_paths, kill, reset_sandbox, sandbox
+from .score import Context, Row, grade_notebook
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def resolve_module(name: str) -> str:
+    """A notebook's helper module: ``memory`` -> ``mgpu_helpers.memory``, else the name as given."""
+    if not name or "." in name:
+        return name
+    try:
+        return f"mgpu_helpers.{name}" if find_spec(f"mgpu_helpers.{name}") else name
+    except (ImportError, ValueError):
+        return name
+
+
+def grader_key(arg: str | None, out: Path) -> bytes:
+    if arg or os.environ.get("MGPU_GRADE_KEY"):
+        return (arg or os.environ["MGPU_GRADE_KEY"]).encode()
+    path = out / ".mgpu-grade-key"
+    if not path.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(32) + "\n")
+        path.chmod(0o600)
+    return path.read_text().strip().encode()
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="mgpu-grade", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("submissions", type=Path, help="directory of <student>/<NN_name>.ipynb")
+    ap.add_argument("--out", type=Path, required=True, help="where grades, feedback and the plot go")
+    ap.add_argument("--solutions", type=Path, default=ROOT / "solutions", help="the instructor's notebooks")
+    ap.add_argument("--hidden", type=Path, default=None, help="directory of hidden checks (*.py)")
+    ap.add_argument("--jobs", type=int, default=1, help="notebooks run in parallel")
+    ap.add_argument("--timeout", type=float, default=120, help="seconds per cell (default 120)")
+    ap.add_argument("--notebook-timeout", type=float, default=900, help="seconds per notebook (default 900)")
+    ap.add_argument("--memory", type=float, default=8, help="GiB of address space for nbval and the kernel")
+    ap.add_argument("--output-cap", type=int, default=2**20, help="bytes of output per cell (x8 per notebook)")
+    ap.add_argument("--key", default=None, help="grading key for the seeds (default: $MGPU_GRADE_KEY or OUT/.mgpu-grade-key)")
+    ap.add_argument("--import-path", type=Path, action="append", default=[],
+                    help="extra directory on the kernel's and the judge's import path (course modules)")
+    ap.add_argument("--keep-scratch", action="store_true", help="keep the assembled notebooks and run logs")
+    ap.add_argument("--no-sandbox", action="store_true",
+                    help="UNSAFE: run nbval without namespaces (learner code can read everything); for debugging")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if not a.submissions.is_dir():
+        print(f"mgpu-grade: {a.submissions} is not a directory", file=sys.stderr)
+        return 2
+    course = [nb for nb in load_course(a.solutions) if nb.exercises]  # nothing to grade in the others
+    if not course:
+        print(f"mgpu-grade: no solution notebooks (NN_name.ipynb) with exercises in {a.solutions}", file=sys.stderr)
+        return 2
+    from .hidden import load_hidden
+    from .judge import Judge
+    from .report import write_all
+
+    out = a.out.resolve()
+    key = grader_key(a.key, out)
+    hidden = load_hidden(a.hidden)
+    known = {e.id for nb in course for e in nb.exercises}
+    for ex in sorted(set(hidden) - known):
+        print(f"mgpu-grade: warning: hidden checks for exercise {ex}, which no notebook has", file=sys.stderr)
+    reset_sandbox()
+    prefix, _, why = sandbox(disable=a.no_sandbox)
+    if prefix is None:
+        print("mgpu-grade: WARNING: no mount/pid namespace here (" + why + "): learner code runs with the grader's "
+              "view of the file system and CAN READ the solutions, the hidden checks and other submissions. "
+              "Grade on Linux with unshare(1) (as root, or with unprivileged user namespaces).", file=sys.stderr)
+    imports = [str(p.resolve()) for p in a.import_path]
+    scratch = Path(tempfile.mkdtemp(prefix="mgpu-grade-"))
+    hide = hidden_paths([a.solutions.resolve(), a.hidden and a.hidden.resolve(), a.submissions.resolve(), out, scratch])
+    import matplotlib
+    ctx = Context(key, Limits(a.timeout, a.notebook_timeout, int(a.memory * 2**30), a.output_cap, 8 * a.output_cap),
+                  {ex: hs for ex, hs in hidden.items() if ex in known}, {nb.name: resolve_module(nb.module) for nb in course},
+                  hide, needed_paths(imports, hide), imports, matplotlib.get_cachedir(), course_files(a.solutions))
+    students = sorted(d.name for d in a.submissions.iterdir() if d.is_dir() and not d.name.startswith("."))
+    for s in students:
+        extra = sorted({p.name for p in (a.submissions / s).glob("*.ipynb")} - {nb.name for nb in course})
+        if extra:
+            print(f"mgpu-grade: {s}: ignored {', '.join(extra)} (not a notebook of this course)")
+    judges: queue.Queue = queue.Queue()
+    jobs = max(1, a.jobs)
+    modules = sorted({m for m in ctx.modules.values() if m})
+    for i in range(jobs):  # started now: they import the checks before any learner code runs
+        judges.put(Judge(imports, modules, a.hidden and str(a.hidden.resolve()), scratch / f"judge{i}.log").start())
+    tasks = [(i, s, nb) for i, (s, nb) in enumerate((s, nb) for s in students for nb in course)]
+
+    def grade(task):
+        i, s, nb = task
+        judge = judges.get()
+        try:
+            return grade_notebook(ctx, judge, s, nb, read_submission(a.submissions / s / nb.name, nb), scratch / f"{i:05d}")
+        except Exception:  # noqa: BLE001 - a grader bug costs this notebook, not the class
+            msg = "grader error: " + traceback.format_exc().strip().splitlines()[-1]
+            traceback.print_exc()
+            return [Row(s, nb.name, e.id, 0, e.points, "error", msg) for e in nb.exercises]
+        finally:
+            judges.put(judge)
+            if not a.keep_scratch:
+                shutil.rmtree(scratch / f"{i:05d}", ignore_errors=True)
+
+    rows: list[Row] = []
+    pool = ThreadPoolExecutor(jobs)
+    try:
+        for k, got in enumerate(pool.map(grade, tasks), 1):
+            rows += got
+            print(f"[{k}/{len(tasks)}] {got[0].student} {got[0].notebook}: "
+                  f"{sum(r.points for r in got)}/{sum(r.max_points for r in got)}", flush=True)
+    except KeyboardInterrupt:
+        STOP.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(RUNNING):  # the sandboxes run in their own sessions: Ctrl-C does not reach them
+            kill(proc)
+        print("mgpu-grade: interrupted; nothing written", file=sys.stderr)
+        return 130
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        while not judges.empty():
+            judges.get().close()
+        if not a.keep_scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    write_all(rows, out)
+    if a.keep_scratch:
+        print(f"mgpu-grade: scratch kept in {scratch}")
+    errors = [r for r in rows if r.status == "error"]
+    print(f"mgpu-grade: {len(students)} students, {len(course)} notebooks, {len(rows)} checks graded -> {out}"
+          + (f"; {len(errors)} grader errors (see grades.csv)" if errors else ""))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

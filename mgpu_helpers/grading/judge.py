@@ -1,0 +1,136 @@
+"""Decide every check outside the learner's kernel (DESIGN.md §5, last paragraph).
+
+A judge is a separate, long-lived process (``python -m mgpu_helpers.grading.judge CONFIG``) that never
+runs learner code. Before any notebook is executed it imports the course's check modules and the hidden
+checks, so a file changed on disk later cannot alter it. For each exercise it loads the harvested results
+with ``torch.load(weights_only=True)`` -- plain data and tensors only, never an object the learner made --
+and calls ``Check.judge_all(seed, results)``, which regenerates the cases from the seed and computes the
+reference itself. Tasks and verdicts travel as JSON lines over stdin/stdout.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT_CAP = 64 * 2**20
+
+
+def _load(path):
+    if not path:
+        return None, "no results came back from the kernel"
+    p = Path(path)
+    if p.is_symlink() or not p.is_file() or p.stat().st_size > RESULT_CAP:
+        return None, "the results file is missing, not a plain file, or too large"
+    import torch
+    try:
+        data = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - anything the learner's kernel wrote
+        return None, f"its results could not be loaded safely ({type(e).__name__}); return plain data or tensors"
+    if not isinstance(data, dict):
+        return None, "its results are malformed"
+    for key in ("missing", "unsaveable"):
+        if key in data:
+            return None, f"{str(data[key])[:300]}" if key == "missing" else \
+                f"its results could not be saved ({str(data[key])[:200]}); return plain data or tensors"
+    return data, ""
+
+
+def _verdict(check, seed, results, head):
+    if isinstance(results, dict) and "aborted" in results:
+        return False, f"{head} the run was aborted: {str(results['aborted'])[:300]}"
+    try:
+        ok, msg = check.judge_all(seed, results)
+    except Exception as e:  # noqa: BLE001 - a judge must answer, whatever the results look like
+        return False, f"{head} unusable results ({type(e).__name__}: {str(e)[:200]})"
+    return bool(ok), str(msg)
+
+
+def judge_exercise(task: dict, hidden: dict) -> dict:
+    from ..checks import REGISTRY
+    from .hidden import HiddenProxy
+
+    ex = task["exercise"]
+    check = REGISTRY.get(ex)
+    if check is None:
+        msg = f"grader error: no check is registered for exercise {ex} (module {task['module']!r})"
+        return {"public": [False, msg], "hidden": {n: [False, msg] for n in task["hidden_seeds"]}, "error": True}
+    head = f"Exercise {ex} ✗ {check.function}:"
+    data, why = _load(task["results"])
+    if data is None:
+        miss = [False, f"{head} {why}"]
+        return {"public": miss, "hidden": {n: miss for n in task["hidden_seeds"]}, "error": False}
+    by_name = {h.name: h for h in hidden.get(ex, [])}
+    out = {"public": list(_verdict(check, task["seed"], data.get("public"), head)), "hidden": {}, "error": False}
+    got_hidden = data.get("hidden") if isinstance(data.get("hidden"), dict) else {}
+    for name, seed in sorted(task["hidden_seeds"].items()):
+        out["hidden"][name] = list(_verdict(HiddenProxy(check, by_name[name]), seed, got_hidden.get(name), head))
+    return out
+
+
+def serve(config: dict) -> None:
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything a check module prints goes to stderr, not into the protocol
+    sys.path[:0] = config["import_paths"]
+    for m in config["modules"]:
+        importlib.import_module(m)
+    from .hidden import load_hidden
+    hidden = load_hidden(config["hidden"])
+    protocol.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        tasks = json.loads(line)
+        protocol.write(json.dumps([judge_exercise(t, hidden) for t in tasks]) + "\n")
+
+
+class Judge:
+    """Client of one judge process; restarts it after a crash or a timeout."""
+
+    def __init__(self, import_paths: list[str], modules: list[str], hidden: str | None, log: Path):
+        self.config = {"import_paths": import_paths, "modules": modules, "hidden": hidden}
+        self.log, self.proc = log, None
+
+    def start(self):
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.grading.judge", json.dumps(self.config)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                         stderr=open(self.log, "a"))
+            self.ready = False
+        return self
+
+    def _readline(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if r:
+                return self.proc.stdout.readline()
+        return ""
+
+    def __call__(self, tasks: list[dict], timeout: float = 600) -> list[dict]:
+        self.start()
+        try:
+            if not self.ready:
+                self.ready = bool(json.loads(self._readline(300) or "{}").get("ready"))
+            self.proc.stdin.write(json.dumps(tasks) + "\n")
+            self.proc.stdin.flush()
+            line = self._readline(timeout)
+            return json.loads(line)
+        except (OSError, ValueError) as e:
+            self.close()
+            why = f"grader error: the judge failed ({type(e).__name__}); see {self.log}"
+            return [{"public": [False, why], "hidden": {n: [False, why] for n in t["hidden_seeds"]}, "error": True}
+                    for t in tasks]
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+if __name__ == "__main__":
+    serve(json.loads(sys.argv[1]))

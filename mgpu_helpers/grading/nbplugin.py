@@ -1,0 +1,196 @@
+"""pytest plugin for the sandboxed nbval process (``-p mgpu_helpers.grading.nbplugin``), never the kernel.
+
+It writes one JSON line per notebook cell to ``--mgpu-report-fd``: pytest's outcome (passed, failed,
+error, skipped, xfailed, xpassed), the kernel's own ``execute_reply`` status, the error name and value,
+the bytes of output, and whether the cell timed out, the kernel died, or the output cap was hit.
+
+It also hardens nbval for untrusted code:
+* a dead kernel is noticed within half a second instead of after the whole cell timeout;
+* output beyond ``--mgpu-output-cap`` bytes per cell (or ``--mgpu-output-cap-total`` per notebook) kills
+  the kernel, so a flood cannot exhaust nbval's memory;
+* the run stops at the first cell that timed out, killed the kernel or hit the cap;
+* the notebook file is deleted once collected (the kernel cannot read the stored outputs) and the
+  process is made non-dumpable (the kernel cannot open its fds or memory).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import time
+from queue import Empty
+
+import pytest
+
+_state: dict = {"cell": None, "total": 0, "cap": 1 << 20, "cap_total": 8 << 20, "out": None}
+POLL = 0.1  # seconds between liveness (and output) checks of the kernel while waiting for a message
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("mgpu-grade")
+    g.addoption("--mgpu-report-fd", type=int, default=None, help="write per-cell JSON records to this fd")
+    g.addoption("--mgpu-output-cap", type=int, default=1 << 20, help="bytes of output per cell")
+    g.addoption("--mgpu-output-cap-total", type=int, default=8 << 20, help="bytes of output per notebook")
+
+
+def pytest_configure(config):
+    fd = config.getoption("--mgpu-report-fd")
+    if fd is None:
+        return
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    _state.update(out=os.fdopen(fd, "w", buffering=1), cap=config.getoption("--mgpu-output-cap"),
+                  cap_total=config.getoption("--mgpu-output-cap-total"))
+    _patch_nbval()
+
+
+def _output_bytes(msg) -> int:
+    c, t = msg["content"], msg["msg_type"]
+    if t == "stream":
+        return len(c.get("text", ""))
+    if t in ("display_data", "execute_result", "update_display_data"):
+        return sum(len(str(v)) for v in c.get("data", {}).values())
+    if t == "error":
+        return len(c.get("evalue", "")) + sum(len(line) for line in c.get("traceback", []))
+    return 0
+
+
+def _patch_nbval():
+    from collections import deque
+
+    from nbval.kernel import RunningKernel
+
+    original_get = RunningKernel.get_message
+
+    def _count(self, cur, msg):
+        n = _output_bytes(msg)
+        cur["bytes"] += n
+        _state["total"] += n
+        if msg["msg_type"] == "error":
+            cur["ename"] = str(msg["content"].get("ename", ""))[:100]
+            cur["evalue"] = str(msg["content"].get("evalue", ""))[:300]
+        if cur["bytes"] > _state["cap"] or _state["total"] > _state["cap_total"]:
+            cur["capped"] = True
+            self.km.signal_kernel(signal.SIGKILL)  # nbval then fails the cell and the run stops
+            raise Empty
+
+    def _drain(self, cur):
+        # nbval reads a cell's output only after its execute_reply: read it while waiting, so a flood is
+        # counted (and stopped) as it happens instead of piling up in memory until the cell ends.
+        pending = self.__dict__.setdefault("_mgpu_pending", deque())
+        while not cur["capped"]:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0)
+            except Empty:
+                return
+            pending.append(msg)
+            _count(self, cur, msg)
+
+    def _wait(self, getter, timeout, cur):
+        # Poll in short slices so a kernel that exited (os._exit, a crash) is seen at once.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = POLL if deadline is None else min(POLL, deadline - time.monotonic())
+            try:
+                return getter(timeout=max(wait, 0.001))
+            except Empty:
+                if getter == self.kc.get_shell_msg:
+                    _drain(self, cur)
+                if not self.is_alive():
+                    cur["died"] = True
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    def get_message(self, stream, timeout=None):
+        cur = _state["cell"]
+        if cur is None or stream != "iopub":
+            return original_get(self, stream, timeout=timeout)
+        pending = self.__dict__.get("_mgpu_pending")
+        if pending:
+            return pending.popleft()  # already counted
+        if cur["capped"]:
+            raise Empty
+        msg = _wait(self, self.kc.get_iopub_msg, timeout, cur)
+        _count(self, cur, msg)
+        return msg
+
+    def await_reply(self, msg_id, timeout=None):
+        cur = _state["cell"]
+        while True:
+            if cur is None:
+                msg = original_get(self, "shell", timeout=timeout)
+            else:
+                try:
+                    msg = _wait(self, self.kc.get_shell_msg, timeout, cur)
+                except Empty:
+                    cur["timeout"] = not (cur["died"] or cur["capped"])
+                    raise
+            if msg["parent_header"].get("msg_id") == msg_id:
+                if cur is not None:
+                    cur["status"] = msg["content"]["status"]
+                if msg["content"]["status"] == "aborted":
+                    raise RuntimeError("Kernel aborted execution request")
+                return
+
+    RunningKernel.get_message = get_message
+    RunningKernel.await_reply = await_reply
+
+
+def pytest_collection_finish(session):
+    if _state["out"] is None:
+        return
+    for path in {str(item.path) for item in session.items}:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _state["out"] is None or not hasattr(item, "cell_num"):
+        yield
+        return
+    cur = {"cell": item.cell_num, "status": None, "ename": None, "evalue": None, "bytes": 0, "failure": None,
+           "timeout": False, "died": False, "capped": False, "dead_at_start": False, "reports": {}}
+    _state["cell"] = cur
+    try:
+        yield
+    finally:
+        _state["cell"] = None
+        r = cur.pop("reports")
+        setup, call = r.get("setup", "missing"), r.get("call", "missing")
+        cur["outcome"] = call if setup == "passed" else ("error" if setup == "failed" else setup)
+        _state["out"].write(json.dumps(cur, sort_keys=True) + "\n")
+        if cur["timeout"] or cur["died"] or cur["capped"]:
+            # Nothing later in this run can count (nbval xfails every cell after a timeout): stop now, and
+            # let the grader re-run the rest with this exercise stubbed.
+            item.session.shouldstop = "mgpu-grade: the kernel is gone or timed out"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    cur = _state["cell"]
+    if cur is not None:
+        kernel = getattr(item.parent, "kernel", None)
+        cur["dead_at_start"] = kernel is None or not kernel.is_alive()
+    yield
+
+
+def pytest_runtest_logreport(report):
+    cur = _state["cell"]
+    if cur is None:
+        return
+    if hasattr(report, "wasxfail"):  # only PASSED counts: an xfail or xpass is recorded as such
+        cur["reports"][report.when] = "xfailed" if report.skipped else "xpassed"
+    else:
+        cur["reports"][report.when] = report.outcome
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    cur, rep = _state["cell"], outcome.get_result()
+    if cur is not None and rep.failed and call.excinfo is not None and cur["failure"] is None:
+        cur["failure"] = str(call.excinfo.value)[:300]

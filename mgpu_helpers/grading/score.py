@@ -1,0 +1,207 @@
+"""Grade one student's notebook: assemble, run, judge, score; re-run when the kernel was taken down.
+
+A check scores its points only if BOTH its check cell PASSED under nbval with the kernel replying "ok"
+AND the outside judge accepts the harvested results. A *catastrophe* (a cell timeout, the kernel dying,
+the output cap, a harvest cell that did not run, the notebook timeout) ends what the run can say about
+every later cell: the exercise whose code was running gets the catastrophe's status, and the exercises
+after it are graded in a fresh run with that exercise stubbed -- so the damage stays with the exercise
+that caused it (naive alternative: one kernel per exercise, which would double the execution time).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from .assemble import CourseNotebook, Submission, assemble
+from .execute import Limits, RunResult, run_job, work_dir
+
+
+@dataclass
+class Row:
+    student: str
+    notebook: str
+    exercise: str        # "1.1", or "1.1 hidden: <name>"
+    points: int
+    max_points: int
+    status: str          # passed | failed | not-implemented | missing-notebook | invalid-notebook | ...
+    message: str
+    hidden: bool = False
+
+
+@dataclass
+class Context:
+    key: bytes
+    limits: Limits
+    hidden: dict         # exercise id -> [HiddenCheck]
+    modules: dict        # notebook name -> importable module name
+    hide: list
+    keep: list
+    import_paths: list
+    mpl_cache: str
+    extra: dict          # relative path -> bytes: the course's assets/, next to each notebook
+
+
+def seed_for(key: bytes, *parts: str) -> int:
+    """Secret (keyed) but reproducible: the same key, student and check give the same cases."""
+    return int.from_bytes(hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).digest()[:8], "little")
+
+
+_ADDR = re.compile(r"0x[0-9a-fA-F]{6,}")
+_SCRATCH = re.compile(r"/\S*/mgpu-grade-[^/\s]+/\d+/\d+")  # a job directory (without the sandbox)
+
+
+def tidy(msg: str, limit: int = 600) -> str:
+    """Messages are deterministic (no addresses, no scratch paths) and short."""
+    msg = _SCRATCH.sub("<work>", _ADDR.sub("0x…", str(msg))).strip()
+    return msg if len(msg) <= limit else msg[: limit - 1] + "…"
+
+
+def _harvest_spec(ctx: Context, student: str, course: CourseNotebook) -> tuple[bytes, dict]:
+    import torch
+    spec, seeds = {}, {}
+    for e in course.exercises:
+        s = seed_for(ctx.key, student, course.name, e.id, "")
+        hs = {h.name: seed_for(ctx.key, student, course.name, e.id, h.name) for h in ctx.hidden.get(e.id, [])}
+        seeds[e.id] = (s, hs)
+        spec[e.id] = {"function": e.function, "module": ctx.modules[course.name], "seed": s,
+                      "hidden": {h.name: h.cases(random.Random(hs[h.name])) for h in ctx.hidden.get(e.id, [])}}
+    buf = io.BytesIO()
+    torch.save(spec, buf)
+    return buf.getvalue(), seeds
+
+
+def _events(run: RunResult, layout, exercises) -> tuple[int, str] | None:
+    """(cell, kind) of the first catastrophe in a run, or None."""
+    found = []
+    for c in range(layout.n_code):
+        r = run.records.get(c)
+        if r is None:
+            found.append((c, "notebook-timeout" if run.timed_out else "error"))
+            break
+        if r["capped"]:
+            found.append((c, "output-limit"))
+        elif r["died"] or (r["dead_at_start"] and c > 0):
+            found.append((c, "kernel-died"))
+        elif r["timeout"]:
+            found.append((c, "timeout"))
+        elif r["outcome"] == "error":
+            found.append((c, "error"))
+    for ex in exercises:
+        h = layout.harvest[ex]
+        if h in run.records and ex not in run.results:
+            found.append((h, "sabotage"))
+    return min(found) if found else None
+
+
+def _catastrophe(kind: str, ex: str, ctx: Context, run: RunResult) -> tuple[str, str]:
+    lim = ctx.limits
+    return {
+        "timeout": ("timeout", f"a cell of exercise {ex} ran longer than {lim.cell_timeout:g} s (an endless loop?)"),
+        "notebook-timeout": ("timeout", f"the notebook ran longer than {lim.notebook_timeout:g} s"),
+        "kernel-died": ("kernel-died", f"the kernel died while running exercise {ex}: os._exit, a crash, or running "
+                        f"out of memory (the limit is {lim.memory / 2**30:g} GiB) ends it"),
+        "output-limit": ("output-limit", f"a cell of exercise {ex} printed more than {lim.output_cap} bytes "
+                         f"(or the notebook more than {lim.output_cap_total})"),
+        "sabotage": ("failed", f"the grader's cell after exercise {ex} did not run: code in the exercise changed "
+                     "how the kernel runs cells (input transformers, patched IPython or checks)"),
+        "error": ("error", "grader error: the notebook could not be run" + (f": {run.error}" if run.error else "")),
+    }[kind]
+
+
+def _cell_problem(r: dict | None) -> str:
+    if r is None:
+        return "it did not run"
+    if r["outcome"] in ("skipped", "xfailed", "xpassed"):
+        return f"it was {r['outcome']}, and only a pass counts"
+    if r["status"] not in (None, "ok") or r["ename"]:
+        return f"it raised {r['ename'] or 'an error'}: {r['evalue'] or ''}".rstrip(": ")
+    if r["failure"] and "outputs differ" in r["failure"]:
+        return "its output differs from the reference (does your function print?)"
+    return (r["failure"] or "it failed").splitlines()[0]
+
+
+def _status(ok: bool, msg: str) -> str:
+    if ok:
+        return "passed"
+    if "not implemented yet" in msg:
+        return "not-implemented"
+    return "memory-limit" if "MemoryError" in msg or "can't allocate memory" in msg else "failed"
+
+
+def _normal(ex, spec, run, layout, verdict) -> tuple[str, str]:
+    rec = run.records.get(layout.check[ex])
+    cell_ok = rec is not None and rec["outcome"] == "passed" and rec["status"] == "ok"
+    ok, msg = verdict["public"]
+    if ok and cell_ok:
+        return "passed", msg
+    span = [run.records.get(c) or {} for c in range(layout.exercise[ex], layout.span_end(ex) + 1)]
+    if any("MemoryError" in f"{r.get('ename')} {r.get('evalue')}" or "can't allocate memory" in (r.get("evalue") or "")
+           for r in span):
+        return "memory-limit", f"{msg} (the memory limit was hit)"
+    if not ok:
+        return ("error" if verdict.get("error") else _status(ok, msg)), msg
+    return "failed", (f"Exercise {ex}: the results of `{spec.function}` are right, but its check cell did not "
+                      f"pass in the notebook: {_cell_problem(rec)}")
+
+
+def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, sub: Submission,
+                   job: Path) -> list[Row]:
+    final: dict[str, tuple] = {}  # exercise id -> (public (status, msg), {hidden name: (status, msg)})
+    hidden = {e.id: ctx.hidden.get(e.id, []) for e in course.exercises}
+    if sub.status != "ok":
+        for e in course.exercises:
+            final[e.id] = ((sub.status, sub.message), {h.name: (sub.status, sub.message) for h in hidden[e.id]})
+    for ex, (status, msg) in sub.problems.items():
+        final[ex] = ((status, msg), {h.name: (status, msg) for h in hidden[ex]})
+    pending = [e.id for e in course.exercises if e.id not in final]
+    specs = {e.id: e for e in course.exercises}
+    stubbed: set[str] = set()
+    grade_in, seeds = _harvest_spec(ctx, student, course) if pending else (b"", {})
+    for attempt in range(len(course.exercises) + 1):
+        if not pending:
+            break
+        nb, layout = assemble(course, sub.sources, stubbed, work_dir(job / str(attempt)))
+        run = run_job(job / str(attempt), course.name, nbformat.writes(nb), grade_in,
+                      [e.id for e in course.exercises], ctx.limits, ctx.hide, ctx.keep, ctx.import_paths, ctx.mpl_cache,
+                      ctx.extra)
+        event = _events(run, layout, pending)
+        done = [ex for ex in pending if event is None or layout.span_end(ex) < event[0]]
+        tasks = [{"exercise": ex, "module": ctx.modules[course.name], "seed": seeds[ex][0],
+                  "hidden_seeds": seeds[ex][1], "results": str(run.results.get(ex, ""))} for ex in done]
+        for ex, v in zip(done, judge(tasks) if tasks else []):
+            hid = {n: (_status(ok, m), m) for n, (ok, m) in v["hidden"].items()}
+            final[ex] = (_normal(ex, specs[ex], run, layout, v), hid)
+        pending = [ex for ex in pending if ex not in final]
+        if event is None:
+            break
+        # The culprit: the learner's exercise cell that ran last before the catastrophe.
+        learner = [ex for ex in sub.sources if ex not in stubbed and layout.exercise[ex] <= event[0]]
+        culprit = max(learner, key=lambda ex: layout.exercise[ex]) if learner else None
+        if culprit in pending:
+            st = _catastrophe(event[1], culprit, ctx, run)
+            final[culprit] = (st, {h.name: st for h in hidden[culprit]})
+            pending.remove(culprit)
+        if culprit is None:  # instructor code or the environment failed: nothing to stub, nothing to retry
+            for ex in pending:
+                st = _catastrophe(event[1], ex, ctx, run)
+                final[ex] = (st, {h.name: st for h in hidden[ex]})
+            pending = []
+        stubbed.add(culprit)
+    for ex in pending:  # not reachable: every attempt stubs one more exercise
+        final[ex] = (("error", "grader error: gave up re-running"), {h.name: ("error", "") for h in hidden[ex]})
+    rows = []
+    for e in course.exercises:
+        (status, msg), hid = final[e.id]
+        rows.append(Row(student, course.name, e.id, e.points if status == "passed" else 0, e.points, status, tidy(msg)))
+        for h in hidden[e.id]:
+            hs, hm = hid[h.name]
+            rows.append(Row(student, course.name, f"{e.id} hidden: {h.name}", h.points if hs == "passed" else 0,
+                            h.points, hs, tidy(hm), hidden=True))
+    return rows

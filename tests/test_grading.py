@@ -1,0 +1,316 @@
+"""The instructor grader `mgpu-grade` on a generated class of the fixture course (tests/grading_fixtures).
+
+One grading run (module fixture) covers: a perfect student, the untouched release, partial work, a named
+mistake, a hidden-check failure, a missing notebook, and one student per tamper vector of DESIGN.md §5.
+Every tamper student solves 90.2 and tampers around 90.1: 90.1 (and its hidden check) must score 0 and
+90.2 full marks. The fixture notebook is stored as *.ipynb.json so that `pytest --nbval` does not collect it.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from mgpu_helpers.authoring import mgpu, release_notebook
+from mgpu_helpers.grading import assemble as asm
+from mgpu_helpers.grading.cli import main as grade_main
+from mgpu_helpers.grading.execute import sandbox
+from mgpu_helpers.grading.score import seed_for
+
+FIX = Path(__file__).parent / "grading_fixtures"
+NB = "90_fixture.ipynb"
+OK1 = "Exercise 90.1 ✓ scale: 3/3 cases"
+WRONG_SCALE = "import torch\n\n\ndef scale(x, k):\n    return x + k\n"
+SANDBOXED = sandbox()[0] is not None
+pytestmark = pytest.mark.slow
+
+
+def solution() -> nbformat.NotebookNode:
+    return nbformat.reads((FIX / f"{NB}.json").read_text(), as_version=4)
+
+
+def cell(nb, key, ex):
+    return next(c for c in nb.cells if mgpu(c).get(key) == ex)
+
+
+def release_with(**sources) -> nbformat.NotebookNode:
+    """The student copy with some exercise cells replaced (keyword: 'e90_1' -> source)."""
+    nb = release_notebook(solution())
+    for k, src in sources.items():
+        cell(nb, "exercise", k[1:].replace("_", ".")).source = src
+    return nb
+
+
+def solved(ex):
+    return cell(solution(), "exercise", ex).source
+
+
+def with_good_90_2(nb):
+    cell(nb, "exercise", "90.2").source = solved("90.2")
+    return nb
+
+
+TAMPER_CELLS = {
+    "t_monkeypatch": WRONG_SCALE + (
+        "import mgpu_helpers.checks as _c\n"
+        "def _fake(self, fn, seed=None):\n    print(f'Exercise {self.id} ✓ {self.function}: 3/3 cases')\n"
+        "type(_c.REGISTRY['90.1']).__call__ = _fake\n"
+        "_c.REGISTRY['90.1'].run_all = lambda fn, seed: [{'ok': True, 'result': 0.0}] * 3\n"
+        "_c.REGISTRY['90.1'].judge_all = lambda seed, results: (True, 'accepted')\n"),
+    "t_showtraceback": WRONG_SCALE + (
+        f"get_ipython().showtraceback = lambda *a, **k: print({OK1!r})\n"),
+    "t_input_transformer": solved("90.1") + (
+        "\ndef _blank(lines):\n"
+        f"    return [\"print({OK1!r})\\n\"] if any('check_90_1' in l for l in lines) else []\n"
+        "get_ipython().input_transformers_post.append(_blank)\n"),
+    "t_sys_exit": "import sys\n\n\ndef scale(x, k):\n    sys.exit(0)\n",
+    "t_os_exit": "import os\n\n\ndef scale(x, k):\n    os._exit(0)\n",
+    "t_infinite_loop": "def scale(x, k):\n    while True:\n        pass\n",
+    "t_memory_bomb": "import torch\n\n\ndef scale(x, k):\n    hog = []\n    while True:\n"
+                     "        hog.append(torch.empty(2**28))  # 1 GiB each, never touched\n",
+    "t_output_flood": "def scale(x, k):\n    while True:\n        print('spam ' * 2000)\n",
+}
+
+READ_SOLUTIONS = '''import ctypes, glob, json, pathlib
+import mgpu_helpers
+libc = ctypes.CDLL(None)
+for d in [{sol!r}, {hid!r}, {sub!r}]:
+    libc.umount2(d.encode(), 2)                    # try to undo the grader's mounts
+try:                                               # try to make every judge accept
+    open({mod!r}, "a").write("\\nimport mgpu_helpers.checks as c; c.Check.judge_all = lambda *a: (True, 'ok')\\n")
+except OSError:
+    pass
+repo = pathlib.Path(mgpu_helpers.__file__).parents[1]  # the solutions next to the installed package
+paths = glob.glob(str(repo / "solutions" / "*.ipynb")) + glob.glob(str(repo / "tests" / "grading_fixtures" / "*.json"))
+paths += glob.glob({sol!r} + "/*.ipynb") + glob.glob({sub!r} + "/perfect/*.ipynb") + glob.glob({hid!r} + "/*.py")
+for p in paths:
+    try:
+        cells = json.load(open(p))["cells"]
+    except (OSError, ValueError):
+        continue
+    for c in cells:
+        if c.get("metadata", {{}}).get("mgpu", {{}}).get("exercise") == "90.1":
+            exec("".join(c["source"]))             # defines scale from someone else's notebook
+'''
+
+# student -> expected (points of 90.1, status of 90.1); all tamper students must get 90.2 in full
+TAMPER = {
+    "t_edit_check": "failed", "t_delete_check": "failed", "t_tags": "failed", "t_nbval_comments": "failed",
+    "t_edit_outputs": "failed", "t_monkeypatch": "failed", "t_showtraceback": "failed",
+    "t_input_transformer": "failed", "t_read_solutions": "failed", "t_sys_exit": "failed",
+    "t_os_exit": "kernel-died", "t_infinite_loop": "timeout", "t_memory_bomb": "memory-limit",
+    "t_output_flood": "output-limit", "t_dup_ids": "duplicate-exercise", "t_changed_ids": "missing-exercise",
+}
+
+
+def build_class(root: Path, paths: dict) -> None:
+    def put(student, nb=None, text=None):
+        (root / student).mkdir(parents=True)
+        if nb is not None or text is not None:
+            (root / student / NB).write_text(text if text is not None else json.dumps(nb, indent=1))
+
+    put("perfect", solution())
+    put("untouched", release_notebook(solution()))
+    put("partial", release_with(e90_1=solved("90.1")))
+    put("mistake", with_good_90_2(release_with(e90_1=WRONG_SCALE)))
+    put("special_case", with_good_90_2(release_with(
+        e90_1="def scale(x, k):\n    return x * k if x.numel() < 100 else x\n")))
+    put("no_notebook")
+    for name, src in TAMPER_CELLS.items():
+        put(name, with_good_90_2(release_with(e90_1=src)))
+    put("t_read_solutions", with_good_90_2(release_with(e90_1=READ_SOLUTIONS.format(**paths))))
+    nb = with_good_90_2(release_with(e90_1=WRONG_SCALE))
+    cell(nb, "check", "90.1").source = f"print({OK1!r})"
+    put("t_edit_check", nb)
+    nb = with_good_90_2(release_with(e90_1=WRONG_SCALE))
+    nb.cells.remove(cell(nb, "check", "90.1"))
+    put("t_delete_check", nb)
+    nb = with_good_90_2(release_with(e90_1=WRONG_SCALE))
+    for c in (cell(nb, "check", "90.1"), cell(nb, "exercise", "90.1")):
+        c.metadata["tags"] = c.metadata.get("tags", []) + ["raises-exception", "nbval-skip"]
+    put("t_tags", nb)
+    nb = with_good_90_2(release_with(e90_1="# NBVAL_SKIP\n# NBVAL_RAISES_EXCEPTION\n" + WRONG_SCALE))
+    cell(nb, "check", "90.1").source = "# NBVAL_SKIP\ncheck_90_1(scale)"
+    put("t_nbval_comments", nb)
+    nb = with_good_90_2(release_with(e90_1=WRONG_SCALE))
+    c = cell(nb, "check", "90.1")
+    c.metadata["tags"] = ["check", "raises-exception"]
+    c.outputs = [nbformat.v4.new_output("error", ename="CheckFailure", evalue="whatever", traceback=[])]
+    put("t_edit_outputs", nb)
+    nb = with_good_90_2(release_with(e90_1=solved("90.1")))
+    dup = copy.deepcopy(cell(nb, "exercise", "90.1"))
+    nb.cells.insert(nb.cells.index(cell(nb, "exercise", "90.1")), dup)
+    cell(nb, "exercise", "90.2")["id"] = nb.cells[0]["id"]  # a duplicated cell id changes nothing
+    put("t_dup_ids", nb)
+    nb = with_good_90_2(release_with(e90_1=solved("90.1")))
+    cell(nb, "exercise", "90.1").metadata["mgpu"]["exercise"] = "90.9"
+    put("t_changed_ids", nb)
+    text = json.dumps(solution())
+    put("t_malformed_json", text=text[: len(text) // 2])
+    put("t_not_a_notebook", text=json.dumps({"cells": "nope"}))
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def read_rows(out: Path) -> dict:
+    with open(out / "grades.csv", newline="", encoding="utf-8") as f:
+        return {(r["student"], r["exercise"]): r for r in csv.DictReader(f)}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grading")
+    sol, pkg, hid, sub, out = (tmp / n for n in ("solutions", "pkg", "hidden", "submissions", "out"))
+    for d in (sol, pkg, hid):
+        d.mkdir()
+    shutil.copy(FIX / f"{NB}.json", sol / NB)
+    shutil.copy(FIX / "fixture_course.py", pkg / "fixture_course.py")
+    shutil.copy(FIX / "hidden_checks.py", hid / "hidden_checks.py")
+    build_class(sub, {"sol": str(sol), "hid": str(hid), "sub": str(sub), "mod": str(pkg / "fixture_course.py")})
+    before = snapshot(sub)
+    args = ["--out", str(out), "--solutions", str(sol), "--hidden", str(hid), "--import-path", str(pkg),
+            "--jobs", "2", "--timeout", "20", "--notebook-timeout", "150", "--key", "test-key"]
+    rc = grade_main([str(sub), *args])
+    return {"tmp": tmp, "sub": sub, "out": out, "args": args, "rc": rc, "before": before, "rows": read_rows(out),
+            "pkg": pkg}
+
+
+def points(rows, student):
+    return sum(int(r["points"]) for (s, _), r in rows.items() if s == student)
+
+
+def test_perfect_student_gets_full_marks(graded):
+    rows = graded["rows"]
+    assert graded["rc"] == 0
+    assert {k[1]: r["status"] for k, r in rows.items() if k[0] == "perfect"} == {
+        "90.1": "passed", "90.1 hidden: LongVectors": "passed", "90.2": "passed", "90.2 hidden: WideHalfLayers": "passed"}
+    assert points(rows, "perfect") == 5
+    assert rows[("perfect", "90.1")]["message"] == OK1
+
+
+def test_untouched_release_scores_zero_without_crashing(graded):
+    rows = {k: r for k, r in graded["rows"].items() if k[0] == "untouched"}
+    assert len(rows) == 4 and all(r["status"] == "not-implemented" and r["points"] == "0" for r in rows.values())
+    assert "not implemented yet" in rows[("untouched", "90.1")]["message"]
+
+
+def test_partial_work_mistakes_and_hidden_checks(graded):
+    rows = graded["rows"]
+    assert points(rows, "partial") == 3 and rows[("partial", "90.2")]["status"] == "not-implemented"
+    assert rows[("mistake", "90.1")]["status"] == "failed"
+    assert "added k instead of multiplying" in rows[("mistake", "90.1")]["message"]
+    assert points(rows, "mistake") == 2
+    # passes the public cases, fails the instructor's hidden ones
+    assert rows[("special_case", "90.1")]["status"] == "passed"
+    assert rows[("special_case", "90.1 hidden: LongVectors")]["status"] == "failed"
+    assert points(rows, "special_case") == 4
+    assert {r["status"] for k, r in rows.items() if k[0] == "no_notebook"} == {"missing-notebook"}
+
+
+@pytest.mark.parametrize("student", sorted(TAMPER))
+def test_tamper_vector_scores_zero_on_the_affected_check_only(graded, student):
+    if student == "t_read_solutions" and not SANDBOXED:
+        pytest.skip("no mount namespace here: the grader warns that solutions are readable")
+    rows = graded["rows"]
+    got = {k[1]: (r["points"], r["status"]) for k, r in rows.items() if k[0] == student}
+    assert got["90.1"] == ("0", TAMPER[student]), rows[(student, "90.1")]["message"]
+    assert got["90.1 hidden: LongVectors"][0] == "0"
+    assert got["90.2"] == ("1", "passed"), rows[(student, "90.2")]["message"]
+    assert got["90.2 hidden: WideHalfLayers"] == ("1", "passed")
+
+
+def test_unreadable_or_invalid_files_get_clear_rows(graded):
+    rows = graded["rows"]
+    for student, words in (("t_malformed_json", "not valid JSON"), ("t_not_a_notebook", "not a valid Jupyter notebook")):
+        mine = [r for k, r in rows.items() if k[0] == student]
+        assert len(mine) == 4 and {r["status"] for r in mine} == {"invalid-notebook"}
+        assert all(words in r["message"] and r["points"] == "0" for r in mine)
+
+
+def test_outputs_are_complete_and_never_show_hidden_source(graded):
+    out, rows = graded["out"], graded["rows"]
+    assert (out / "grades.csv").read_text().splitlines()[0] == "student,notebook,exercise,points,max_points,status,message"
+    assert (out / "summary.png").read_bytes()[:4] == b"\x89PNG"
+    students = {s for s, _ in rows}
+    for s in students:
+        res = json.loads((out / s / "results.json").read_text())
+        assert res["score"] == points(rows, s) and len(res["tests"]) == 4
+        assert all({"name", "score", "max_score", "output"} <= set(t) for t in res["tests"])
+        assert "# Feedback for" in (out / s / "feedback.md").read_text()
+    assert "added k instead of multiplying" in (out / "mistake" / "feedback.md").read_text()
+    for p in out.rglob("*"):
+        if p.is_file() and p.suffix in (".md", ".json", ".csv"):
+            text = p.read_text()
+            assert "HIDDEN-SOURCE-MARKER" not in text and "def cases" not in text, p
+
+
+def test_submissions_and_course_files_are_never_modified(graded):
+    assert snapshot(graded["sub"]) == graded["before"]
+    assert (graded["pkg"] / "fixture_course.py").read_text() == (FIX / "fixture_course.py").read_text()
+
+
+def test_regrading_gives_identical_results_even_without_the_sandbox(graded, tmp_path, capsys):
+    """Same key, same submissions -> byte-identical rows and files. Re-graded here with --no-sandbox,
+    which also shows that the fallback (warned about) still contains a kernel that exits."""
+    sub2, out2, again = tmp_path / "sub", tmp_path / "out", ("partial", "t_os_exit")
+    for s in again:
+        shutil.copytree(graded["sub"] / s, sub2 / s)
+    args = list(graded["args"])
+    args[args.index("--out") + 1] = str(out2)
+    assert grade_main([str(sub2), *args, "--no-sandbox"]) == 0
+    assert "WARNING" in capsys.readouterr().err
+    assert read_rows(out2) == {k: r for k, r in graded["rows"].items() if k[0] in again}
+    for s in again:
+        for f in ("feedback.md", "results.json"):
+            assert (out2 / s / f).read_bytes() == (graded["out"] / s / f).read_bytes()
+
+
+# --- assembly, without running anything ------------------------------------------------------------
+
+def test_assembly_takes_only_cleaned_exercise_cells(tmp_path):
+    sol = tmp_path / NB
+    sol.write_text((FIX / f"{NB}.json").read_text())
+    course = asm.load_course(tmp_path)[0]
+    nb = release_with(e90_1="# NBVAL_SKIP\n  #NBVAL_RAISES_EXCEPTION\nx = 1  # keep me\n")
+    cell(nb, "exercise", "90.1").metadata["tags"] = ["raises-exception"]
+    cell(nb, "check", "90.1").source = "print('forged')"
+    (tmp_path / "s.ipynb").write_text(json.dumps(nb))
+    sub = asm.read_submission(tmp_path / "s.ipynb", course)
+    assert sub.status == "ok" and sub.sources["90.1"] == "x = 1  # keep me"
+    built, layout = asm.assemble(course, sub.sources, set(), "/work")
+    ex, ck = cell(built, "exercise", "90.1"), cell(built, "check", "90.1")
+    assert ex.source == "x = 1  # keep me" and ex.metadata["tags"] == ["exercise"]
+    assert ck.source == "check_90_1(scale)" and ck.outputs[0]["text"] == OK1 + "\n"
+    code = [c for c in built.cells if c.cell_type == "code"]
+    assert "harvest('90.1'" in code[layout.harvest["90.1"]].source and layout.harvest["90.1"] == layout.check["90.1"] + 1
+    stubbed, _ = asm.assemble(course, sub.sources, {"90.1"}, "/work")
+    assert "raise NotImplementedError" in cell(stubbed, "exercise", "90.1").source
+
+
+def test_missing_duplicate_and_invalid_submissions(tmp_path):
+    (tmp_path / NB).write_text((FIX / f"{NB}.json").read_text())
+    course = asm.load_course(tmp_path)[0]
+    assert asm.read_submission(tmp_path / "nope.ipynb", course).status == "missing-notebook"
+    (tmp_path / "bad.ipynb").write_text('{"cells": [')
+    assert asm.read_submission(tmp_path / "bad.ipynb", course).status == "invalid-notebook"
+    nb = release_notebook(solution())
+    nb.cells.append(copy.deepcopy(cell(nb, "exercise", "90.1")))
+    cell(nb, "exercise", "90.2").metadata["mgpu"]["exercise"] = "9.2"
+    (tmp_path / "dup.ipynb").write_text(json.dumps(nb))
+    sub = asm.read_submission(tmp_path / "dup.ipynb", course)
+    assert sub.problems["90.1"][0] == "duplicate-exercise" and sub.problems["90.2"][0] == "missing-exercise"
+
+
+def test_seeds_are_secret_but_reproducible():
+    assert seed_for(b"k", "ann", NB, "90.1", "") == seed_for(b"k", "ann", NB, "90.1", "")
+    assert len({seed_for(b"k", "ann", NB, "90.1", ""), seed_for(b"k", "bob", NB, "90.1", ""),
+                seed_for(b"other", "ann", NB, "90.1", "")}) == 3
