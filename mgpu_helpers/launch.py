@@ -246,17 +246,21 @@ def _receive(proc, conn):
 
 
 def _raise_failure(procs, conns, pending, first, got):
-    # More ranks may have failed by now, most because a peer vanished. Blame a rank that died without a
-    # Python error (ranks catch every exception, so a death is never a consequence), else the earliest.
-    failures = {first: got}
-    for r in sorted(pending - {first}):
+    # Blame a rank that died without a Python error (ranks catch every exception, so a death is never a
+    # consequence of a peer's), else the earliest error. A dying peer's socket closes before its death
+    # shows, so first give the other ranks up to 3 s to exit.
+    failures, rest, end = {first: got}, sorted(pending - {first}), time.monotonic() + 3.0
+    waiting = [procs[r].sentinel for r in rest]
+    while waiting and time.monotonic() < end:
+        waiting = [x for x in waiting if x not in wait(waiting, timeout=end - time.monotonic())]
+    for r in rest:
         other = _receive(procs[r], conns[r])
         if other is not None and other[0] != "ok":
             failures[r] = other
     died = [r for r, f in failures.items() if f[0] == "died"]
     rank = died[0] if died else min(failures, key=lambda r: failures[r][1])
-    others = sorted(set(failures) - {rank})
-    also = f" (rank(s) {', '.join(map(str, others))} failed after it)" if others else ""
+    also = ", ".join(map(str, sorted(set(failures) - {rank})))
+    also = f" (rank(s) {also} failed after it)" if also else ""
     f = failures[rank]
     if f[0] == "died":
         how = f"was killed by {signal.Signals(-f[1]).name}" if (f[1] or 0) < 0 else f"exited with code {f[1]}"
@@ -281,10 +285,8 @@ def torchrun_main(fn, *args, backend="auto", timeout=300.0):
     try:
         result = fn(rank, world_size, *args)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if rank == 0:
-        print(result, flush=True)
+        dist.destroy_process_group() if dist.is_initialized() else None
+    print(result, flush=True) if rank == 0 else None
     return result
 
 
