@@ -246,14 +246,10 @@ def _receive(proc, conn):
 
 
 def _raise_failure(procs, conns, pending, first, got):
-    # Blame a rank that died without a Python error (ranks catch every exception, so a death is never a
-    # consequence of a peer's), else the earliest error. A dying peer's socket closes before its death
-    # shows, so first give the other ranks up to 3 s to exit.
-    failures, rest, end = {first: got}, sorted(pending - {first}), time.monotonic() + 3.0
-    waiting = [procs[r].sentinel for r in rest]
-    while waiting and time.monotonic() < end:
-        waiting = [x for x in waiting if x not in wait(waiting, timeout=end - time.monotonic())]
-    for r in rest:
+    # More ranks may have failed by now, most because a peer vanished. Blame a rank that died without a
+    # Python error (ranks catch every exception, so a death is never a consequence), else the earliest.
+    failures = {first: got}
+    for r in sorted(pending - {first}):
         other = _receive(procs[r], conns[r])
         if other is not None and other[0] != "ok":
             failures[r] = other
