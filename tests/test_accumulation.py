@@ -1,12 +1,11 @@
 """Unit tests of mgpu_helpers.accumulation: the reference loop, collective counting, no_sync_context under
 DDP and FSDP2, the memory measurement, the grading split, and the torchrun entry point."""
 import contextlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_torchrun
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -155,10 +154,6 @@ def test_grading_split_round_trips_through_torch_save(check, fn, tmp_path):
 
 @pytest.mark.slow
 def test_script_runs_under_torchrun():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "mgpu_helpers.accumulation"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_torchrun("mgpu_helpers.accumulation")
     assert "gradients equal the single-process big batch" in proc.stdout
     assert "= one sync" in proc.stdout

@@ -1,11 +1,11 @@
 """Notebook 03's helpers: the problem, the references, the simulated devices, DDP ranks, the script."""
 import io
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_torchrun
 import torch
 import torch.nn.functional as F
 
@@ -139,8 +139,5 @@ def test_real_data_parallel_matches_single_device():
 
 @pytest.mark.slow
 def test_torchrun_script():
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "mgpu_helpers.data_parallel"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_torchrun("mgpu_helpers.data_parallel")
     assert "DDP on 2 ranks: gradients equal one device on the whole batch: True" in p.stdout, p.stdout

@@ -1,11 +1,10 @@
 """Notebook 04's helpers: bucket rule, cases, references, grading split, launch traps, the script."""
 import io
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_torchrun
 import torch
 import torch.distributed as dist
 
@@ -126,8 +125,5 @@ def test_check_runs_under_spawn(monkeypatch):
 
 @pytest.mark.slow
 def test_torchrun_script():
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "mgpu_helpers.ddp"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_torchrun("mgpu_helpers.ddp")
     assert "DDP on 2 ranks (gloo)" in p.stdout and "equal one process on the full batch of 16: True" in p.stdout

@@ -2,7 +2,6 @@
 import linecache
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -10,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import run_torchrun
 import torch
 import torch.distributed as dist
 
@@ -313,9 +314,5 @@ def test_through_a_real_kernel():
 
 @pytest.mark.slow
 def test_torchrun_runs_the_module_demo():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "mgpu_helpers.launch"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_torchrun("mgpu_helpers.launch", timeout=240)
     assert proc.stdout.count("all_reduce sum over 2 ranks: 3\n") == 1  # printed by rank 0 only
