@@ -22,10 +22,12 @@ def _solutions(d: Path) -> list[Path]:
     return sorted(p for p in d.glob("[0-9][0-9]_*.ipynb"))
 
 
+def _problems(sol: Path) -> list[str]:
+    return [pr for p in _solutions(sol) for pr in validate(nbformat.read(str(p), as_version=4), p.name)]
+
+
 def cmd_validate(sol: Path) -> int:
-    problems = []
-    for p in _solutions(sol):
-        problems += validate(nbformat.read(str(p), as_version=4), p.name)
+    problems = _problems(sol)
     for line in problems:
         print(line)
     print(f"{len(_solutions(sol))} notebooks, {len(problems)} problems")
@@ -33,7 +35,9 @@ def cmd_validate(sol: Path) -> int:
 
 
 def cmd_release(sol: Path, out: Path, check: bool) -> int:
-    if cmd_validate_quiet(sol):
+    problems = _problems(sol)
+    if problems:  # never release a notebook whose schema is broken
+        print("\n".join(problems))
         return 1
     expected = {p.name: dumps(release_notebook(nbformat.read(str(p), as_version=4))) for p in _solutions(sol)}
     if check:
@@ -58,13 +62,6 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
             p.unlink()
     print(f"released {len(expected)} notebooks to {out}")
     return 0
-
-
-def cmd_validate_quiet(sol: Path) -> int:
-    problems = [pr for p in _solutions(sol) for pr in validate(nbformat.read(str(p), as_version=4), p.name)]
-    for line in problems:
-        print(line)
-    return 1 if problems else 0
 
 
 def cmd_execute(paths: list[Path], timeout: int) -> int:
