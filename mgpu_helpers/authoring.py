@@ -173,3 +173,13 @@ def mutant_verdict(nb_path, exercise: str, function: str, edits, seed: int | Non
     for old, new in edits:
         src = mutate(src, old, new)
     return verdict(_check(exercise), exec_cell(src)[function], seed)
+
+
+def mutant_fails_every_seed(nb_path, exercise: str, function: str, edits, named: str,
+                            seeds=range(20)) -> None:
+    """Assert that the planted mistake fails the check, naming ``named``, under every seed: a check whose
+    verdict depends on the draw lets a learner pass in the notebook and fail at grading."""
+    for seed in seeds:
+        ok, msg = mutant_verdict(nb_path, exercise, function, edits, seed=seed)
+        assert not ok, f"mutant {edits!r} passed the check with seed {seed}"
+        assert named in msg, f"seed {seed}: {named!r} not named in: {msg}"

@@ -92,11 +92,17 @@ class Check:
             ) from e
 
     def judge_one(self, i: int, n: int, case: dict, result: Any) -> None:
+        where = f"Exercise {self.id} ✗ {self.function}, case {i + 1} of {n} ({self.describe(case)}):\n  "
         try:
             self.judge(case, result)
         except CheckFailure as e:
+            raise CheckFailure(where + str(e)) from None
+        except Exception as e:
+            # The judge could not use what the learner's function returned (a wrong type or shape):
+            # say so, instead of a TypeError that reads as if the learner's code had raised.
             raise CheckFailure(
-                f"Exercise {self.id} ✗ {self.function}, case {i + 1} of {n} ({self.describe(case)}):\n  {e}"
+                where + f"{self.function} returned {describe_value(result)}, which the check cannot use "
+                f"({type(e).__name__}: {e}); see the exercise text for what to return"
             ) from None
 
     def __call__(self, fn: Callable, seed: int | None = None) -> None:
@@ -184,9 +190,9 @@ def expect_close(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
     that mistake would produce), say so by name."""
     if _close(actual, expected, rtol, atol):
         return
-    for name, wrong in (mistakes or {}).items():
-        if _close(actual, wrong, rtol, atol):
-            raise CheckFailure(f"{what} is wrong: it matches a common mistake: {name}. {hint}".rstrip())
+    named = [name for name, wrong in (mistakes or {}).items() if _close(actual, wrong, rtol, atol)]
+    if named:
+        raise CheckFailure(f"{what} is wrong: {_matches(named)}. {hint}".rstrip())
     try:
         ta, tb = _as_tensor(actual), _as_tensor(expected)
     except Exception:
@@ -201,14 +207,52 @@ def expect_close(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
     raise CheckFailure(f"{what} differs: {detail}. {hint}".rstrip())
 
 
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. a tensor compared with an int: not equal, and not the check's crash
+        return False
+
+
+def _matches(named: list[str]) -> str:
+    """Every named mistake that gives this value: when two mistakes coincide, the message lists both."""
+    if len(named) == 1:
+        return f"it matches a common mistake: {named[0]}"
+    return "it matches each of these common mistakes (they give the same value here): " + "; ".join(named)
+
+
+def describe_value(x: Any) -> str:
+    """'an int', 'a tensor of shape (3,)', 'a dict with keys [...]' -- for wrong-type messages."""
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}" + (f" ({x.dtype})" if x.dtype != torch.float32 else "")
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    if x is None:
+        return "None"
+    name = type(x).__name__
+    return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
+
+
+def expect_type(value: Any, types: type | tuple[type, ...], what: str, expected: str, *,
+                keys: Any = None, hint: str = "") -> None:
+    """Fail with "what returned an int; expected a dict with keys ..." unless ``value`` is one of
+    ``types`` (``bool`` is never accepted as a number). With ``keys``, a dict must have exactly those."""
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in (
+        types if isinstance(types, tuple) else (types,)))
+    if ok and keys is not None and isinstance(value, dict):
+        ok = sorted(map(str, value)) == sorted(map(str, keys))
+    if not ok:
+        raise CheckFailure(f"{what} returned {describe_value(value)}; expected {expected}. {hint}".rstrip())
+
+
 def expect_equal(actual: Any, expected: Any, what: str, *, mistakes: dict[str, Any] | None = None,
                  hint: str = "") -> None:
     """Exact equality (ints, strings, byte counts), naming a matching mistake when there is one."""
-    if actual == expected:
+    if _equal(actual, expected):
         return
-    for name, wrong in (mistakes or {}).items():
-        if actual == wrong:
-            raise CheckFailure(f"{what} is {actual!r}, expected {expected!r}: it matches a common mistake: {name}. {hint}".rstrip())
+    named = [name for name, wrong in (mistakes or {}).items() if _equal(actual, wrong)]
+    if named:
+        raise CheckFailure(f"{what} is {actual!r}, expected {expected!r}: {_matches(named)}. {hint}".rstrip())
     raise CheckFailure(f"{what} is {actual!r}, expected {expected!r}. {hint}".rstrip())
 
 
