@@ -4,9 +4,20 @@ Data parallelism (notebook 04) keeps a full copy of parameters, gradients and op
 rank. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models") removes that redundancy in stages: stage 1 shards the optimizer state over the N ranks,
 stage 2 also the gradients, stage 3 also the parameters. :func:`model_state_bytes` is that accounting
-in closed form.
+in closed form; :class:`Zero2` runs ZeRO-2 around any model with a reduce-scatter written in exercise 8.2.
+The checks of 8.1 and 8.2 are in ``sharding_checks``; torch's versions (``ZeroRedundancyOptimizer``, FSDP2
+``fully_shard``) and their measured memory in ``sharding_fsdp``.
+
+Run as a script (ZeroRedundancyOptimizer and FSDP2 against one process, bytes per rank against the formula)::
+
+    torchrun --nproc-per-node 2 -m mgpu_helpers.sharding
+    python -m mgpu_helpers.sharding                            # no torchrun: 2 ranks via run_ranks
 """
 from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
 
 # Bytes per parameter of (parameters, gradients, one optimizer state) for each precision, and the bytes
 # of the fp32 master copy that only "mixed" keeps. The ZeRO paper's model (its section 3.1): mixed
@@ -71,3 +82,93 @@ def model_state_bytes(n_params: int, *, zero_stage: int = 0, world_size: int = 1
            "optimizer": k * (shard if zero_stage >= 1 else n_params)}
     out["total"] = sum(out.values())
     return out
+
+
+# --- models and parameters ----------------------------------------------------------------------------
+
+def make_model(widths: list[int], seed: int = 0, tie: tuple[int, int] | None = None,
+               freeze: tuple[int, ...] = ()) -> nn.Sequential:
+    """Linear → ReLU → … → Linear from ``seed``. ``tie=(i, j)``: Linear j's weight *is* Linear i's (one
+    tensor reached from two modules; their shapes must agree). ``freeze``: Linears whose weight is frozen."""
+    torch.manual_seed(seed)
+    lins = [nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])]
+    if tie is not None:
+        lins[tie[1]].weight = lins[tie[0]].weight
+    for i in freeze:
+        lins[i].weight.requires_grad_(False)
+    return nn.Sequential(*[m for i, lin in enumerate(lins) for m in ([nn.ReLU()] if i else []) + [lin]])
+
+
+def linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def unique(params) -> list[torch.Tensor]:
+    """Each tensor once, in first-seen order (``module.parameters()`` does this; lists built by hand don't)."""
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def make_batch(seed: int, n: int, d_in: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def _state_tensors(opt) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+# --- ZeRO-2 around a model: the shard this rank owns of one flat buffer --------------------------------
+
+class Zero2:
+    """ZeRO-2 for ``model`` on this rank: every trainable parameter becomes a view into one flat fp32 buffer,
+    zero-padded to a multiple of the world size; this rank's optimizer holds only its slice ``[r*L, (r+1)*L)``
+    (``L = ceil(n / N)``) as one parameter, whose ``.grad`` is the slice of the averaged gradient that
+    ``reduce_scatter_fn(params)`` returns (and which frees the full ``.grad``s). After the step the updated
+    slices are all-gathered into the buffer, so every rank has the whole model again."""
+
+    def __init__(self, model: nn.Module, optimizer_cls, reduce_scatter_fn, **kwargs):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.params = [p for p in unique(model.parameters()) if p.requires_grad]
+        n = sum(p.numel() for p in self.params)
+        self.shard_len = _ceil_div(n, self.world)
+        self.flat = torch.zeros(self.shard_len * self.world, device=self.params[0].device)
+        off = 0
+        for p in self.params:  # the parameters now live in the flat buffer (no second copy)
+            self.flat[off:off + p.numel()].copy_(p.detach().flatten())
+            p.data = self.flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        self.shard = nn.Parameter(self.flat[self.rank * self.shard_len:(self.rank + 1) * self.shard_len])
+        self.optimizer = optimizer_cls([self.shard], **kwargs)
+        self.reduce_scatter_fn = reduce_scatter_fn
+
+    def step(self):
+        self.shard.grad = self.reduce_scatter_fn(self.params)  # 1/N of the averaged gradient
+        self.optimizer.step()
+        all_gather_flat(self.flat, self.shard.detach().clone())  # the input must not alias the output
+
+
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor) -> None:
+    """``all_gather_single`` (torch >= 2.13; its older name ``all_gather_into_tensor`` now warns)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, shard)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor) -> None:
+    """``reduce_scatter_single`` (torch >= 2.13; ``reduce_scatter_tensor`` before, which now warns). SUM."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, full)
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m mgpu_helpers.sharding
+    import os
+
+    from mgpu_helpers.launch import run_ranks, torchrun_main
+    from mgpu_helpers.sharding_fsdp import _demo
+
+    if "RANK" in os.environ:
+        torchrun_main(_demo)
+    else:
+        print(run_ranks(_demo, 2)[0])

@@ -1,0 +1,206 @@
+"""Notebook 08 -- the library versions on one model: ``ZeroRedundancyOptimizer`` (ZeRO-1) and FSDP2
+``fully_shard`` (ZeRO-3), per-rank memory measured by category against :func:`model_state_bytes`, and
+the ways "FSDP did not save memory" happens (root-only wrapping, activations, too few ranks, miscounting).
+
+Every figure comes from ``MemoryTracker`` (``memory_allocated`` semantics; on a GPU the allocator) for one
+training step taken after a warm-up step, so that Adam's state exists and the step is a steady one.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn import functional as F
+
+from .launch import rank_device
+from .plots import COLORS, LABELS, unit_for
+from .sharding import Zero2, all_gather_flat, linears, make_batch, make_model, model_state_bytes
+from .tracker import MemoryTracker
+
+STAGE = {"DDP (replica)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
+         "FSDP2 per block + root": 3, "FSDP2 root only": 3}
+MODEL_STATE = ("parameters", "gradients", "optimizer_state")
+
+
+def _average_grads(model):
+    world = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None and world > 1:
+            dist.all_reduce(p.grad)
+            p.grad /= world  # what DDP does during backward, done after it here
+
+
+def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
+    """(model, optimizer to track, step function) for ``method`` on this rank (a key of ``STAGE``)."""
+    dev = rank_device()
+    model = make_model(widths, seed).to(dev)
+    if method.startswith("FSDP2"):
+        mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+        if "per block" in method:
+            for lin in linears(model)[:-1]:  # each Linear its own group; the root keeps the last one
+                fully_shard(lin, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if method.startswith("ZeRO-2"):
+        zero = Zero2(model, torch.optim.Adam, reduce_scatter_fn, lr=lr, foreach=True)
+        return model, zero.optimizer, zero.step
+    if method.startswith("ZeRO-1"):
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=lr, foreach=True)
+        return model, zero.optim, lambda: (_average_grads(model), zero.step())
+    opt = torch.optim.Adam(model.parameters(), lr=lr, foreach=True)  # foreach: CUDA's default, everywhere
+    return model, opt, (lambda: (_average_grads(model), opt.step())) if method.startswith("DDP") else opt.step
+
+
+def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatter_fn=None):
+    """This rank's memory for one steady training step of each of ``methods`` (in one launch), each rank
+    with its ``per_rank`` samples: ``{method: {"n_params", "state"`` (model-state bytes held after the step,
+    by category)``, "peak", "peak_breakdown", "naive_param_bytes"}}`` -- the last is
+    ``sum(p.numel() * p.element_size())``, which counts a DTensor's *global* size: the miscount that makes
+    FSDP2 seem to "save nothing"."""
+    if isinstance(methods, str):
+        return measure(rank, world_size, [methods], widths, per_rank, seed, reduce_scatter_fn)[methods]
+    return {m: _measure(rank, world_size, m, widths, per_rank, seed, reduce_scatter_fn) for m in methods}
+
+
+def _measure(rank, world_size, method, widths, per_rank, seed, reduce_scatter_fn):
+    model, opt, step = build(method, widths, seed, reduce_scatter_fn=reduce_scatter_fn)
+    x, y = make_batch(seed + 1, per_rank * world_size, widths[0], widths[-1])
+    x, y = (t.tensor_split(world_size)[rank].to(rank_device()) for t in (x, y))
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        step()
+
+    train_step()  # warm-up: Adam makes its state in the first step
+    with MemoryTracker(model, opt) as mt:
+        train_step()
+        mt.mark("end")
+    state = mt.breakdown()
+    return {"n_params": sum(p.numel() for p in make_model(widths, seed).parameters()),
+            "state": {c: state[c] for c in MODEL_STATE}, "peak": mt.peak_bytes,
+            "peak_breakdown": mt.peak_breakdown(),
+            "naive_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def trains_like_one_process(rank, world_size, method, widths, steps=3, per_rank=4, seed=0,
+                            reduce_scatter_fn=None) -> float:
+    """Max |difference| between this rank's parameters after ``steps`` steps of ``method`` (each rank on its
+    share of the batch) and one process training the same model with Adam on the whole batch."""
+    model, _, step = build(method, widths, seed, lr=1e-2, reduce_scatter_fn=reduce_scatter_fn)
+    ref = make_model(widths, seed)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=True)
+    x, y = make_batch(seed + 1, per_rank * world_size, widths[0], widths[-1])
+    xs, ys = (t.tensor_split(world_size)[rank].to(rank_device()) for t in (x, y))
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(xs), ys).backward()
+        step()
+        ref_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2: DTensors
+    return max((a.detach().cpu() - b.detach()).abs().max().item() for a, b in zip(full, ref.parameters()))
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """Be rank 0 of ``world_size`` ranks inside this process: torch's fake process group (private:
+    ``torch.testing._internal.distributed.fake_pg``) returns from every collective at once, moving no data.
+    Shapes and allocations are real, values are not: right for memory accounting, useless for training."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def sweep(world_sizes, methods, widths, per_rank=8, reduce_scatter_fn=None) -> dict:
+    """``{method: {world_size: rank 0's measure()}}``, each world size simulated with :func:`fake_world`:
+    many world sizes in a second, with no process started (real ranks give the same bytes: tested)."""
+    out: dict = {}
+    for w in world_sizes:
+        with fake_world(w):
+            for m, r in measure(0, w, list(methods), widths, per_rank, 0, reduce_scatter_fn).items():
+                out.setdefault(m, {})[w] = r
+    return out
+
+
+def formula(n_params: int, method: str, world_size: int) -> dict[str, int]:
+    """The ZeRO accounting (fp32 Adam) for ``method``, with the tracker's category names."""
+    f = model_state_bytes(n_params, zero_stage=STAGE[method], world_size=world_size, precision="fp32")
+    return {"parameters": f["parameters"], "gradients": f["gradients"], "optimizer_state": f["optimizer"]}
+
+
+def plot_per_rank(results: dict, world_sizes, title="Per-rank model state after a training step"):
+    """Stacked bars (measured, by category) per method and world size, with the formula as a black tick.
+    ``results[method][world_size]`` is rank 0's :func:`measure`."""
+    methods = list(results)
+    div, unit = unit_for(max(sum(r["state"].values()) for m in methods for r in results[m].values()))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    width, x = 0.8 / len(methods), 0
+    for j, m in enumerate(methods):
+        for i, w in enumerate(world_sizes):
+            r, pos, bottom = results[m][w], i + (j - (len(methods) - 1) / 2) * width, 0.0
+            for c in MODEL_STATE:
+                ax.bar(pos, r["state"][c] / div, width * 0.9, bottom=bottom, color=COLORS[c],
+                       label=LABELS[c] if (i, j) == (0, 0) else None, edgecolor="white", lw=0.5)
+                bottom += r["state"][c] / div
+            f = sum(formula(r["n_params"], m, w).values()) / div
+            ax.plot([pos - width * 0.45, pos + width * 0.45], [f, f], "k-", lw=2,
+                    label="formula" if (i, j) == (0, 0) else None)
+            ax.text(pos, -0.02, f"{j + 1}", ha="center", va="top", fontsize=8, transform=ax.get_xaxis_transform())
+    ax.set_xticks(range(len(world_sizes)), [f"\n{w} rank{'s' * (w > 1)}" for w in world_sizes])
+    ax.set_ylabel(f"bytes per rank ({unit})")
+    ax.set_title(title + "\n" + ", ".join(f"{j + 1}: {m}" for j, m in enumerate(methods)), fontsize=10)
+    ax.legend(fontsize=8, frameon=False, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def plot_peaks(rows: dict, world_sizes, title: str, ax=None):
+    """Peak bytes per rank vs world size, one line per method (``rows[method][world_size]`` = bytes)."""
+    ax = ax or plt.subplots(figsize=(6, 4))[1]
+    div, unit = unit_for(max(v for r in rows.values() for v in r.values()))
+    for m, r in rows.items():
+        ax.plot(world_sizes, [r[w] / div for w in world_sizes], "o-", label=m)
+    ax.set(xticks=list(world_sizes), xlabel="ranks", ylabel=f"peak per rank ({unit})", ylim=(0, None), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False)
+    return ax
+
+
+def reference_reduce_scatter(params):
+    """A correct ZeRO-2 gradient reduce-scatter for the script and the tests (exercise 8.2 writes its own)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    n = -(-flat.numel() // world)
+    flat = F.pad(flat, (0, n * world - flat.numel()))
+    for p in params:
+        p.grad = None
+    shard = flat.new_empty(n)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, flat)
+    return shard / world
+
+
+def _demo(rank, world_size):
+    """The script: FSDP2 and ZeroRedundancyOptimizer train like one process; rank 0's bytes vs the formula."""
+    widths, lines = [32, 128, 128, 128, 10], []
+    for m in ("ZeRO-1 (ZeroRedundancyOptimizer)", "FSDP2 per block + root"):
+        diff = torch.tensor([trains_like_one_process(rank, world_size, m, widths)], device=rank_device())
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        r = measure(rank, world_size, m, widths)
+        got, want = sum(r["state"].values()), sum(formula(r["n_params"], m, world_size).values())
+        lines.append(f"{m} on {world_size} ranks ({dist.get_backend()}): 3 Adam steps "
+                     f"{'equal' if diff.item() < 1e-4 else 'DIFFER from'} one process (max |diff| {diff.item():.1e} over ranks); rank {rank} holds {got} bytes of model state, "
+                     f"the formula {want} ({got / want:.3f}x)")
+    return "\n".join(lines)
+
+
+__all__ = ["STAGE", "build", "measure", "sweep", "fake_world", "trains_like_one_process", "formula",
+           "plot_per_rank", "plot_peaks", "reference_reduce_scatter", "all_gather_flat"]
