@@ -1,0 +1,237 @@
+"""Tracing one training step under fake tensors: the planner's measurement (notebook 11).
+
+``trace_step`` builds the model under ``FakeTensorMode`` -- tensors with shapes, dtypes and devices but no
+data -- and runs one steady-state training step (:func:`train_step`, the same code a real run uses)
+under :class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at fake storages. Nothing
+real is allocated, so a 7B-parameter step traces on a laptop in seconds.
+
+Why a subclass: ``MemoryTracker`` counts storages on its device, and a fake tensor's storage lives on
+``meta`` whatever device the tensor claims, so the tracker sees nothing under a fake mode (FACTS.md).
+``FakeTracker`` counts meta storages of tensors that claim the planned device -- same categories, same
+rules, same 512-byte rounding -- which is why the planner equals the tracker on a real step.
+
+The device is the machine's: fake CUDA tensors need a CUDA build (on a CPU build their in-place ops and
+CUDA autocast refuse), and CPU and CUDA autocast cast a few ops differently, so the planner traces
+``"cuda"`` where CUDA is available and ``"cpu"`` elsewhere (``device=`` overrides). On CUDA, Adam's
+``step`` counters are CPU tensors, which the GPU allocator does not hold: not counted there.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+from .tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
+
+PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")
+_AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
+OPTIMIZERS = ("adam", "sgd", "momentum")
+
+
+# --- the step, real or fake ------------------------------------------------------------------------
+
+class Checkpointed(nn.Module):
+    """A block whose forward runs under non-reentrant activation checkpointing."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def apply_checkpointing(model: nn.Module) -> nn.Module:
+    """Wrap each block of the model's largest ``nn.ModuleList`` in :class:`Checkpointed` (in place)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError("checkpointing=True: the model has no nn.ModuleList of blocks to checkpoint")
+    blocks = max(lists, key=len)
+    for i, block in enumerate(blocks):
+        if not isinstance(block, Checkpointed):
+            blocks[i] = Checkpointed(block)
+    return model
+
+
+def retensor(model: nn.Module, fn) -> nn.Module:
+    """Replace every parameter and buffer ``t`` by ``fn(t)`` (a dtype or device change), by reassignment:
+    ``Module.to``/``to_empty`` swap tensors, which fake tensors refuse (the fake mode holds weakrefs)."""
+    new = {}  # tied weights stay tied
+    with torch.no_grad():
+        for m in model.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) not in new:
+                    q = fn(p)
+                    new[id(p)] = p if q is p else nn.Parameter(q, requires_grad=p.requires_grad)
+                if p is not None:
+                    m._parameters[name] = new[id(p)]
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = fn(b)
+    return model
+
+
+def make_optimizer(model: nn.Module, optimizer: str = "adam"):
+    """The optimizer the planner assumes: CUDA's default foreach implementation, whatever the machine."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=1e-3, foreach=True)
+    if optimizer in ("sgd", "momentum"):
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if optimizer == "momentum" else 0.0, foreach=True)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+
+
+def warm_up(model: nn.Module, opt) -> None:
+    """Make the optimizer's state without a forward/backward: a step on zero gradients (Adam and SGD
+    leave the weights unchanged), then gradients back to None -- the steady state a step starts from."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def train_step(model, opt, batch, loss_fn, *, precision="fp32", micro_batches=1, mark=lambda label: None):
+    """One training step, exactly as the planner defines it: for each of ``micro_batches`` equal slices
+    of ``batch = (inputs, targets)``, ``loss_fn(model(x), y) / micro_batches`` (forward and loss inside
+    autocast for the autocast precisions; the output dropped once the loss exists) and backward; then
+    ``opt.step()`` and ``opt.zero_grad(set_to_none=True)``. ``mark(label)`` is called at each phase."""
+    inputs, targets = batch
+    dtype = _AUTOCAST.get(precision)
+    device_type = next(model.parameters()).device.type
+    k = micro_batches
+    for i, (x, y) in enumerate(zip(inputs.tensor_split(k), targets.tensor_split(k))):
+        mark(f"forward {i + 1}" if k > 1 else "forward")
+        with torch.autocast(device_type, dtype) if dtype else contextlib.nullcontext():
+            loss = loss_fn(model(x), y) / k
+        mark(f"backward {i + 1}" if k > 1 else "backward")
+        loss.backward()
+    mark("step")
+    opt.step()
+    mark("zero_grad")
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+# --- accounting over fake storages -------------------------------------------------------------------
+
+class FakeTracker(MemoryTracker):
+    """``MemoryTracker`` over fake tensors on ``device``: counts their (meta) storages. Enter it inside the
+    ``FakeTensorMode`` that made the model."""
+
+    def __init__(self, model, optimizer, device, round_to):
+        super().__init__(model, optimizer, device="cpu", round_to=round_to)
+        self.device = torch.device("meta")  # where every fake storage lives
+        self.planned = torch.device(device).type
+
+    def _claim(self, tensors, cat, add=False):
+        super()._claim([t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == self.planned],
+                       cat, add)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.planned != "cpu":  # ops on CPU tensors only (Adam's step counters) use no GPU memory
+            devs = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            if devs == {"cpu"}:
+                return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+# --- the trace -----------------------------------------------------------------------------------------
+
+@dataclass
+class Trace:
+    """One unsharded step, traced: the tracker's timeline as a (samples x categories) table with each
+    sample's phase, and what sharding needs (bytes of each parameter and its state, the blocks')."""
+    timeline: torch.Tensor            # int64 [samples, len(CATEGORIES)]
+    phases: list                       # phase label of each sample
+    n_params: int
+    param_sizes: list                  # (numel, element bytes) of each trainable parameter
+    state_sizes: list                  # (numel, element bytes) of each optimizer-state tensor on the device
+    grad_bytes_per_elem: int
+    unit_numel: int                    # parameters of the largest all-gathered unit (ZeRO-3)
+    round_to: int
+    config: dict = field(default_factory=dict)
+
+
+def _fake_batch(batch, device):
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise TypeError(f"batch must be a tuple (inputs, targets) of two tensors, got "
+                        f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+    if batch[0].dim() == 0 or batch[1].dim() == 0 or len(batch[0]) != len(batch[1]):
+        raise ValueError("batch: inputs and targets need the same size along dim 0 (the samples), got "
+                         f"{tuple(batch[0].shape)} and {tuple(batch[1].shape)}")
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in batch)  # shapes only: fake
+
+
+def _check_fake(model):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not isinstance(t, FakeTensor) and t.device.type != "meta":
+            raise ValueError(
+                f"model_fn allocated real memory: {name!r} is a real tensor ({t.numel() * t.element_size()} "
+                "bytes). model_fn must build the model when called (the planner calls it under FakeTensorMode); "
+                "do not return a model built earlier or load real weights in it")
+
+
+def _units(model, params):
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    blocks = max(lists, key=len) if lists else []
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    rest = sum(p.numel() for p in params if id(p) not in in_blocks)
+    return max(sizes + [rest])
+
+
+def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", micro_batches=1,
+               checkpointing=False, device=None, round_to=None) -> Trace:
+    """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    if not callable(model_fn) or not callable(loss_fn):
+        raise TypeError(f"{'model_fn' if not callable(model_fn) else 'loss_fn'} must be callable")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    round_to = round_to or (CUDA_BLOCK if device.type == "cuda" else 1)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        x, y = _fake_batch(batch, device)
+        if len(x) % micro_batches:
+            raise ValueError(f"micro_batches={micro_batches} does not divide the batch of {len(x)} samples")
+        with device:  # factories without a device= make fake tensors on the planned device
+            model = model_fn()
+        _check_fake(model)
+        retensor(model, lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t)
+        if precision == "bf16":
+            retensor(model, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+        if precision == "bf16" and x.is_floating_point():
+            x = x.to(torch.bfloat16)
+        if checkpointing:
+            apply_checkpointing(model)
+        opt = make_optimizer(model, optimizer)
+        warm_up(model, opt)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        with FakeTracker(model, opt, device, round_to) as mt:
+            train_step(model, opt, (x, y), loss_fn, precision=precision, micro_batches=micro_batches,
+                       mark=mt.mark)
+        states = [v for s in opt.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.device.type == device.type]
+        sizes = dict(param_sizes=[(p.numel(), p.element_size()) for p in params],
+                     state_sizes=[(v.numel(), v.element_size()) for v in states],
+                     grad_bytes_per_elem=params[0].element_size() if params else 4,
+                     unit_numel=_units(model, params), n_params=sum(p.numel() for p in params))
+    trace = Trace(  # outside the fake mode: a real tensor
+        timeline=torch.tensor([[s[2][c] for c in CATEGORIES] for s in mt.timeline], dtype=torch.int64),
+        phases=[s[0] for s in mt.timeline], round_to=round_to, **sizes,
+        config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
+                    checkpointing=checkpointing, device=device.type))
+    trace.tracker_peak = (mt.peak_bytes, mt.peak_breakdown())
+    return trace
