@@ -192,7 +192,7 @@ class Decoder(nn.Module):
 SIZES = {  # name: (vocab, d, layers, heads, ffn); "7B" is Llama-2-7B's shape (6.74B parameters)
     "tiny": (512, 64, 2, 4, 172),
     "small": (4096, 256, 4, 4, 688),
-    "1B": (32000, 2048, 16, 16, 5504),
+    "1B": (32000, 4096, 4, 32, 11008),  # four of 7B's blocks: 1.07B parameters, traced in seconds
     "7B": (32000, 4096, 32, 32, 11008),
     "13B": (32000, 5120, 40, 40, 13824),
 }
@@ -227,7 +227,7 @@ def gib(n: float) -> float:
 
 CHECK_MODEL, CHECK_BATCH = "tiny", (8, 64)  # (batch size, sequence length) of the check's plans
 CHECK_GRID = dict(world_size=(1, 2, 4, 8), zero_stage=ZERO_STAGES, checkpointing=(False, True),
-                  micro_batches=(1, 2, 4))
+                  micro_batches=(1, 2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,13 +239,17 @@ def cached_trace(size, batch_size, seq_len, precision="bf16-autocast", checkpoin
                       device="cpu", round_to=512)
 
 
-def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocast", grid=None) -> list[Plan]:
-    """Every plan of ``grid`` (default :data:`CHECK_GRID`) for a decoder of ``size``; world size 1 only
-    with stage 0 (at one rank there is nothing to shard)."""
-    g = grid or CHECK_GRID
-    return [cached_trace(size, *batch, precision, ck, k).shard(s, n)
-            for n in g["world_size"] for s in g["zero_stage"] if n > 1 or s == 0
-            for ck in g["checkpointing"] for k in g["micro_batches"]]
+def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocast", **grid) -> list[Plan]:
+    """Every plan of the grid (:data:`CHECK_GRID`, entries replaced by keyword) for a decoder of
+    ``size``; at world size 1 only stage 0 (at one rank there is nothing to shard)."""
+    g = {**CHECK_GRID, **grid}
+    return list(_plans(size, tuple(batch), precision, *(tuple(g[k]) for k in CHECK_GRID)))
+
+
+@functools.lru_cache(maxsize=None)
+def _plans(size, batch, precision, world_sizes, stages, ckpts, micro):
+    return tuple(cached_trace(size, *batch, precision, ck, k).shard(s, n)
+                 for n in world_sizes for s in stages if n > 1 or s == 0 for ck in ckpts for k in micro)
 
 
 def cheapest_plan(plans, budget):

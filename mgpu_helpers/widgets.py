@@ -1,0 +1,112 @@
+"""Notebook 11's memory calculator: the planner behind ipywidgets controls.
+
+    calculator()          # in a notebook cell: controls, then the plot, updating on every change
+
+The drawing is a plain function, :func:`render` (settings in, figure and plan out), so it is tested
+without a browser (tests/test_widgets.py); :func:`calculator` only wires widgets to it. Each
+(model size, precision, checkpointing, micro-batches) is traced once (``planner.cached_trace``: a few
+seconds the first time, 5-10 s for "7B"/"13B"); world size and ZeRO stage are derived from that trace
+in milliseconds, so moving those sliders never re-traces.
+
+In the browser: the world-size control is an ``IntSlider`` with description "world size" (its
+``.widget-slider`` has a ``<label>`` with that text); the figure is an ``<img>`` inside the Output
+below the controls, replaced on every change.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from .planner import PRECISIONS, SIZES, ZERO_STAGES, cached_trace
+from .plots import COLORS, LABELS
+
+CAPACITIES_GB = (24, 80, 141)  # per-device memory of common GPUs (decimal GB, as vendors state it)
+DEFAULTS = dict(size="1B", precision="bf16-autocast", zero_stage=0, world_size=1, checkpointing=False,
+                micro_batches=1, batch_size=4, seq_len=1024)
+WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MICRO_BATCHES = (1, 2, 4)
+
+
+def settings_plan(settings: dict):
+    """The planner's figures for one set of calculator settings (keys of :data:`DEFAULTS`)."""
+    s = {**DEFAULTS, **settings}
+    unknown = set(s) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}: use {sorted(DEFAULTS)}")
+    if s["batch_size"] % s["micro_batches"]:
+        raise ValueError(f"micro_batches={s['micro_batches']} does not divide batch_size={s['batch_size']}")
+    trace = cached_trace(s["size"], s["batch_size"], s["seq_len"], s["precision"], s["checkpointing"],
+                         s["micro_batches"])
+    return trace.shard(s["zero_stage"], s["world_size"])
+
+
+def render(settings: dict, fig=None):
+    """Draw the per-rank peak of every ZeRO stage at the chosen world size as stacked bars by category,
+    the chosen stage outlined, with capacity lines; returns ``(fig, plan, line)``: the chosen settings'
+    plan and a one-line verdict (which capacities it fits)."""
+    s = {**DEFAULTS, **settings}
+    plans = {st: settings_plan({**s, "zero_stage": st}) for st in ZERO_STAGES}
+    fig = fig or plt.figure(figsize=(9, 4.2))
+    fig.clear()
+    ax = fig.add_subplot()
+    GB = 1e9
+    xs = [f"ZeRO-{st}" for st in ZERO_STAGES]
+    bottom = [0.0] * len(xs)
+    for cat in COLORS:
+        vals = [plans[st].breakdown[cat] / GB for st in ZERO_STAGES]
+        ax.bar(xs, vals, bottom=bottom, color=COLORS[cat], label=LABELS[cat])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    chosen = plans[s["zero_stage"]]
+    ax.bar(xs[s["zero_stage"]], chosen.peak_bytes / GB, fill=False, edgecolor="black", linewidth=2.5)
+    for i, st in enumerate(ZERO_STAGES):
+        ax.text(i, plans[st].peak_bytes / GB, f"{plans[st].peak_bytes / GB:.1f}", ha="center", va="bottom")
+    top = max(p.peak_bytes for p in plans.values()) / GB
+    for cap in CAPACITIES_GB:
+        if cap < 1.6 * top:
+            ax.axhline(cap, color="black", linestyle="--", linewidth=1)
+            ax.text(len(xs) - 0.5, cap, f"{cap} GB", va="bottom", ha="right", fontsize=9)
+    ax.set_ylabel("peak per rank (GB = 1e9 bytes)")
+    n = chosen.n_params / 1e9
+    ax.set_title(f"{s['size']} ({n:.2f}B params), {s['precision']}, world size {s['world_size']}, "
+                 f"ckpt {'on' if s['checkpointing'] else 'off'}, {s['micro_batches']} micro-batch(es), "
+                 f"batch {s['batch_size']}x{s['seq_len']}", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    fig.subplots_adjust(right=0.8)
+    fits = [c for c in CAPACITIES_GB if chosen.peak_bytes <= c * GB]
+    return fig, chosen, (f"ZeRO-{s['zero_stage']} on {s['world_size']} rank(s): {chosen.peak_bytes / GB:.2f} GB "
+                         f"per rank, peak in {chosen.peak_phase}; fits "
+                         + (", ".join(f"{c} GB" for c in fits) if fits else "none of the listed GPUs"))
+
+
+def calculator(**defaults):
+    """The interactive calculator (needs ipywidgets and a live kernel). Returns the widget box."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    s = {**DEFAULTS, **defaults}
+    controls = {
+        "size": W.Dropdown(options=list(SIZES), value=s["size"], description="model size"),
+        "precision": W.Dropdown(options=list(PRECISIONS), value=s["precision"], description="precision"),
+        "zero_stage": W.IntSlider(value=s["zero_stage"], min=0, max=3, description="ZeRO stage"),
+        "world_size": W.SelectionSlider(options=WORLD_SIZES, value=s["world_size"], description="world size"),
+        "checkpointing": W.Checkbox(value=s["checkpointing"], description="checkpointing"),
+        "micro_batches": W.SelectionSlider(options=MICRO_BATCHES, value=s["micro_batches"],
+                                           description="micro-batches"),
+    }
+    status, out = W.Label(), W.Output()
+
+    def update(_change=None):
+        status.value = "tracing (the first time for this model, precision, checkpointing, micro-batches)..."
+        settings = {**s, **{k: w.value for k, w in controls.items()}}
+        with out:
+            out.clear_output(wait=True)
+            fig, _, line = render(settings)
+            display(fig)
+            plt.close(fig)
+        status.value = line
+
+    for w in controls.values():
+        w.observe(update, names="value")
+    update()
+    return W.VBox([W.HBox([controls["size"], controls["precision"]]),
+                   W.HBox([controls["zero_stage"], controls["world_size"]]),
+                   W.HBox([controls["checkpointing"], controls["micro_batches"]]), status, out])
