@@ -11,6 +11,8 @@ import copy
 import csv
 import hashlib
 import json
+import math
+import os
 import shutil
 from pathlib import Path
 
@@ -28,6 +30,7 @@ NB = "90_fixture.ipynb"
 OK1 = "Exercise 90.1 ✓ scale: 3/3 cases"
 WRONG_SCALE = "import torch\n\n\ndef scale(x, k):\n    return x + k\n"
 SANDBOXED = sandbox()[0] is not None
+MAX_PROCESSES = 96 + 4 * (os.cpu_count() or 1)  # --max-processes of the graded class
 pytestmark = pytest.mark.slow
 
 
@@ -75,6 +78,11 @@ TAMPER_CELLS = {
     "t_memory_bomb": "import torch\n\n\ndef scale(x, k):\n    hog = []\n    while True:\n"
                      "        hog.append(torch.empty(2**28))  # 1 GiB each, never touched\n",
     "t_output_flood": "def scale(x, k):\n    while True:\n        print('spam ' * 2000)\n",
+    # Doubling, but bounded (2 x the limit at most, should the limit not hold): the bomb's processes sleep.
+    "t_fork_bomb": "import os\nimport time\n\n\ndef scale(x, k):\n    me = os.getpid()\n"
+                   f"    for _ in range({math.ceil(math.log2(MAX_PROCESSES)) + 1}):\n"
+                   "        try:\n            os.fork()\n        except OSError:\n            break\n"
+                   "    if os.getpid() != me:\n        time.sleep(60)\n        os._exit(0)\n    return x * k\n",
 }
 
 READ_SOLUTIONS = '''import ctypes, glob, json, pathlib
@@ -106,7 +114,9 @@ TAMPER = {
     "t_input_transformer": "failed", "t_read_solutions": "failed", "t_sys_exit": "failed",
     "t_os_exit": "kernel-died", "t_infinite_loop": "timeout", "t_memory_bomb": "memory-limit",
     "t_output_flood": "output-limit", "t_dup_ids": "duplicate-exercise", "t_changed_ids": "missing-exercise",
+    "t_fork_bomb": "process-limit",
 }
+NEEDS_SANDBOX = ("t_read_solutions", "t_fork_bomb")  # without namespaces: warned about, and not run
 
 
 def build_class(root: Path, paths: dict) -> None:
@@ -123,7 +133,8 @@ def build_class(root: Path, paths: dict) -> None:
         e90_1="def scale(x, k):\n    return x * k if x.numel() < 100 else x\n")))
     put("no_notebook")
     for name, src in TAMPER_CELLS.items():
-        put(name, with_good_90_2(release_with(e90_1=src)))
+        if name not in NEEDS_SANDBOX or SANDBOXED:
+            put(name, with_good_90_2(release_with(e90_1=src)))
     put("t_read_solutions", with_good_90_2(release_with(e90_1=READ_SOLUTIONS.format(**paths))))
     nb = with_good_90_2(release_with(e90_1=WRONG_SCALE))
     cell(nb, "check", "90.1").source = f"print({OK1!r})"
@@ -178,7 +189,8 @@ def graded(tmp_path_factory):
     build_class(sub, {"sol": str(sol), "hid": str(hid), "sub": str(sub), "mod": str(pkg / "fixture_course.py")})
     before = snapshot(sub)
     args = ["--out", str(out), "--solutions", str(sol), "--hidden", str(hid), "--import-path", str(pkg),
-            "--jobs", "2", "--timeout", "20", "--notebook-timeout", "150", "--key", "test-key"]
+            "--jobs", "2", "--timeout", "20", "--notebook-timeout", "150", "--key", "test-key",
+            "--max-processes", str(MAX_PROCESSES)]
     rc = grade_main([str(sub), *args])
     return {"tmp": tmp, "sub": sub, "out": out, "args": args, "rc": rc, "before": before, "rows": read_rows(out),
             "pkg": pkg}
@@ -218,8 +230,8 @@ def test_partial_work_mistakes_and_hidden_checks(graded):
 
 @pytest.mark.parametrize("student", sorted(TAMPER))
 def test_tamper_vector_scores_zero_on_the_affected_check_only(graded, student):
-    if student == "t_read_solutions" and not SANDBOXED:
-        pytest.skip("no mount namespace here: the grader warns that solutions are readable")
+    if student in NEEDS_SANDBOX and not SANDBOXED:
+        pytest.skip("no mount/pid namespace here: the grader warns that it runs best effort")
     rows = graded["rows"]
     got = {k[1]: (r["points"], r["status"]) for k, r in rows.items() if k[0] == student}
     assert got["90.1"] == ("0", TAMPER[student]), rows[(student, "90.1")]["message"]

@@ -22,7 +22,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from .assemble import load_course, read_submission
-from .execute import RUNNING, STOP, Limits, course_files, hidden_paths, needed_paths, kill, reset_sandbox, sandbox
+from .execute import (RUNNING, STOP, Limits, check_allowlist, course_files, default_processes, kill, needed_paths,
+                      processes_bounded, protected_paths, reset_sandbox, sandbox)
 from .score import Context, Row, grade_notebook
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -61,6 +62,8 @@ def parse(argv):
     ap.add_argument("--notebook-timeout", type=float, default=900, help="seconds per notebook (default 900)")
     ap.add_argument("--memory", type=float, default=8, help="GiB of address space for nbval and the kernel")
     ap.add_argument("--output-cap", type=int, default=2**20, help="bytes of output per cell (x8 per notebook)")
+    ap.add_argument("--max-processes", type=int, default=0,
+                    help=f"processes and threads of one notebook's sandbox (default {default_processes()} here)")
     ap.add_argument("--key", default=None, help="grading key for the seeds (default: $MGPU_GRADE_KEY or OUT/.mgpu-grade-key)")
     ap.add_argument("--import-path", type=Path, action="append", default=[],
                     help="extra directory on the kernel's and the judge's import path (course modules)")
@@ -95,13 +98,24 @@ def main(argv: list[str] | None = None) -> int:
         print("mgpu-grade: WARNING: no mount/pid namespace here (" + why + "): learner code runs with the grader's "
               "view of the file system and CAN READ the solutions, the hidden checks and other submissions. "
               "Grade on Linux with unshare(1) (as root, or with unprivileged user namespaces).", file=sys.stderr)
+    elif not processes_bounded():
+        print("mgpu-grade: WARNING: RLIMIT_NPROC does not hold in the sandbox here: a fork bomb is bounded only by "
+              "the timeouts.", file=sys.stderr)
     imports = [str(p.resolve()) for p in a.import_path]
     scratch = Path(tempfile.mkdtemp(prefix="mgpu-grade-"))
-    hide = hidden_paths([a.solutions.resolve(), a.hidden and a.hidden.resolve(), a.submissions.resolve(), out, scratch])
+    keep = needed_paths(imports)
+    try:
+        check_allowlist(keep, protected_paths([a.solutions.resolve(), a.hidden and a.hidden.resolve(),
+                                               a.submissions.resolve(), out, scratch]))
+    except ValueError as e:
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"mgpu-grade: {e}", file=sys.stderr)
+        return 2
     import matplotlib
-    ctx = Context(key, Limits(a.timeout, a.notebook_timeout, int(a.memory * 2**30), a.output_cap, 8 * a.output_cap),
+    ctx = Context(key, Limits(a.timeout, a.notebook_timeout, int(a.memory * 2**30), a.output_cap, 8 * a.output_cap,
+                              a.max_processes),
                   {ex: hs for ex, hs in hidden.items() if ex in known}, {nb.name: resolve_module(nb.module) for nb in course},
-                  hide, needed_paths(imports, hide), imports, matplotlib.get_cachedir(), course_files(a.solutions))
+                  keep, imports, matplotlib.get_cachedir(), course_files(a.solutions))
     students = sorted(d.name for d in a.submissions.iterdir() if d.is_dir() and not d.name.startswith("."))
     for s in students:
         extra = sorted({p.name for p in (a.submissions / s).glob("*.ipynb")} - {nb.name for nb in course})

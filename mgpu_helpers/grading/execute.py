@@ -1,6 +1,6 @@
 """Grader side of execution: pick the sandbox, write one job, run it, read back what it produced.
 
-A job directory holds ``job.json`` (limits, what to hide, what the kernel needs), the assembled notebook
+A job directory holds ``job.json`` (limits, the paths the kernel may see), the assembled notebook
 and ``mgpu_grade_in.pt`` (the harvest's seeds and hidden cases). ``sandbox.py`` runs it and writes
 ``sandbox.json`` (per-cell records) and the harvested ``mgpu_grade_out_<id>.pt`` files next to them.
 """
@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 NS_WORK = "/tmp/mgpu-grade/work"  # the notebook's directory inside the sandbox (sandbox.ROOT + /work)
-UNSHARE = ["--mount", "--pid", "--kill-child", "--mount-proc", "--propagation", "private"]
+UNSHARE = ["--mount", "--pid", "--kill-child", "--propagation", "private"]
 ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH")
 # GPU, NCCL and threading settings must reach the kernel (e.g. NCCL_NVLS_ENABLE=0 on shared GPU hosts).
 ENV_KEEP_PREFIXES = ("LC_", "CUDA_", "NCCL_", "NVIDIA_", "NVSHMEM_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_")
-_probed: tuple | None = None
+_probed: tuple | None = None  # (prefix, net, why not, processes bounded)
 RUNNING: set = set()  # live sandbox processes, killed by the CLI on Ctrl-C
 STOP = threading.Event()  # set on Ctrl-C: no new sandbox starts
 DISABLED = "sandbox disabled with --no-sandbox"
@@ -34,16 +34,32 @@ class Limits:
     memory: int = 8 * 2**30          # RLIMIT_AS of nbval and the kernel, bytes
     output_cap: int = 1 * 2**20      # bytes of output per cell
     output_cap_total: int = 8 * 2**20
+    processes: int = 0               # RLIMIT_NPROC (processes + threads) of one sandbox; 0: default_processes()
+
+
+def default_processes() -> int:
+    """Room for the kernel, nbval and a few ranks with a thread per core each; a fork bomb stops there."""
+    return 256 + 16 * (os.cpu_count() or 1)
 
 
 def sandbox(disable: bool = False) -> tuple[list[str] | None, bool, str]:
     """(unshare prefix or None, network namespace?, why not): probed once per process."""
     global _probed
     if disable:
-        _probed = (None, False, DISABLED)
+        _probed = (None, False, DISABLED, False)
     if _probed is None:
         _probed = _probe()
-    return _probed
+    return _probed[:3]
+
+
+def processes_bounded() -> bool:
+    """Whether the probe saw RLIMIT_NPROC hold a process of the kernel's kind (False: warn)."""
+    return bool(sandbox()[0]) and _probed[3]
+
+
+def _setuid(prefix) -> bool:
+    """Root without a user namespace runs the kernel as a user of its own (RLIMIT_NPROC never binds root)."""
+    return os.geteuid() == 0 and "--map-root-user" not in prefix
 
 
 def reset_sandbox() -> None:
@@ -54,24 +70,27 @@ def reset_sandbox() -> None:
 def _probe():
     unshare = shutil.which("unshare")
     if not unshare or not sys.platform.startswith("linux"):
-        return None, False, "unshare(1) is not available"
+        return None, False, "unshare(1) is not available", False
     users = [[]] if os.geteuid() == 0 else [["--map-root-user"]]
     if os.geteuid() == 0:
         users.append(["--map-root-user"])
     why = ""
+    import tempfile
     for net in (True, False):
         for user in users:
             prefix = [unshare, *UNSHARE, *user, *(["--net"] if net else [])]
-            cmd = [*prefix, sys.executable, "-m", "mgpu_helpers.grading.sandbox", "--probe", *(["--net"] if net else [])]
-            try:
-                r = subprocess.run(cmd, capture_output=True, timeout=60, env=kernel_env([]))
-            except (OSError, subprocess.TimeoutExpired) as e:
-                why = str(e)
-                continue
-            if r.returncode == 0:
-                return prefix, net, ""
+            with tempfile.TemporaryDirectory(prefix="mgpu-grade-probe-") as base:
+                cmd = [*prefix, sys.executable, "-m", "mgpu_helpers.grading.sandbox", "--probe", base,
+                       *(["--net"] if net else []), *(["--setuid"] if _setuid(prefix) else [])]
+                try:
+                    r = subprocess.run(cmd, capture_output=True, timeout=60, env=kernel_env([]))
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    why = str(e)
+                    continue
+            if r.returncode in (0, 3):
+                return prefix, net, "", r.returncode == 0
             why = (r.stderr.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
-    return None, False, why
+    return None, False, why, False
 
 
 def kernel_env(import_paths: list[str]) -> dict:
@@ -91,29 +110,35 @@ def _repo() -> str | None:
     return str(repo) if (repo / "pyproject.toml").exists() or (repo / ".git").exists() else None
 
 
-def needed_paths(import_paths: list[str], hide: list[str]) -> list[str]:
-    """What the kernel must still see under hidden directories: python, the venv, the package."""
+SYSTEM_PREFIXES = ("/", "/usr", "/usr/local")
+
+
+def needed_paths(import_paths: list[str]) -> list[str]:
+    """The allowlist of the kernel's file system beyond the system's (mounts.py): the interpreter and its
+    standard library, the environment, the package directory alone and the course's import paths."""
+    import site
+    import sysconfig
+
     import mgpu_helpers
-    cands = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(sys.executable),
-             os.path.dirname(os.path.abspath(mgpu_helpers.__file__)), *import_paths}
-    repo = _repo()
-    for p in sys.path:  # not the cwd, nor the repository's own folders (tests/ is on sys.path under pytest)
-        p = os.path.abspath(p) if p else ""
-        if p and os.path.isdir(p) and p != os.getcwd() and not (
-                repo and (p + "/").startswith(repo + "/") and not p.startswith(os.path.abspath(sys.prefix))):
-            cands.add(p)
-    out = set()
-    for p in cands:
-        for q in {os.path.abspath(p), os.path.realpath(p)}:
-            # a path that contains something to hide is not kept whole (its needed parts are listed anyway)
-            if not any(h == q or h.startswith(q.rstrip("/") + "/") for h in hide):
-                out.add(q)
-    return [p for p in sorted(out) if not any(p.startswith(q + "/") for q in out)]  # outermost only
+    paths = {sys.executable, os.path.dirname(os.path.abspath(mgpu_helpers.__file__)), *import_paths}
+    for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}:
+        if os.path.realpath(prefix) not in SYSTEM_PREFIXES:
+            paths.add(prefix)        # a venv, a conda env, a pyenv or python.org build: the whole prefix
+    for name in ("stdlib", "platstdlib", "purelib", "platlib"):  # a system python: only its own folders
+        paths.add(sysconfig.get_path(name))
+        paths.add(sysconfig.get_path(name, vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix}))
+    paths.update(site.getsitepackages())
+    libdir, lib = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY")
+    if libdir and lib:
+        paths.add(os.path.join(libdir, lib))
+    paths.update(p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p)
+    paths.update(p for p in sys.path if p and os.path.abspath(p).startswith(tuple(  # e.g. lib-dynload, .zip
+        os.path.abspath(q).rstrip("/") + "/" for q in (sys.prefix, sys.base_prefix) if q not in SYSTEM_PREFIXES)))
+    return sorted(os.path.abspath(p) for p in paths if p and os.path.lexists(p))
 
 
-def hidden_paths(paths: list[Path]) -> list[str]:
-    """Paths covered in the sandbox: the given ones, the repository around the package, and HOME."""
+def protected_paths(paths: list[Path]) -> list[str]:
+    """What must never be visible in the sandbox: the given paths, the repository around the package, HOME."""
     out = {os.path.realpath(p) for p in paths if p}
     if _repo():
         out.add(_repo())
@@ -121,6 +146,16 @@ def hidden_paths(paths: list[Path]) -> list[str]:
     if home != "/":
         out.add(home)
     return sorted(out)
+
+
+def check_allowlist(keep: list[str], protect: list[str]) -> None:
+    """A kept path must not contain a protected one (an --import-path holding the solutions, say)."""
+    for k in keep:
+        for q in {os.path.abspath(k), os.path.realpath(k)}:
+            for p in protect:
+                if p == q or p.startswith(q.rstrip("/") + "/"):
+                    raise ValueError(f"{k} would be visible to the learner's kernel and contains {p}; put course "
+                                     "modules (--import-path) and the environment in folders of their own")
 
 
 @dataclass
@@ -158,7 +193,7 @@ def work_dir(job: Path) -> str:
 
 
 def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: list[str], limits: Limits,
-            hide: list[str], keep: list[str], import_paths: list[str], mpl_cache: str,
+            keep: list[str], import_paths: list[str], mpl_cache: str,
             extra: dict[str, bytes] | None = None) -> RunResult:
     prefix, net, _ = sandbox()
     if STOP.is_set():
@@ -166,8 +201,9 @@ def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: 
     job.mkdir(parents=True, exist_ok=True)
     spec = {"notebook": notebook, "exercises": exercises, "cell_timeout": limits.cell_timeout,
             "notebook_timeout": limits.notebook_timeout, "memory": limits.memory, "output_cap": limits.output_cap,
-            "output_cap_total": limits.output_cap_total, "hide": hide, "keep": keep, "net": net,
-            "namespace": prefix is not None, "env": kernel_env(import_paths), "mpl_cache": mpl_cache,
+            "output_cap_total": limits.output_cap_total, "keep": keep, "net": net,
+            "namespace": prefix is not None, "setuid": prefix is not None and _setuid(prefix),
+            "tasks": limits.processes or default_processes(), "env": kernel_env(import_paths), "mpl_cache": mpl_cache,
             "extra": sorted(extra or {})}
     for rel, data in (extra or {}).items():
         (job / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,9 @@ It also hardens nbval for untrusted code:
 * a dead kernel is noticed within half a second instead of after the whole cell timeout;
 * output beyond ``--mgpu-output-cap`` bytes per cell (or ``--mgpu-output-cap-total`` per notebook) kills
   the kernel, so a flood cannot exhaust nbval's memory;
-* the run stops at the first cell that timed out, killed the kernel or hit the cap;
+* processes and threads left running after a cell near ``--mgpu-max-tasks`` (the sandbox's RLIMIT_NPROC:
+  a fork bomb) kill the kernel too, since nothing later could start a thread;
+* the run stops at the first cell that timed out, killed the kernel or hit a cap;
 * the notebook file is deleted once collected (the kernel cannot read the stored outputs) and the
   process is made non-dumpable (the kernel cannot open its fds or memory).
 """
@@ -23,7 +25,7 @@ from queue import Empty
 
 import pytest
 
-_state: dict = {"cell": None, "total": 0, "cap": 1 << 20, "cap_total": 8 << 20, "out": None}
+_state: dict = {"cell": None, "total": 0, "cap": 1 << 20, "cap_total": 8 << 20, "out": None, "tasks": None}
 POLL = 0.1  # seconds between liveness (and output) checks of the kernel while waiting for a message
 
 
@@ -32,6 +34,8 @@ def pytest_addoption(parser):
     g.addoption("--mgpu-report-fd", type=int, default=None, help="write per-cell JSON records to this fd")
     g.addoption("--mgpu-output-cap", type=int, default=1 << 20, help="bytes of output per cell")
     g.addoption("--mgpu-output-cap-total", type=int, default=8 << 20, help="bytes of output per notebook")
+    g.addoption("--mgpu-max-tasks", type=int, default=None,
+                help="RLIMIT_NPROC of the sandbox (its own pid namespace): tasks near it after a cell stop the run")
 
 
 def pytest_configure(config):
@@ -40,8 +44,20 @@ def pytest_configure(config):
         return
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
     _state.update(out=os.fdopen(fd, "w", buffering=1), cap=config.getoption("--mgpu-output-cap"),
-                  cap_total=config.getoption("--mgpu-output-cap-total"))
+                  cap_total=config.getoption("--mgpu-output-cap-total"), tasks=config.getoption("--mgpu-max-tasks"))
     _patch_nbval()
+
+
+def _tasks() -> int:
+    """Processes and threads in this pid namespace (the sandbox's own /proc)."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                n += len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                pass
+    return n
 
 
 def _output_bytes(msg) -> int:
@@ -153,7 +169,7 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     cur = {"cell": item.cell_num, "status": None, "ename": None, "evalue": None, "bytes": 0, "failure": None,
-           "timeout": False, "died": False, "capped": False, "dead_at_start": False, "reports": {}}
+           "timeout": False, "died": False, "capped": False, "dead_at_start": False, "tasks": False, "reports": {}}
     _state["cell"] = cur
     try:
         yield
@@ -162,8 +178,16 @@ def pytest_runtest_protocol(item, nextitem):
         r = cur.pop("reports")
         setup, call = r.get("setup", "missing"), r.get("call", "missing")
         cur["outcome"] = call if setup == "passed" else ("error" if setup == "failed" else setup)
+        if _state["tasks"] and _tasks() >= _state["tasks"] * 3 // 4:
+            cur["tasks"] = True
+            kernel = getattr(item.parent, "kernel", None)
+            if kernel is not None:
+                try:
+                    kernel.km.signal_kernel(signal.SIGKILL)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
         _state["out"].write(json.dumps(cur, sort_keys=True) + "\n")
-        if cur["timeout"] or cur["died"] or cur["capped"]:
+        if cur["timeout"] or cur["died"] or cur["capped"] or cur["tasks"]:
             # Nothing later in this run can count (nbval xfails every cell after a timeout): stop now, and
             # let the grader re-run the rest with this exercise stubbed.
             item.session.shouldstop = "mgpu-grade: the kernel is gone or timed out"

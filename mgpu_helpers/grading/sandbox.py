@@ -1,12 +1,16 @@
 """Run nbval on one assembled notebook, out of reach of the instructor's files.
 
-The grader starts ``unshare --mount --pid --kill-child --mount-proc [--net] [--map-root-user] python -m
+The grader starts ``unshare --mount --pid --kill-child [--net] [--map-root-user] python -m
 mgpu_helpers.grading.sandbox JOB_DIR JOB_FD``; this process is then pid 1 of a fresh pid namespace and:
 
-1. builds the kernel's view of the file system (mounts.py): private /tmp and /dev, the instructor's
-   files covered, everything else read-only, loopback up in a new network namespace;
-2. runs ``pytest --nbval`` from /tmp/mgpu-grade/work with RLIMIT_AS, no capabilities and no_new_privs
-   (so the kernel cannot undo the mounts), its per-cell records (nbplugin.py) coming back over a pipe;
+1. builds the kernel's file system from an allowlist (mounts.py): an empty root with read-only binds of
+   the interpreter, the environment, the package and the system libraries, a private /tmp, /dev and
+   /proc; loopback up in a new network namespace;
+2. runs ``pytest --nbval`` from /tmp/mgpu-grade/work with RLIMIT_AS, RLIMIT_NPROC, no capabilities and
+   no_new_privs (so the kernel cannot undo the mounts), its per-cell records (nbplugin.py) coming back
+   over a pipe. RLIMIT_NPROC counts the tasks of one user in one user namespace, and never binds root:
+   a grader running as root (no user namespace) runs the kernel as a user of its own, UID_BASE + this
+   process's pid on the host, so each sandbox has its own count;
 3. kills everything in the namespace at the notebook timeout, and copies the results out through
    JOB_FD, a directory fd the grader opened outside the namespace (its mount stays writable).
 
@@ -26,18 +30,26 @@ import sys
 import threading
 
 ROOT = "/tmp/mgpu-grade"
+UID_BASE = 0x70000000         # + the host pid (< 2**22): a user no one else has, one per sandbox
 RESULT_CAP = 64 * 2**20       # bytes per harvested results file
 REPORT_CAP = 8 * 2**20        # bytes of per-cell records
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _drop_privileges(memory):
-    """preexec_fn of pytest (and so of the kernel): no capabilities, no way back, bounded address space."""
+def _drop_privileges(memory, tasks=None, uid=0):
+    """preexec_fn of pytest (and so of the kernel): no capabilities, no way back, bounded address space
+    and (in the namespaces) a bounded number of processes and threads."""
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if tasks:
+        resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
     _libc.prctl(38, 1, 0, 0, 0)                      # PR_SET_NO_NEW_PRIVS
     for cap in range(64):
         _libc.prctl(24, cap, 0, 0, 0)                # PR_CAPBSET_DROP (EINVAL past the last cap)
+    if uid:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)                               # drops every capability too
     _libc.prctl(47, 4, 0, 0, 0)                      # PR_CAP_AMBIENT_CLEAR_ALL
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)    # _LINUX_CAPABILITY_VERSION_3, this process
     _libc.capset(header, (ctypes.c_uint32 * 6)())    # effective = permitted = inheritable = 0
@@ -87,9 +99,11 @@ def main(job, jobfd=None):
     if spec.get("mpl_cache") and os.path.isdir(spec["mpl_cache"]):
         mpl = {n: open(os.path.join(spec["mpl_cache"], n), "rb").read()
                for n in os.listdir(spec["mpl_cache"]) if n.endswith(".json")}
+    uid = 0
     if spec["namespace"]:
         from .mounts import isolate
-        isolate(spec)
+        uid = UID_BASE + int(os.readlink("/proc/self")) if spec.get("setuid") else 0  # the host's proc, still
+        isolate(spec, job, uid)
     work = f"{ROOT}/work" if spec["namespace"] else job
     home = os.path.join(os.path.dirname(work) if spec["namespace"] else work, "home")
     for d in (work, home, os.path.join(home, "mpl"), os.path.join(home, "runtime")):
@@ -101,19 +115,28 @@ def main(job, jobfd=None):
     for n, data in mpl.items():
         with open(os.path.join(home, "mpl", n), "wb") as f:
             f.write(data)
+    if uid:
+        for top in (work, home):
+            for d, _, files in os.walk(top):
+                for p in [d, *(os.path.join(d, f) for f in files)]:
+                    os.chown(p, uid, uid)
+    logdir = os.path.join(ROOT, "log") if spec["namespace"] else home
+    os.makedirs(logdir, mode=0o700, exist_ok=True)
     env = dict(spec["env"], HOME=home, TMPDIR="/tmp" if spec["namespace"] else home,
                MPLCONFIGDIR=os.path.join(home, "mpl"), IPYTHONDIR=os.path.join(home, ".ipython"),
                JUPYTER_RUNTIME_DIR=os.path.join(home, "runtime"), PYTHONDONTWRITEBYTECODE="1")
+    tasks = spec.get("tasks") if spec["namespace"] else None
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "pytest", os.path.join(work, spec["notebook"]), "--nbval", "--nbval-current-env",
            f"--nbval-cell-timeout={spec['cell_timeout']}", "--nbval-kernel-startup-timeout=60",
            "-p", "no:cacheprovider", "-p", "mgpu_helpers.grading.nbplugin", f"--mgpu-report-fd={wfd}",
            f"--mgpu-output-cap={spec['output_cap']}", f"--mgpu-output-cap-total={spec['output_cap_total']}",
+           *([f"--mgpu-max-tasks={tasks}"] if tasks else []),
            "-o", "addopts=", "-c", os.devnull, "--rootdir", work, "-q", "--no-header"]
-    log = open(os.path.join(home, "pytest.log"), "w+b")
+    log = open(os.path.join(logdir, "pytest.log"), "w+b")
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             pass_fds=(wfd,), start_new_session=True,
-                            preexec_fn=lambda: _drop_privileges(spec["memory"]))
+                            preexec_fn=lambda: _drop_privileges(spec["memory"], tasks, uid))
     os.close(wfd)
     lines: list[bytes] = []
 
@@ -152,15 +175,27 @@ def main(job, jobfd=None):
     return 0
 
 
-def probe(net: bool) -> int:
-    """Exit 0 when this process can build the sandbox (run under the unshare prefix being tried)."""
+def probe(base: str, net: bool, setuid: bool) -> int:
+    """Run under the unshare prefix being tried: exit 0 when this process can build the sandbox and a
+    process of the kernel's kind is held to RLIMIT_NPROC, 3 when only the latter fails (see the grader)."""
+    from .execute import needed_paths
     from .mounts import isolate
-    isolate({"keep": [sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))], "hide": [],
-             "net": net})
-    return 0
+    uid = UID_BASE + int(os.readlink("/proc/self")) if setuid else 0
+    isolate({"keep": needed_paths([]), "net": net}, base, uid)
+    pid = os.fork()
+    if pid == 0:  # as the kernel would be, allowed one task: itself
+        try:
+            _drop_privileges(2**34, 1, uid)
+            child = os.fork()
+        except OSError:
+            os._exit(0)
+        if child == 0:
+            os._exit(0)
+        os._exit(3)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--probe":
-        sys.exit(probe(sys.argv[2:] == ["--net"]))
+        sys.exit(probe(sys.argv[2], "--net" in sys.argv[3:], "--setuid" in sys.argv[3:]))
     sys.exit(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))

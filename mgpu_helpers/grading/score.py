@@ -2,7 +2,8 @@
 
 A check scores its points only if BOTH its check cell PASSED under nbval with the kernel replying "ok"
 AND the outside judge accepts the harvested results. A *catastrophe* (a cell timeout, the kernel dying,
-the output cap, a harvest cell that did not run, the notebook timeout) ends what the run can say about
+the output cap, processes left running near the sandbox's limit, a harvest cell that did not run, the
+notebook timeout) ends what the run can say about
 every later cell: the exercise whose code was running gets the catastrophe's status, and the exercises
 after it are graded in a fresh run with that exercise stubbed -- so the damage stays with the exercise
 that caused it (naive alternative: one kernel per exercise, which would double the execution time).
@@ -20,7 +21,7 @@ from pathlib import Path
 import nbformat
 
 from .assemble import CourseNotebook, Submission, assemble
-from .execute import Limits, RunResult, run_job, work_dir
+from .execute import Limits, RunResult, default_processes, run_job, work_dir
 
 
 @dataclass
@@ -41,8 +42,7 @@ class Context:
     limits: Limits
     hidden: dict         # exercise id -> [HiddenCheck]
     modules: dict        # notebook name -> importable module name
-    hide: list
-    keep: list
+    keep: list           # the paths the kernel sees beyond the system's (execute.needed_paths)
     import_paths: list
     mpl_cache: str
     extra: dict          # relative path -> bytes: the course's assets/, next to each notebook
@@ -91,6 +91,8 @@ def _events(run: RunResult, layout, exercises) -> tuple[int, str] | None:
             found.append((c, "kernel-died"))
         elif r["timeout"]:
             found.append((c, "timeout"))
+        elif r.get("tasks"):
+            found.append((c, "process-limit"))
         elif r["outcome"] == "error":
             found.append((c, "error"))
     for ex in exercises:
@@ -107,6 +109,8 @@ def _catastrophe(kind: str, ex: str, ctx: Context, run: RunResult) -> tuple[str,
         "notebook-timeout": ("timeout", f"the notebook ran longer than {lim.notebook_timeout:g} s"),
         "kernel-died": ("kernel-died", f"the kernel died while running exercise {ex}: os._exit, a crash, or running "
                         f"out of memory (the limit is {lim.memory / 2**30:g} GiB) ends it"),
+        "process-limit": ("process-limit", f"exercise {ex} left too many processes or threads running (the sandbox "
+                          f"allows {lim.processes or default_processes()} in all; a fork bomb?)"),
         "output-limit": ("output-limit", f"a cell of exercise {ex} printed more than {lim.output_cap} bytes "
                          f"(or the notebook more than {lim.output_cap_total})"),
         "sabotage": ("failed", f"the grader's cell after exercise {ex} did not run: code in the exercise changed "
@@ -169,7 +173,7 @@ def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, su
             break
         nb, layout = assemble(course, sub.sources, stubbed, work_dir(job / str(attempt)))
         run = run_job(job / str(attempt), course.name, nbformat.writes(nb), grade_in,
-                      [e.id for e in course.exercises], ctx.limits, ctx.hide, ctx.keep, ctx.import_paths, ctx.mpl_cache,
+                      [e.id for e in course.exercises], ctx.limits, ctx.keep, ctx.import_paths, ctx.mpl_cache,
                       ctx.extra)
         event = _events(run, layout, pending)
         done = [ex for ex in pending if event is None or layout.span_end(ex) < event[0]]
