@@ -11,32 +11,29 @@
 As a script, ``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2 -m my.module`` (try
 ``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.launch``). ``describe(2)`` says how 2 ranks
 would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving
-``timeout`` s raises ``TimeoutError``; every way out (Ctrl-C too) kills and joins every child.
+``timeout`` s raises ``TimeoutError`` (``RankTimeout``) saying where each hung rank was; every way out
+(Ctrl-C too) kills and joins every child. launch_watch.py watches the running ranks.
 """
-import datetime, io, linecache, multiprocessing as mp, os, pickle, signal  # noqa: E401
+import contextlib, datetime, faulthandler, io, linecache, multiprocessing as mp, os, pickle, signal  # noqa: E401
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
 import warnings
 from collections import ChainMap
-from multiprocessing.connection import wait
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_ranks", "rank_device", "torchrun_main", "RankError", "describe"]
+from .launch_watch import DUMP_SIGNAL, RankError, RankTimeout, collect
+
+__all__ = ["run_ranks", "rank_device", "torchrun_main", "RankError", "RankTimeout", "describe"]
 
 _device = None  # the device of the rank this process runs; None in the caller
-
-
-class RankError(RuntimeError):
-    """A rank failed: ``rank``, ``exitcode`` (None if it raised) and ``traceback`` (text) say how."""
-    def __init__(self, message, rank, exitcode=None, traceback=""):
-        super().__init__(message)
-        self.rank, self.exitcode, self.traceback = rank, exitcode, traceback
+_noted = False  # whether this process has said that it falls back from GPUs to gloo
 
 
 def _cores():
@@ -60,16 +57,60 @@ def _choose_backend(backend, ranks_here, who="run_ranks"):
     return backend, ""
 
 
+def _note(note):
+    # Once per process, and on stderr: a notebook's compared stdout stays the same on CPU, 1 and N GPUs.
+    global _noted
+    if note and not _noted:
+        _noted = True
+        warnings.warn(note + " (said once)", stacklevel=3)
+
+
 def _start_method(backend, threads=None):
     # Fork starts 2 ranks in 0.1 s, spawn in 2.3 s (FACTS.md), and ranks see notebook globals. But forked
     # children can't use CUDA once the parent asked for it, nor run backward once a CUDA build's autograd
     # started per-GPU threads (H200): no fork with a GPU. GNU OpenMP hangs a forked child's first parallel
-    # op if the parent ran one: forked ranks get 1 thread; more threads means spawn.
-    if os.environ.get("MGPU_START_METHOD"):  # tests, debugging
+    # op if the parent ran one: forked ranks get 1 thread. Otherwise ranks fork from a forkserver: a fresh
+    # interpreter (exec'd, whatever the caller did to CUDA) that imported torch once and never touches
+    # CUDA nor runs a parallel op, so its children can do both: 0.5 s against 5 s for spawn (H200).
+    if os.environ.get("MGPU_START_METHOD"):  # tests, debugging: fork, forkserver or spawn
         return os.environ["MGPU_START_METHOD"]
-    fork_ok = (sys.platform.startswith("linux") and backend == "gloo" and not torch.cuda.is_initialized()
-               and torch.cuda.device_count() == 0 and (threads or 1) == 1)
-    return "fork" if fork_ok else "spawn"
+    if not sys.platform.startswith("linux"):
+        return "spawn"  # macOS: fork and forkserver children may crash in system frameworks
+    fork_ok = (backend == "gloo" and not torch.cuda.is_initialized() and torch.cuda.device_count() == 0
+               and (threads or 1) == 1)
+    return "fork" if fork_ok else "forkserver"
+
+
+def _context(method):
+    ctx = mp.get_context(method)
+    if method == "forkserver":  # what the server imports once (no effect once it runs)
+        main = getattr(sys.modules["__main__"].__spec__, "name", None)
+        # A child re-runs the caller's __main__ module by name (a kernel's: ipykernel_launcher, whose
+        # imports take 0.5 s): with its imports preloaded that costs nothing. Paths (scripts) re-run as
+        # spawn would; `python -m pkg` mains (pkg.__main__) are not re-run.
+        extra = [main] if main and not main.endswith("__main__") else []
+        # Also what the caller imported of ours and of torch's heavy parts (none touches CUDA on import):
+        # DDP's first construction imports torch._dynamo, 1.4 s in every rank that lacks it.
+        extra += sorted(m for m in sys.modules if m.startswith("mgpu_helpers.") or m == "torch._dynamo")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__] + extra)
+    return ctx
+
+
+@contextlib.contextmanager
+def _interrupt_deferred():
+    """Hold Ctrl-C while ranks start: an interrupt inside Process.start() would orphan a rank we never
+    learnt the pid of (it would wait for its peers until the group timeout, re-creating the store file)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    old = signal.signal(signal.SIGINT, lambda *a: held.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if held and callable(old):
+            old(*held[0])
 
 
 def _threads(method, world_size, threads):
@@ -78,10 +119,11 @@ def _threads(method, world_size, threads):
 
 def describe(world_size=2, backend="auto", threads=None):
     """How ``run_ranks(fn, world_size)`` would start, e.g. 'fork, gloo, 1 thread/rank'."""
-    backend, _ = _choose_backend(backend, world_size)
+    backend, note = _choose_backend(backend, world_size)
     method = _start_method(backend, threads)
     n = _threads(method, world_size, threads)
-    return f"{method}, {backend}, {n} thread{'s' * (n > 1)}/rank"
+    why = f" ({note.split(': ', 1)[1]})" if note else ""
+    return f"{method}, {backend}{why}, {n} thread{'s' * (n > 1)}/rank"
 
 
 def rank_device():
@@ -122,17 +164,21 @@ def _ship(fn, args):
     return pickle.dumps((buf.getvalue(), {f: linecache.getlines(f) for f in _JobPickler.files}))
 
 
-def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn, job, parent_pid):
+def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn, dump, job, parent_pid):
     """One rank: set up, run fn, send ("ok", pickled result) or ("err", time, summary, traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it kills us
+    # On a timeout the caller asks for our Python stack before it kills us (see launch_watch).
+    faulthandler.register(DUMP_SIGNAL, file=dump.fileno(), all_threads=True)
     if sys.platform.startswith("linux"):
-        # Die with the caller (a kernel restart SIGKILLs it): else a rank blocked in a collective would
-        # outlive it until the process-group timeout. 1 = PR_SET_PDEATHSIG.
+        # Die with our parent, the caller or its forkserver (which exits with the caller): a kernel
+        # restart SIGKILLs it, and a rank blocked in a collective would outlive it until the group
+        # timeout. 1 = PR_SET_PDEATHSIG.
         __import__("ctypes").CDLL(None).prctl(1, signal.SIGKILL)
-        os._exit(1) if os.getppid() != parent_pid else None  # the caller died before prctl took effect
+        if parent_pid is not None and os.getppid() != parent_pid:
+            os._exit(1)  # the caller died before prctl took effect
     try:
         _setup_rank(rank, backend, threads)  # first: unpickling CUDA tensors in args touches CUDA
-        if isinstance(job, bytes):  # spawned: see _ship
+        if isinstance(job, bytes):  # not forked from the caller: see _ship
             payload, sources = pickle.loads(job)
             for f, lines in sources.items():
                 linecache.cache.setdefault(f, (sum(map(len, lines)), None, lines, f))
@@ -171,10 +217,9 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
     1 for forked ranks, else cores // world_size). Raises RankError if a rank fails, TimeoutError after ``timeout`` s.
     """
     backend, note = _choose_backend(backend, world_size)
-    if note:
-        print(note)
+    _note(note)
     method = _start_method(backend, threads)
-    ctx = mp.get_context(method)
+    ctx = _context(method)
     threads = _threads(method, world_size, threads)
     job = (fn, args) if method == "fork" else _ship(fn, args)  # forked ranks inherit fn and args
     # The ranks' group times out after the launch does, so our TimeoutError names the hung ranks
@@ -186,18 +231,22 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
     # answered a rank's handshake (libuv and legacy backends alike), hanging the launch.
     fd, store_path = tempfile.mkstemp(prefix="mgpu-rdzv-")
     os.close(fd)
-    procs, conns = [], []
+    procs, conns, dumps = [], [], []
+    parent = None if method == "forkserver" else os.getpid()  # forkserver: the server is the parent
     try:
-        for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            procs.append(ctx.Process(target=_rank_main, name=f"rank{rank}", args=(
-                rank, world_size, store_path, backend, threads, pg_timeout, writer, job, os.getpid())))
-            conns.append(reader)
-            with warnings.catch_warnings():  # Python >= 3.12 warns on any fork of a threaded kernel
-                warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+        with _interrupt_deferred(), warnings.catch_warnings():
+            # Python >= 3.12 warns on any fork of a threaded kernel
+            warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+            for rank in range(world_size):
+                (reader, writer), (dump_reader, dump_writer) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
+                conns.append(reader)
+                dumps.append(dump_reader)
+                procs.append(ctx.Process(target=_rank_main, name=f"rank{rank}", args=(
+                    rank, world_size, store_path, backend, threads, pg_timeout, writer, dump_writer, job, parent)))
                 procs[-1].start()
-            writer.close()  # now only the child holds it, so the child's exit shows as EOF on reader
-        return _collect(procs, conns, timeout, deadline)
+                writer.close()  # now only the child holds it, so the child's exit shows as EOF on reader
+                dump_writer.close()
+        return collect(procs, conns, dumps, timeout, deadline)
     finally:
         for p in procs:
             if p.pid is not None and p.exitcode is None:
@@ -206,64 +255,10 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
             if p.pid is not None:
                 p.join()
             p.close()
-        for c in conns:
+        for c in conns + dumps:
             c.close()
         if os.path.exists(store_path):  # the last rank to close the store deletes it, unless one failed
             os.unlink(store_path)
-
-
-def _collect(procs, conns, timeout, deadline):
-    results, pending = [None] * len(procs), set(range(len(procs)))
-    while pending:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            raise TimeoutError(f"run_ranks: timed out after {timeout:g} s; rank(s) "
-                               f"{', '.join(map(str, sorted(pending)))} still running (killed)")
-        waits = {**{conns[r]: r for r in pending}, **{procs[r].sentinel: r for r in pending}}
-        for r in sorted({waits[obj] for obj in wait(list(waits), timeout=left)}):
-            got = _receive(procs[r], conns[r])  # None: a spurious wake-up
-            if got is not None and got[0] != "ok":
-                _raise_failure(procs, conns, pending, r, got)
-            elif got is not None:
-                results[r] = pickle.loads(got[1])
-                pending.discard(r)
-    for p in procs:  # all reported: let them exit on their own before `finally` kills stragglers
-        p.join(5)
-    return results
-
-
-def _receive(proc, conn):
-    """A rank's message, ("died", exitcode) if it exited without one, None while it runs silently."""
-    if conn.poll():
-        try:
-            return pickle.loads(conn.recv_bytes())
-        except EOFError:
-            pass
-    elif proc.exitcode is None:
-        return None
-    proc.join(5)  # EOF: the process is exiting; wait for its exit code
-    return ("died", proc.exitcode)
-
-
-def _raise_failure(procs, conns, pending, first, got):
-    # More ranks may have failed by now, most because a peer vanished. Blame a rank that died without a
-    # Python error (ranks catch every exception, so a death is never a consequence), else the earliest.
-    failures = {first: got}
-    for r in sorted(pending - {first}):
-        other = _receive(procs[r], conns[r])
-        if other is not None and other[0] != "ok":
-            failures[r] = other
-    died = [r for r, f in failures.items() if f[0] == "died"]
-    rank = died[0] if died else min(failures, key=lambda r: failures[r][1])
-    also = ", ".join(map(str, sorted(set(failures) - {rank})))
-    also = f" (rank(s) {also} failed after it)" if also else ""
-    f = failures[rank]
-    if f[0] == "died":
-        how = f"was killed by {signal.Signals(-f[1]).name}" if (f[1] or 0) < 0 else f"exited with code {f[1]}"
-        raise RankError(f"rank {rank} {how} without a Python exception (os._exit, a crash or a kill)"
-                        f"{also}", rank, exitcode=f[1])
-    raise RankError(f"rank {rank} raised {f[2]}{also}\n\n--- traceback of rank {rank} ---\n{f[3]}",
-                    rank, traceback=f[3])
 
 
 def torchrun_main(fn, *args, backend="auto", timeout=300.0):
@@ -273,8 +268,8 @@ def torchrun_main(fn, *args, backend="auto", timeout=300.0):
     """
     rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     backend, note = _choose_backend(backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun_main")
-    if note and rank == 0:
-        print(note)
+    if rank == 0:
+        _note(note)
     _setup_rank(local_rank, backend, threads=None)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
