@@ -1,0 +1,225 @@
+"""Notebook 09, part 1 -- pipeline parallelism: a model's layers split across ranks (exercise 9.1).
+
+Rank r keeps a contiguous share of the layers (its *stage*), receives activations from rank r-1 with
+``dist.recv``, sends its output to rank r+1 with ``dist.send``, and in backward passes gradients the other
+way. GPipe cuts the batch into m micro-batches and runs all their forwards, then all their backwards, so
+that stages work at the same time; the ramp-up and ramp-down leave each rank idle a fraction
+(p-1)/(m+p-1) of the step: the *bubble*. ``gpipe_step`` is the reference; ``StepRecorder`` watches a
+rank's sends, receives and stage (a step clock carried along with every message, a timeout on every
+wait) so that a check can tell a right answer from a deadlock, and a timeline can be drawn.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+P2P_TIMEOUT = 3.0  # seconds a recorded send/recv may wait: the checks' ranks exchange tiny tensors
+
+
+def make_model(n_layers: int, width: int, seed: int = 0) -> nn.Sequential:
+    """``n_layers`` blocks Linear(width, width) → Tanh: every activation between blocks is (batch, width)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
+
+
+def make_batch(n: int, width: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=g), torch.randint(0, width, (n,), generator=g)
+
+
+def stage_bounds(n_layers: int, world_size: int) -> list[tuple[int, int]]:
+    """(start, end) of each rank's layers: contiguous, as equal as can be, the first ``n_layers % world_size``
+    ranks one layer more (the rule of ``torch.tensor_split``)."""
+    if world_size < 1 or n_layers < world_size:
+        raise ValueError(f"n_layers={n_layers} cannot be split over world_size={world_size}: every stage "
+                         "needs a layer")
+    per, extra = divmod(n_layers, world_size)
+    starts = [r * per + min(r, extra) for r in range(world_size + 1)]
+    return list(zip(starts, starts[1:]))
+
+
+def single_process_step(model: nn.Module, inputs, targets) -> float:
+    """The baseline: forward and backward of the whole batch on one process (mean loss)."""
+    loss = F.cross_entropy(model(inputs), targets)
+    loss.backward()
+    return loss.item()
+
+
+@contextlib.contextmanager
+def _busy(timeline, kind, j):
+    t0 = time.perf_counter()  # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
+    yield
+    if timeline is not None:
+        timeline.append((kind, j, t0, time.perf_counter()))
+
+
+def gpipe_step(model: nn.Sequential, inputs, targets, n_micro: int, timeline: list | None = None):
+    """Reference GPipe forward + backward of ``model`` split over the ranks (every rank passes the same model
+    and batch; each uses its own stage). Leaves each stage's gradients in its parameters; returns the batch's
+    mean loss on the last rank, None elsewhere. ``timeline`` collects (kind, micro-batch, t0, t1)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if len(inputs) % n_micro:
+        raise ValueError(f"n_micro={n_micro} does not divide the batch of {len(inputs)} samples")
+    start, end = stage_bounds(len(model), world)[rank]
+    stage, first, last = model[start:end], rank == 0, rank == world - 1
+    saved, loss = [], 0.0
+    for j, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):  # all forwards...
+        if not first:
+            x = torch.empty_like(x)
+            dist.recv(x, src=rank - 1)
+            x.requires_grad_()  # its gradient is what we send back
+        with _busy(timeline, "F", j):
+            out = stage(x)
+            out = F.cross_entropy(out, y) / n_micro if last else out  # the micro-batch's share of the mean
+        if not last:
+            dist.send(out.detach(), dst=rank + 1)
+        saved.append((x, out))
+    for j, (x, out) in enumerate(saved):  # ...then all backwards
+        grad = None
+        if not last:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=rank + 1)
+        with _busy(timeline, "B", j):
+            out.backward(grad)
+        loss += out.item() if last else 0.0
+        if not first:
+            dist.send(x.grad, dst=rank - 1)
+    return loss if last else None
+
+
+# --- watching a rank: its sends/recvs (with a timeout and a step clock) and its stage ---------------
+
+class Stuck(RuntimeError):
+    """A recorded send/recv waited longer than its timeout, or its peer went away."""
+
+
+class StepRecorder:
+    """``with StepRecorder(model, first_layer) as rec:`` inside a rank, around a pipeline step.
+
+    ``dist.send``/``dist.recv`` wait at most ``timeout`` s (else :class:`Stuck`, saying where), and carry
+    a step clock: one forward or backward of the stage on one micro-batch takes one step and starts when
+    both the rank and its input are ready (a Lamport clock). ``rec.steps`` lists (kind, start step) of this
+    rank; ``rec.batches`` the batch sizes its stage's forward saw. The clock counts the schedule, not
+    seconds: it is the same on every run and machine."""
+
+    def __init__(self, model: nn.Sequential, first_layer: int, timeout: float = None):
+        self.model, self.first, self.timeout = model, first_layer, timeout or P2P_TIMEOUT
+        self.clock, self.steps, self.batches, self.calls = 0, [], [], []
+
+    def _tick(self, kind):
+        self.steps.append((kind, self.clock))
+        self.clock += 1
+
+    def where(self) -> str:
+        n = {k: sum(c.startswith(f"dist.{k}") for c in self.calls) for k in ("send", "recv")}
+        f, b = (sum(k == kind for k, _ in self.steps) for kind in "FB")
+        return f"after {n['send']} send(s), {n['recv']} recv(s), {f} forward(s) and {b} backward(s) of its stage"
+
+    def _wait(self, work, what):
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            why = (f"waited {self.timeout:g} s in {what}" if "Timed out" in str(e) else
+                   f"{what} failed: the peer closed the connection (it had returned or given up)")
+            raise Stuck(f"{why}, {self.where()}") from None
+
+    def _send(self, tensor, *args, **kw):
+        dst = kw.get("dst", args[0] if args else None)
+        what = f"dist.send(dst={dst})"
+        self._wait(self._isend(tensor, *args, **kw), what)
+        self._wait(self._isend(torch.tensor([self.clock]), *args, **kw), what)  # the step it is ready at
+        self.calls.append(what)
+
+    def _recv(self, tensor, *args, **kw):
+        src = kw.get("src", args[0] if args else None)
+        what = f"dist.recv(src={src})"
+        work = self._irecv(tensor, *args, **kw)
+        self._wait(work, what)
+        src = work._source_rank() if src is None else src
+        stamp = torch.zeros(1, dtype=torch.long)
+        self._wait(self._irecv(stamp, src, *args[1:], **{k: v for k, v in kw.items() if k != "src"}), what)
+        self.clock = max(self.clock, int(stamp))
+        self.calls.append(what)
+        return src
+
+    def __enter__(self):
+        self._isend, self._irecv, self._real = dist.isend, dist.irecv, (dist.send, dist.recv)
+        dist.send, dist.recv = self._send, self._recv
+        def forward(module, args):  # a pre-hook that returns something replaces the input: return None
+            self.batches.append(len(args[0]))
+            self._tick("F")
+
+        layer = self.model[self.first]
+        self._hooks = [layer.register_forward_pre_hook(forward),
+                       layer[0].weight.register_post_accumulate_grad_hook(lambda p: self._tick("B"))]
+        return self
+
+    def __exit__(self, *exc):
+        dist.send, dist.recv = self._real
+        for h in self._hooks:
+            h.remove()
+
+
+def step_timeline(rank: int, world_size: int, fn, n_layers: int, n_micro: int, width: int = 16,
+                  batch: int = 0, seed: int = 0) -> dict:
+    """In a rank: one step of ``fn`` (pipeline_step's signature) watched by a StepRecorder."""
+    model, (x, y) = make_model(n_layers, width, seed), make_batch(batch or 2 * n_micro, width, seed + 1)
+    with StepRecorder(model, stage_bounds(n_layers, world_size)[rank][0]) as rec:
+        fn(model, x, y, n_micro)
+    return {"steps": rec.steps, "clock": rec.clock}
+
+
+def wall_timeline(rank: int, world_size: int, n_micro: int, n_layers: int = 8, width: int = 384,
+                  batch: int = 384, repeats: int = 3) -> list:
+    """In a rank: ``gpipe_step``'s busy intervals (kind, micro-batch, t0, t1) in seconds, best of ``repeats``."""
+    model, (x, y), best = make_model(n_layers, width), make_batch(batch, width), None
+    for _ in range(repeats):
+        dist.barrier()  # start together
+        timeline = []
+        gpipe_step(model, x, y, n_micro, timeline)
+        span = torch.tensor([timeline[-1][3] - timeline[0][2]])
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)  # keep the repeat that was fastest on every rank
+        best = (span.item(), timeline) if best is None or span.item() < best[0] else best
+    return best[1]
+
+
+def bubble_fraction(per_rank: list[list]) -> float:
+    """Idle share of the step, averaged over ranks, from busy intervals [(kind, j, t0, t1), ...] per rank:
+    1 - busy / (last end - first start)."""
+    t0 = min(iv[2] for r in per_rank for iv in r)
+    span = max(iv[3] for r in per_rank for iv in r) - t0
+    return 1 - sum(iv[3] - iv[2] for r in per_rank for iv in r) / (span * len(per_rank))
+
+
+def as_intervals(steps: list[tuple[str, int]]) -> list[tuple]:
+    """A StepRecorder's (kind, start) list as (kind, micro-batch, start, start + 1) intervals."""
+    seen = {"F": 0, "B": 0}
+    out = []
+    for kind, s in steps:
+        out.append((kind, seen[kind], s, s + 1))
+        seen[kind] += 1
+    return out
+
+
+def plot_timeline(per_rank: list[list], title: str, unit: str = "steps", ax=None):
+    """One row per rank: forward (blue) and backward (orange) busy intervals, labelled by micro-batch."""
+    ax = ax or plt.subplots(figsize=(8, 0.45 * len(per_rank) + 1.1))[1]
+    t0 = min(iv[2] for r in per_rank for iv in r)
+    scale = 1e3 if unit == "ms" else 1
+    for rank, intervals in enumerate(per_rank):
+        for kind, j, a, b in intervals:
+            ax.broken_barh([((a - t0) * scale, (b - a) * scale)], (rank - 0.4, 0.8),
+                           color="tab:blue" if kind == "F" else "tab:orange", alpha=0.8)
+            ax.text(((a + b) / 2 - t0) * scale, rank, f"{kind}{j}", ha="center", va="center", fontsize=7)
+    ax.set(yticks=range(len(per_rank)), yticklabels=[f"rank {r}" for r in range(len(per_rank))],
+           xlabel=f"time ({unit})", title=title)
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+    return ax
