@@ -1,0 +1,152 @@
+"""Notebook 06 -- mixed precision: what fp16 and bf16 can hold, what ``torch.autocast`` runs in 16 bits,
+dynamic loss scaling (exercise 6.1, checked against ``torch.amp.GradScaler``), fp32 master weights
+(exercise 6.2), and what autocast does to memory -- measured, including the case where it *raises* it.
+
+* ``dtype_of("bf16")`` -- the course's dtype names; anything else is a ValueError naming the argument.
+* ``precision_table()`` -- range and precision from ``torch.finfo``; ``survival(values, dtype)`` -- what
+  casting real values to a 16-bit type keeps, rounds to zero or turns into inf.
+* ``autocast_dtypes(device, dtype)`` -- the output dtype of common ops under ``torch.autocast``.
+* ``step_memory(widths, batch, precision)`` -- activations after forward and the peak of forward+backward,
+  measured with ``MemoryTracker``, for "fp32", "autocast" (bf16) and "bf16" (a pure bf16 model);
+  ``plot_precisions`` draws them.
+* Checks 6.1 and 6.2 live in ``amp_checks`` (re-exported here).
+
+Apex ``amp`` (NVIDIA, 2018) came before ``torch.amp``. Its opt levels and today's equivalents::
+
+    O0  fp32 everywhere                      -> no autocast (the baseline)
+    O1  patch ops to 16 bits from allow/deny -> torch.autocast(device, dtype) + torch.amp.GradScaler (fp16)
+        lists, dynamic loss scaling
+    O2  16-bit model, fp32 master weights    -> exercise 6.2 by hand; FSDP2 MixedPrecisionPolicy(param_dtype=
+        in the optimizer, norms kept fp32       torch.bfloat16, reduce_dtype=torch.float32) with sharding
+    O3  pure 16 bits, no master weights      -> model.to(torch.bfloat16) (the "bf16" row: updates get lost)
+
+``amp.initialize(model, opt, opt_level)`` has no equivalent (nothing to patch); ``with amp.scale_loss(loss,
+opt) as s: s.backward()`` became ``scaler.scale(loss).backward()``; clipping ``amp.master_params(opt)``
+became ``scaler.unscale_(opt)`` then clipping the parameters. ``torch.cuda.amp.autocast/GradScaler`` are
+deprecated aliases of ``torch.amp``'s (``torch.amp.GradScaler("cuda")``).
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+
+from .amp_checks import check_6_1, check_6_2  # noqa: F401  (re-exported for the notebook)
+from .memory import make_optimizer, mlp
+from .plots import COLORS, LABELS, unit_for
+from .tracker import MemoryTracker
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRECISIONS = ("fp32", "autocast", "bf16")  # fp32 model; fp32 model under bf16 autocast; bf16 model
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """``"fp32"``/``"fp16"``/``"bf16"`` (or a ``torch.dtype`` among them) → the ``torch.dtype``."""
+    if isinstance(name, torch.dtype) and name in DTYPES.values():
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype: unknown dtype {name!r}; use one of {', '.join(map(repr, DTYPES))}")
+    return DTYPES[name]
+
+
+def precision_table() -> list[dict]:
+    """One row per dtype from ``torch.finfo``: bits of exponent and mantissa, largest value, smallest
+    normal and subnormal values, and eps (the gap after 1.0: relative precision)."""
+    rows = []
+    for name, dt in DTYPES.items():
+        fi = torch.finfo(dt)
+        mant = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dt]
+        rows.append({"dtype": name, "bits": fi.bits, "exponent": fi.bits - 1 - mant, "mantissa": mant,
+                     "max": fi.max, "smallest normal": fi.tiny, "smallest subnormal": fi.smallest_normal * fi.eps,
+                     "eps": fi.eps})
+    return rows
+
+
+def survival(values: torch.Tensor, dtype) -> dict[str, float]:
+    """Fractions of the nonzero ``values`` that casting to ``dtype`` rounds to zero, turns into inf, makes
+    subnormal (precision lost), or keeps as normal numbers."""
+    v = values.detach().flatten().double()
+    v = v[v != 0]
+    c = v.to(dtype_of(dtype)).double()
+    tiny = torch.finfo(dtype_of(dtype)).tiny
+    n = max(len(v), 1)
+    zero, inf = (c == 0), c.isinf()
+    sub = ~zero & ~inf & (c.abs() < tiny)
+    return {"zero": zero.sum().item() / n, "inf": inf.sum().item() / n, "subnormal": sub.sum().item() / n,
+            "normal": 1 - (zero | inf | sub).sum().item() / n}
+
+
+def autocast_dtypes(device: str = "cpu", dtype=torch.bfloat16) -> dict[str, str]:
+    """Which dtype each op returns under ``torch.autocast(device, dtype)`` for fp32 inputs (the lists
+    differ between CPU and CUDA: CUDA also runs softmax, layer_norm and sum in fp32)."""
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(4, 8, generator=g).to(device), torch.randn(8, 8, generator=g).to(device)
+    y = torch.zeros(4, dtype=torch.long, device=device)
+    with torch.autocast(device, dtype=dtype_of(dtype)):
+        h = F.linear(a, w)
+        ops = {"linear / matmul": h, "relu(linear)": F.relu(h), "softmax(linear)": F.softmax(h, -1),
+               "layer_norm(linear)": F.layer_norm(h, (8,)), "sum(linear)": h.sum(), "linear + fp32": h + a,
+               "cross_entropy(linear)": F.cross_entropy(h, y), "mse_loss(linear, fp32)": F.mse_loss(h, a)}
+    return {k: str(v.dtype).replace("torch.", "") for k, v in ops.items()}
+
+
+# --- memory: the same step in fp32, under autocast, and in pure bf16 ---------------------------------
+
+def step_memory(widths, batch: int, precision: str, device=None, seed: int = 0) -> dict:
+    """Forward + backward of an MLP (``memory.mlp``) on ``batch`` rows, measured with ``MemoryTracker``:
+    ``activations`` alive after forward (what backward will need), ``peak`` bytes of the whole
+    forward+backward, and its ``peak_breakdown``. The optimizer step is left out: it is the same in
+    "fp32" and "autocast" (fp32 weights, gradients and state either way)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: unknown precision {precision!r}; use one of {', '.join(map(repr, PRECISIONS))}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = mlp(list(widths), dtype=dt, seed=seed).to(device)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, widths[0], generator=g).to(device, dt)
+    y = torch.randint(widths[-1], (batch,), generator=g).to(device)
+    if device.type == "cuda":  # cuBLAS's workspace and autocast's kernels exist before measuring (as in 01)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast"):
+            F.cross_entropy(model(x).float(), y).backward()
+        model.zero_grad(set_to_none=True)
+    with MemoryTracker(model) as mt:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast"):
+            logits = model(x)
+        activations = mt.breakdown()["activations"]
+        mt.mark("backward")
+        F.cross_entropy(logits.float(), y).backward()  # the loss in fp32, on every row
+        del logits
+    return {"precision": precision, "activations": activations, "peak": mt.peak_bytes,
+            "peak_breakdown": mt.peak_breakdown(), "params": sum(p.numel() for p in model.parameters())}
+
+
+def compare_precisions(widths, batch: int, device=None) -> dict[str, dict]:
+    """``step_memory`` for every precision, by name."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: a second thread only spin-waits on a busy machine
+    try:
+        return {p: step_memory(widths, batch, p, device) for p in PRECISIONS}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def plot_precisions(results: dict[str, dict[str, dict]], title: str = "Peak of forward + backward"):
+    """One panel per model (name → ``compare_precisions`` result): the peak of each precision as a bar
+    stacked by category, with the activations alive after forward drawn as a black tick."""
+    fig, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 4), squeeze=False)
+    for ax, (name, res) in zip(axes[0], results.items()):
+        div, unit = unit_for(max(r["peak"] for r in res.values()))
+        bottoms = [0.0] * len(res)
+        for c in COLORS:
+            vals = [r["peak_breakdown"].get(c, 0) / div for r in res.values()]
+            if any(vals):
+                ax.bar(list(res), vals, bottom=bottoms, color=COLORS[c], label=LABELS[c])
+                bottoms = [b + v for b, v in zip(bottoms, vals)]
+        for i, r in enumerate(res.values()):
+            ax.text(i, r["peak"] / div, f"{r['peak'] / div:.1f}", ha="center", va="bottom", fontsize=9)
+        ax.scatter(list(res), [r["activations"] / div for r in res.values()], marker="_", s=900, color="k",
+                   label="activations after forward", zorder=3)
+        ax.set(ylabel=f"peak memory ({unit})", title=f"{name}\n{title}")
+        ax.legend(fontsize=8, frameon=False, loc="upper right")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,287 @@
+"""Notebook 06's checks: 6.1 a dynamic loss scaler against ``torch.amp.GradScaler``, 6.2 a mixed-precision
+step with fp32 master weights against the library way (an fp32 model under ``torch.autocast``).
+
+The references are torch's own: every expected value comes from ``GradScaler`` or ``autocast`` runs in
+``judge``; the named mistakes are the same library calls used wrongly (``clip_grad_norm_`` before
+``unscale_``, no unscaling, the loss taken in 16 bits) or a scale-decision rule with one planted slip
+(``_decisions``), so no working scaler or master-weight step lives in this package.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .checks import Check, CheckFailure, REGISTRY, _matches, describe_value, expect, expect_close, expect_equal
+from .memory import make_optimizer, measured_training_state, mlp, nbytes
+from .tracker import MemoryTracker
+
+DTYPES16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _plain(x):
+    """A learner's value as plain data: 1-element tensors become numbers; the rest is kept for messages."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        return x.item()
+    return x if isinstance(x, (bool, int, float, str, type(None))) else describe_value(x)
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().float().flatten() for t in tensors])
+
+
+# --- 6.1: scripted overflows --------------------------------------------------------------------------
+
+def scripted_run(case, scale, step, get_scale, counter) -> dict:
+    """Train a small MLP with SGD for ``case["script"]`` steps ("ok", "inf" or "nan": an overflowing
+    gradient element injected after backward, into parameter ``where``); record the scaler's decisions."""
+    widths, g = case["widths"], torch.Generator().manual_seed(case["seed"] + 1)
+    model = mlp(widths, seed=case["seed"])
+    opt, params = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), list(model.parameters())
+    rec = {"scale": [], "stepped": [], "clean_steps": []}
+    for event, where in zip(case["script"], case["where"]):
+        x, y = torch.randn(6, widths[0], generator=g), torch.randint(widths[-1], (6,), generator=g)
+        opt.zero_grad(set_to_none=True)
+        rec["scale"].append(_plain(get_scale()))
+        scale(F.cross_entropy(model(x), y)).backward()
+        if event != "ok":
+            p = params[where % len(params)]
+            p.grad.view(-1)[where % p.numel()] = float(event)
+        rec["stepped"].append(_plain(step(opt)))
+        rec["clean_steps"].append(_plain(counter()))
+    rec["final_scale"] = _plain(get_scale())
+    rec["params"] = _flat(params)
+    return rec
+
+
+def gradscaler_run(case, unscale=True) -> dict:
+    """The reference: ``torch.amp.GradScaler("cpu")`` on the same script. ``unscale=False`` re-multiplies
+    the unscaled gradients by the scale before stepping: what stepping without unscaling gives."""
+    gs = torch.amp.GradScaler("cpu", init_scale=case["init_scale"], growth_factor=case["growth_factor"],
+                              backoff_factor=case["backoff_factor"], growth_interval=case["growth_interval"])
+
+    def step(opt):
+        used = gs.get_scale()
+        gs.unscale_(opt)
+        found = sum(v.item() for v in gs._found_inf_per_device(opt).values()) > 0  # what update will consume
+        if not unscale:
+            for grp in opt.param_groups:
+                for p in grp["params"]:
+                    p.grad.mul_(used)
+        gs.step(opt)
+        gs.update()
+        return not found
+
+    return scripted_run(case, gs.scale, step, gs.get_scale, lambda: gs.state_dict()["_growth_tracker"])
+
+
+MISTAKES_61 = {
+    "late": "grew one step late: the scale grows on the growth_interval-th clean step in a row "
+            "(clean_steps == growth_interval, not >)",
+    "no_reset": "the clean-step counter was not reset to 0 after an overflow",
+    "counted_skip": "counted the skipped step as a clean one (after an overflow the counter restarts at 0)",
+    "no_reset_growth": "the clean-step counter was not reset to 0 after growing",
+    "nan": "a nan was not detected (torch.isinf misses nan: use torch.isfinite)",
+}
+
+
+def _decisions(case, mistake=None) -> dict:
+    """GradScaler's rule in plain Python, with one planted slip (for naming mistakes only; the expected
+    values come from GradScaler itself). nan-blind: once a nan reached the weights every later gradient
+    is nan too, which it also misses, so only injected infs still count as overflows."""
+    scale, count, rec = case["init_scale"], 0, {"scale": [], "clean_steps": []}
+    for event in case["script"]:
+        rec["scale"].append(scale)
+        if event == "inf" or (event == "nan" and mistake != "nan"):
+            scale *= case["backoff_factor"]
+            count = count if mistake == "no_reset" else (1 if mistake == "counted_skip" else 0)
+        else:
+            count += 1
+            if count == case["growth_interval"] + (mistake == "late"):
+                scale *= case["growth_factor"]
+                count = count if mistake == "no_reset_growth" else 0
+            elif mistake == "no_reset_growth" and count > case["growth_interval"]:
+                scale *= case["growth_factor"]
+        rec["clean_steps"].append(count)
+    rec["final_scale"] = scale
+    return rec
+
+
+def _first_difference(got, want, script):
+    for t, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return f"step {t + 1} (script {'/'.join(script[:t + 1])}): {a!r}, expected {b!r}"
+    return f"{len(got)} values, expected {len(want)}"
+
+
+class LossScalerCheck(Check):
+    id, function = "6.1", "DynamicLossScaler"
+    FIXED = [["inf", "ok", "ok", "ok", "ok"],                       # an overflow on the very first step
+             ["ok", "ok", "ok", "inf", "ok", "ok", "ok", "ok"],     # growth at exactly 3, overflow right after
+             ["ok", "ok", "nan", "ok", "ok", "ok", "ok"],           # a nan, mid-count
+             ["ok", "inf", "inf", "ok", "ok", "ok", "ok", "ok"]]    # two in a row
+
+    def cases(self, rng):
+        scripts = [list(s) for s in self.FIXED]
+        scripts.append([rng.choice(["ok", "ok", "ok", "inf", "nan"]) for _ in range(rng.randint(8, 11))])
+        out = []
+        for i, script in enumerate(scripts):
+            widths = [rng.randint(3, 12), rng.randint(4, 16), rng.randint(2, 5)]
+            out.append({"script": script, "where": [rng.randrange(1000) for _ in script], "widths": widths,
+                        "init_scale": float(2 ** rng.randint(2, 10)),
+                        "growth_factor": 2.0 if i < 4 else rng.choice([2.0, 4.0]),
+                        "backoff_factor": 0.5 if i < 4 else rng.choice([0.5, 0.25]),
+                        "growth_interval": 3 if i < 4 else rng.randint(2, 4), "seed": rng.randrange(2**31)})
+        return out
+
+    def describe(self, case):
+        return (f"script {'/'.join(case['script'])}, init_scale={case['init_scale']:g}, growth_factor="
+                f"{case['growth_factor']:g}, backoff_factor={case['backoff_factor']:g}, "
+                f"growth_interval={case['growth_interval']}")
+
+    def run(self, fn, case):
+        s = fn(init_scale=case["init_scale"], growth_factor=case["growth_factor"],
+               backoff_factor=case["backoff_factor"], growth_interval=case["growth_interval"])
+        return scripted_run(case, s.scale, s.step, s.get_scale, lambda: getattr(s, "clean_steps", "missing"))
+
+    def judge(self, case, result):
+        want, script = gradscaler_run(case), case["script"]
+        for t, v in enumerate(result["stepped"]):
+            if not isinstance(v, bool):
+                raise CheckFailure(f"step() returned {describe_value(v)} at step {t + 1}; expected True "
+                                   "(the optimizer stepped) or False (skipped)")
+        for t, (got, exp) in enumerate(zip(result["stepped"], want["stepped"])):
+            if got != exp:
+                why = ("a clean step was skipped: skip only when some gradient is inf or nan" if got is False else
+                       MISTAKES_61["nan"] if script[t] == "nan" else
+                       "the optimizer stepped although a gradient was inf: skip optimizer.step() on an overflow")
+                raise CheckFailure(f"step() returned {got} at step {t + 1} (script {'/'.join(script[:t + 1])}), "
+                                   f"GradScaler {'stepped' if exp else 'skipped'}: {why}")
+        wrong = {MISTAKES_61[m]: _decisions(case, m) for m in MISTAKES_61}
+        for key, what in [("scale", "get_scale() before each step"), ("clean_steps", "clean_steps after each step")]:
+            if result[key] != want[key]:
+                named = [name for name, rec in wrong.items() if rec[key] == result[key]]
+                raise CheckFailure(f"{what} differs from GradScaler's at {_first_difference(result[key], want[key], script)}"
+                                   + (f": {_matches(named)}" if named else ""))
+        expect_equal(result["final_scale"], want["final_scale"], "get_scale() after the last step")
+        expect_equal(len(result["stepped"]), len(want["stepped"]), "the number of steps recorded")
+        expect(bool(torch.isfinite(result["params"]).all()), "the parameters contain inf/nan: optimizer.step() ran "
+               "with non-finite gradients (skip the step when any gradient is inf or nan)")
+        expect_close(result["params"], want["params"], "the parameters after the script", rtol=1e-5, atol=1e-6,
+                     mistakes={"the gradients were not unscaled (divide them by the scale) before "
+                               "optimizer.step()": gradscaler_run(case, unscale=False)["params"]},
+                     hint="Hint: unscale every gradient of the optimizer's parameters, then step.")
+
+
+# --- 6.2: a mixed-precision step with fp32 master weights ---------------------------------------------
+
+def _start(case):
+    """The 16-bit model, its fp32 master copy and the optimizer over the master."""
+    model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]])
+    master = [p.detach().float().clone() for p in model.parameters()]
+    return model, master, make_optimizer(case["optimizer"], master, lr=case["lr"])
+
+
+def _batch(case):
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    return torch.randn(8, case["widths"][0], generator=g), torch.randint(case["widths"][-1], (8,), generator=g)
+
+
+def library_step(case, mistake=None) -> dict:
+    """The library way: an fp32 model (the same weights), ``torch.autocast`` to the 16-bit type,
+    ``GradScaler`` with a fixed scale, ``unscale_`` → ``clip_grad_norm_`` → ``step``. ``mistake`` plants
+    one: "clip first" (clip before unscale_), "no unscale" (scaled loss, plain step), "16-bit loss"."""
+    model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]]).float()
+    opt, (x, y) = make_optimizer(case["optimizer"], model.parameters(), lr=case["lr"]), _batch(case)
+    with torch.autocast("cpu", dtype=DTYPES16[case["dtype"]]):
+        logits = model(x)
+    loss = F.cross_entropy(logits if mistake == "16-bit loss" else logits.float(), y)
+    if mistake == "no unscale":
+        (loss * case["loss_scale"]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
+        opt.step()
+    else:
+        gs = torch.amp.GradScaler("cpu", init_scale=case["loss_scale"], growth_interval=10**6)
+        gs.scale(loss).backward()
+        if mistake != "clip first":
+            gs.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
+        gs.step(opt)  # unscales here if unscale_ was not called
+    return {"loss": loss.item(), "master": _flat(model.parameters()),
+            "model": _flat(p.to(DTYPES16[case["dtype"]]) for p in model.parameters())}
+
+
+def _grad_norm(case) -> float:
+    model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]]).float()
+    x, y = _batch(case)
+    with torch.autocast("cpu", dtype=DTYPES16[case["dtype"]]):
+        loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+
+
+class MixedStepCheck(Check):
+    id, function = "6.2", "mixed_precision_step"
+
+    def cases(self, rng):
+        specs = [("adam", "bf16", 1, None), ("momentum", "bf16", 2 ** rng.randint(4, 10), 2.0),
+                 ("momentum", rng.choice(["bf16", "fp16"]), 2 ** rng.randint(4, 10), 0.5),
+                 ("adam", "fp16", 2 ** rng.randint(8, 12), rng.choice([None, 0.5]))]
+        out = []
+        for opt, dtype, scale, clip in specs:  # clip: max_norm as a multiple of the true gradient norm
+            case = {"widths": [rng.randint(4, 16), rng.randint(8, 24), rng.randint(3, 6)], "optimizer": opt,
+                    "dtype": dtype, "loss_scale": float(scale), "lr": 0.05 if opt == "momentum" else 1e-2,
+                    "seed": rng.randrange(2**31)}
+            case["max_norm"] = float("inf") if clip is None else clip * _grad_norm(case)
+            out.append(case)
+        return out
+
+    def describe(self, case):
+        return (f"{case['dtype']} model {case['widths']}, {case['optimizer']}, loss_scale={case['loss_scale']:g}, "
+                f"max_norm={case['max_norm']:.4g}")
+
+    def run(self, fn, case):
+        model, master, opt = _start(case)
+        x, y = _batch(case)
+        with MemoryTracker(model, opt) as mt:
+            loss = fn(model, master, opt, x, y, case["loss_scale"], case["max_norm"])
+        b = mt.breakdown()  # the tracker files the master (the optimizer's parameters) under parameters
+        counters = nbytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
+        return {"loss": _plain(loss), "model": _flat(model.parameters()), "master": _flat(master),
+                "model_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                "bytes": {"parameters": b["parameters"] - nbytes(master), "gradients": b["gradients"],
+                          "optimizer_state": b["optimizer_state"] - counters + nbytes(master)}}
+
+    def judge(self, case, result):
+        want, s = library_step(case), case["loss_scale"]
+        wrong = {m: library_step(case, m) for m in ("clip first", "no unscale", "16-bit loss")}
+        names = {"clip first": "clipped the scaled gradients: unscale before clip_grad_norm_ (the norm is "
+                               "loss_scale× too large, so clipping cuts too much)",
+                 "no unscale": "the gradients were never divided by loss_scale: the step is loss_scale× too large",
+                 "16-bit loss": "the loss was computed from 16-bit logits: cast them to fp32 (.float()) first"}
+        expect(isinstance(result["loss"], float), f"mixed_precision_step returned {describe_value(result['loss'])}; "
+               "expected the (unscaled) loss as a Python float")
+        expect_close(result["loss"], want["loss"], "the returned loss", rtol=1e-5, mistakes={
+            "returned the scaled loss (loss × loss_scale): return the loss itself": want["loss"] * s,
+            names["16-bit loss"]: wrong["16-bit loss"]["loss"]})
+        common = {names[m]: wrong[m]["master"] for m in wrong}
+        expect_close(result["master"], want["master"], "the fp32 master weights after the step", rtol=1e-5,
+                     atol=1e-7, mistakes=common, hint="Hint: fp32 gradients = 16-bit gradients / loss_scale, "
+                     "then clip, then optimizer.step() (it updates the master).")
+        expect_equal(result["model_dtypes"], [str(DTYPES16[case["dtype"]])], "the model's parameter dtypes",
+                     hint="Hint: copy the master into the 16-bit parameters in place (p.copy_(m)).")
+        start = _flat(_start(case)[0].parameters())
+        expect_close(result["model"], want["model"], f"the {case['dtype']} model's weights after the step",
+                     rtol=1e-5, atol=1e-7, mistakes={
+                         "the model still has its old weights: copy the master into it after optimizer.step()": start,
+                         **{names[m]: wrong[m]["model"] for m in wrong}})
+        row = measured_training_state(mlp(case["widths"], seed=case["seed"]), case["optimizer"], "mixed")
+        n4 = 4 * sum(p.numel() for p in mlp(case["widths"], seed=case["seed"]).parameters())
+        expect_equal(result["bytes"], row, "the training state after the step, in bytes (notebook 01's mixed row)",
+                     mistakes={"kept the fp32 gradient copies on the master: they are temporaries (set .grad = None)":
+                               dict(row, gradients=row["gradients"] + n4),
+                               "freed the 16-bit gradients: leave them on the model as backward() does":
+                               dict(row, gradients=0)})
+
+
+check_6_1 = REGISTRY["6.1"]
+check_6_2 = REGISTRY["6.2"]

@@ -1,0 +1,60 @@
+"""Each check of notebook 06 passes the solution, fails the stub, and names planted mistakes under every seed."""
+from pathlib import Path
+
+import pytest
+
+from mgpu_helpers.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
+import mgpu_helpers.amp  # noqa: F401  (registers 6.1 and 6.2)
+
+NB = Path(__file__).resolve().parent.parent / "solutions" / "06_mixed_precision.ipynb"
+
+RESET = "            self.clean_steps = 0\n            return False\n"
+GROW = "            self.scale_value *= self.growth_factor\n            self.clean_steps = 0\n"
+UNSCALE = "m.grad = p.grad.float() / loss_scale                   # fp32 and unscaled, BEFORE clipping\n"
+CLIP = "    torch.nn.utils.clip_grad_norm_(master, max_norm)\n"
+CASES = {
+    "6.1": ("DynamicLossScaler", [
+        ([("if self.clean_steps == self.growth_interval:", "if self.clean_steps > self.growth_interval:")],
+         "grew one step late"),
+        ([(RESET, "            return False\n")], "not reset to 0 after an overflow"),
+        ([(RESET + "        optimizer.step()\n", "            self.clean_steps = 0\n        else:\n"
+           "            optimizer.step()\n"), ("        return True", "        return not found_inf")],
+         "counted the skipped step as a clean one"),
+        ([(GROW, "            self.scale_value *= self.growth_factor\n")], "not reset to 0 after growing"),
+        ([("not bool(torch.isfinite(p.grad).all())", "bool(torch.isinf(p.grad).any())")], "a nan was not detected"),
+        ([("p.grad.div_(self.scale_value)", "p.grad")], "the gradients were not unscaled"),
+        ([("            return False\n", "")], "the optimizer stepped although a gradient was inf"),
+    ]),
+    "6.2": ("mixed_precision_step", [
+        ([(UNSCALE + CLIP, "m.grad = p.grad.float()\n" + CLIP + "    for m in master:\n        m.grad /= loss_scale\n")],
+         "clipped the scaled gradients"),
+        ([(UNSCALE, "m.grad = p.grad.float()\n")], "never divided by loss_scale"),
+        ([("model(x.to(dtype)).float()", "model(x.to(dtype))")], "computed from 16-bit logits"),
+        ([("            p.copy_(m)", "            pass")], "the model still has its old weights"),
+        ([("            m.grad = None", "            pass")], "kept the fp32 gradient copies"),
+        ([("    return loss.item()", "    return (loss * loss_scale).item()")], "returned the scaled loss"),
+        ([("            m.grad = None", "            m.grad = p.grad = None")], "freed the 16-bit gradients"),
+    ]),
+}
+
+
+def _marked(ex, *values, id=None):
+    return pytest.param(ex, *values, marks=getattr(pytest.mark, f"ex_{ex.replace('.', '_')}"), id=id)
+
+
+PARAMS = [_marked(ex, edits, named, id=f"{ex}-{named[:28]}") for ex, (_, ms) in CASES.items() for edits, named in ms]
+
+
+@pytest.mark.parametrize("ex", [_marked(e) for e in CASES])
+def test_solution_passes_and_stub_fails(ex):
+    fn_name, _ = CASES[ex]
+    for seed in range(5):
+        ok, msg = solution_verdict(NB, ex, fn_name, seed=seed)
+        assert ok, msg
+    ok, msg = stub_verdict(NB, ex, fn_name)
+    assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg
+
+
+@pytest.mark.parametrize("ex,edits,named", PARAMS)
+def test_planted_mistake_is_named_under_every_seed(ex, edits, named):
+    mutant_fails_every_seed(NB, ex, CASES[ex][0], edits, named)
