@@ -22,7 +22,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-from .checks import Check, REGISTRY, expect, expect_close, expect_equal, run_learner_ranks
+from .checks import (Check, CheckFailure, CollectiveLedger, REGISTRY, collective_mismatch, expect, expect_close,
+                     expect_equal, expect_type, plain, run_learner_ranks)
 from .launch import rank_device, run_ranks, torchrun_main
 from .memory import mlp
 from .tracker import MemoryTracker
@@ -56,11 +57,18 @@ class AllReduceCount:
 
     def __init__(self, ddp_model: DDP):
         self.calls, self.group = 0, ddp_model.process_group
+        self.ledger, self.tag = None, lambda: 0  # a check's CollectiveLedger, and the tag of the moment
         ddp_model.register_comm_hook(self, AllReduceCount._hook)
 
     @staticmethod
     def _hook(state, bucket):  # unannotated: DDP rejects string annotations such as `from __future__` makes
         state.calls += 1
+        buf = bucket.buffer()
+        if state.ledger is not None and not state.ledger.admit("all_reduce", buf.numel() * buf.element_size(),
+                                                               state.tag()):
+            fut = torch.futures.Future()  # the ranks' collectives diverged: skip it, so that no rank hangs
+            fut.set_result(buf)
+            return fut
         return default_hooks.allreduce_hook(state.group, bucket)  # what DDP does without a hook
 
 
@@ -169,7 +177,7 @@ def _run_counted(model, call):
     hook = model.register_forward_pre_hook(lambda mod, args: sizes.append(len(args[0])))
     loss = call()
     hook.remove()
-    return {"loss": None if loss is None else float(loss), "grads": flat_grads(model), "forward_batches": sizes}
+    return {"loss": plain(loss), "grads": flat_grads(model), "forward_batches": sizes}
 
 
 def _expect_split(who, res, k, m):
@@ -179,7 +187,8 @@ def _expect_split(who, res, k, m):
 
 
 def _expect_loss(who, res, k, loss, last_loss):
-    expect(res["loss"] is not None, "the function returned None: return the accumulated loss (a float)")
+    expect_type(res["loss"], (float, int), f"{who}the function", "a float: the accumulated loss",
+                hint="Hint: a Python number, as loss.item() gives, not a tensor (which would keep its graph alive).")
     expect_close(res["loss"], loss, f"{who}the returned loss", rtol=1e-4, mistakes={
         "summed the micro-batch losses without dividing by k": k * loss,
         "returned only the last micro-batch's loss/k (total = instead of total +=)": last_loss / k},
@@ -225,8 +234,11 @@ def _ddp_case(rank, world, fn, case):
     # DDP's first backward uses one bucket, then rebuilds them; a real loop is past that: one step first.
     F.cross_entropy(ddp(x), y).backward()
     ddp.zero_grad(set_to_none=True)
-    count.calls = 0
+    count.calls, forwards = 0, []
+    model.register_forward_pre_hook(lambda mod, args: forwards.append(1))
+    count.ledger, count.tag = CollectiveLedger(device=dev), lambda: len(forwards)  # tag: the micro-step
     out = _run_counted(model, lambda: fn(ddp, F.cross_entropy, x, y, case["k"]))
+    out["mismatch"], count.ledger = count.ledger.finish(), None
     out["allreduces"], count.calls = count.calls, 0
     ddp.zero_grad(set_to_none=True)
     F.cross_entropy(ddp(x), y).backward()  # the reference: how many bucket all-reduces ONE sync takes
@@ -239,9 +251,14 @@ def _judge_rank(case, rank, world, res):
     base, _ = _grads_of(case["widths"], case["seed"], x, y)
     xs, ys = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
     local, loss = _grads_of(case["widths"], case["seed"], xs, ys)
+    firsts = [_grads_of(case["widths"], case["seed"], x.tensor_split(world)[r][:m], y.tensor_split(world)[r][:m])[0]
+              for r in range(world)]  # each rank's first micro-batch
     _expect_split(f"rank {rank}: ", res, k, m)
     expect_close(res["grads"], base, f"rank {rank}: the accumulated gradient", rtol=1e-4, mistakes={
         "loss not divided by k: gradients are k× too large": k * base,
+        "synchronised on the FIRST micro-step instead of the last: the later micro-batches' gradients were never "
+        "all-reduced, so each rank kept its own of those (ranks disagree)":
+            local + (sum(firsts) / world - firsts[rank]) / k,
         "no_sync on every micro-step, including the last: gradients were never all-reduced, so each rank "
         "kept only its own (ranks disagree)": local,
     }, hint="Hint: loss/k on every micro-step; the first k-1 inside ddp_model.no_sync(), the last outside it, "
@@ -258,24 +275,29 @@ def _judge_rank(case, rank, world, res):
 
 class AccumulateDDP(Check):
     id, function = "5.2", "accumulate_ddp"
-    world = 2
 
     def cases(self, rng):
-        cases = [_model_case(rng, k, rng.randint(2, 4)) for k in rng.sample([2, 3, 4], 3)]
+        cases = [dict(_model_case(rng, k, rng.randint(2, 4)), world=2) for k in rng.sample([2, 3, 4], 3)]
+        cases.append(dict(_model_case(rng, rng.randint(2, 4), rng.randint(2, 4)), world=1))  # one rank: DDP still syncs
         for c in cases:  # a bucket cap that splits the gradients into a few buckets, so counts are telling
             n = sum((a + 1) * b for a, b in zip(c["widths"][:-1], c["widths"][1:]))
             c["bucket_cap_mb"] = 4 * n / rng.randint(2, 4) / 2**20
         return cases
 
     def describe(self, case):
-        return f"{self.world} ranks, batch {case['k'] * case['micro']} per rank, k={case['k']}, widths={case['widths']}"
+        return (f"{case['world']} rank{'s' * (case['world'] > 1)}, batch {case['k'] * case['micro']} per rank, "
+                f"k={case['k']}, widths={case['widths']}")
 
     def run(self, fn, case):
-        return {"ranks": run_learner_ranks(_ddp_case, self.world, fn, case, timeout=60)}
+        return {"ranks": run_learner_ranks(_ddp_case, case["world"], fn, case, timeout=15)}
 
     def judge(self, case, result):
+        mismatch = next((r["mismatch"] for r in result["ranks"] if r["mismatch"]), None)
+        if mismatch:
+            raise CheckFailure(collective_mismatch(mismatch, tag="micro-step") + ". Hint: every rank runs the "
+                               "same micro-steps, with the same no_sync choices.")
         for rank, res in enumerate(result["ranks"]):
-            _judge_rank(case, rank, self.world, res)
+            _judge_rank(case, rank, case["world"], res)
 
 
 check_5_1 = REGISTRY["5.1"]

@@ -114,6 +114,17 @@ class Check:
                 self.judge_one(i, len(cases), case, self._call(fn, case))
         print(f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases")
 
+    def passes(self, fn: Callable, seed: int | None = 0) -> bool:
+        """Whether ``fn`` passes this check, silently: for plots and tables that use a learner's function
+        and must say whether what they show was checked."""
+        import io
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                self(fn, seed=seed)
+        except CheckFailure:
+            return False
+        return True
+
     # --- grading split: run in the learner's kernel, judge elsewhere -----------------------------------
     def run_all(self, fn: Callable, seed: int) -> list[dict]:
         """Results of the learner's function on the seed's cases, as plain data (for the grader)."""
@@ -221,8 +232,26 @@ def _matches(named: list[str]) -> str:
     return "it matches each of these common mistakes (they give the same value here): " + "; ".join(named)
 
 
+def plain(x: Any, _depth: int = 0) -> Any:
+    """What a learner's function returned, as data a grader can ship (``torch.save`` and
+    ``torch.load(weights_only=True)``) and a judge can inspect: numbers, strings, None, CPU tensors
+    (detached), lists and dicts of them. Anything else becomes ``{"__type__": "a Foo"}``, which
+    :func:`describe_value` reads back, so that ``expect_type`` can say what was returned."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if _depth < 4 and isinstance(x, (list, tuple)):
+        return [plain(v, _depth + 1) for v in x]
+    if _depth < 4 and isinstance(x, dict):
+        return {str(k): plain(v, _depth + 1) for k, v in x.items()}
+    return {"__type__": describe_value(x)}
+
+
 def describe_value(x: Any) -> str:
     """'an int', 'a tensor of shape (3,)', 'a dict with keys [...]' -- for wrong-type messages."""
+    if isinstance(x, dict) and list(x) == ["__type__"]:  # what plain() made of an object it cannot ship
+        return str(x["__type__"])
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)}" + (f" ({x.dtype})" if x.dtype != torch.float32 else "")
     if isinstance(x, dict):
@@ -259,3 +288,112 @@ def expect_equal(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
 def expect(cond: bool, message: str) -> None:
     if not cond:
         raise CheckFailure(message)
+
+
+# --- distributed checks: the ranks' collectives, matched as they happen -------------------------------
+
+_OPS = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+class _Skipped:
+    """What a skipped ``async_op=True`` collective returns: a work that is already done."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class CollectiveLedger:
+    """Inside each rank of a distributed check: the learner's collectives, and a guard against ranks that
+    make different ones. Before each collective, the ranks compare (operation, call number, bytes, tag)
+    with one small all_gather of their own; as soon as one rank differs -- one rank all-reduces and the
+    other does not, or the order or sizes differ -- every rank stops issuing the learner's collectives
+    (they return at once), so the function runs to its end instead of hanging or crashing the peers, and
+    :meth:`finish` hands back every rank's calls for :func:`collective_mismatch` to describe.
+
+    ``with ledger.watching(): fn(...)`` watches calls made as ``dist.<op>(...)``; a comm hook calls
+    :meth:`admit` itself (see ``accumulation.py``). ``tag`` is any number that must agree across ranks
+    when the call is made (e.g. the micro-step)."""
+
+    def __init__(self, device=None):
+        import torch.distributed as dist
+        self.calls: list[list] = []
+        self.diverged = self.finished = False
+        self.device = device
+        self._dist, self._all_gather = dist, dist.all_gather
+
+    def _agree(self, code: list[int]) -> bool:
+        t = torch.tensor(code, dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(t) for _ in range(self._dist.get_world_size())]
+        self._all_gather(out, t)
+        return all(torch.equal(o, t) for o in out)
+
+    def admit(self, op: str, nbytes: int, tag: int = 0) -> bool:
+        """Record a collective about to be made; True when it may run (every rank is making this one)."""
+        self.calls.append([op, int(nbytes), int(tag)])
+        if self.finished:
+            return True
+        if not self.diverged:
+            code = [_OPS.index(op) + 1 if op in _OPS else 99, len(self.calls), int(nbytes), int(tag)]
+            self.diverged = not self._agree(code)
+        return not self.diverged
+
+    def finish(self) -> list[list] | None:
+        """After the learner's function, on every rank: None when all ranks made the same collectives,
+        else every rank's list of calls ([op, bytes, tag], by rank)."""
+        if not self.diverged:
+            self.diverged = not self._agree([0, len(self.calls), 0, 0])
+        self.finished = True
+        if not self.diverged:
+            return None
+        lists: list = [None] * self._dist.get_world_size()
+        self._dist.all_gather_object(lists, self.calls)
+        return lists
+
+    @contextlib.contextmanager
+    def watching(self, ops=("all_reduce", "broadcast", "barrier")):
+        dist, real = self._dist, {op: getattr(self._dist, op) for op in ops}
+
+        def wrap(op):
+            def collective(*args, **kwargs):
+                t = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+                if self.admit(op, 0 if t is None else t.numel() * t.element_size()):
+                    return real[op](*args, **kwargs)
+                return _Skipped() if kwargs.get("async_op") else None
+            return collective
+
+        for op in ops:
+            setattr(dist, op, wrap(op))
+        try:
+            yield self
+        finally:
+            for op, f in real.items():
+                setattr(dist, op, f)
+
+
+def collective_mismatch(per_rank: list[list], tag: str = "") -> str:
+    """"rank 0 made 2 all_reduce calls, rank 1 made 4: the ranks' collectives do not match", or, when
+    the counts agree, the first call that differs. ``tag`` names what a call's tag counts (e.g.
+    "micro-step")."""
+    from collections import Counter
+    counts = [Counter(c[0] for c in calls) for calls in per_rank]
+    why = ("the ranks' collectives do not match: every rank must make the same collectives, in the same "
+           "order, on tensors of the same size (a collective inside a rank-dependent branch, or a "
+           "different order, breaks that)")
+    if any(c != counts[0] for c in counts):
+        ops = sorted(set().union(*counts))
+        if len(ops) == 1:
+            op = ops[0]
+            said = [f"rank 0 made {counts[0][op]} {op} call{'s' * (counts[0][op] != 1)}"]
+            said += [f"rank {r} made {c[op]}" for r, c in enumerate(counts) if r]
+        else:
+            said = [f"rank {r} made " + ", ".join(f"{c[op]} {op}" for op in ops) for r, c in enumerate(counts)]
+        return ", ".join(said) + ": " + why
+    for i, calls in enumerate(zip(*per_rank)):
+        if any(c != calls[0] for c in calls):
+            where = [f"rank {r}'s is {op} of {b} bytes" + (f" in {tag} {t}" if tag else "")
+                     for r, (op, b, t) in enumerate(calls)]
+            return f"collective number {i + 1}: " + ", ".join(where) + "; " + why
+    return why

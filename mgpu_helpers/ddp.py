@@ -12,15 +12,9 @@ Run as a script (torch DDP on 2 ranks against a single process on the full batch
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import subprocess
-import sys
-import textwrap
-import time
+from collections import OrderedDict
 
-import matplotlib.pyplot as plt
 import torch
 import torch._dynamo  # noqa: F401  DDP's first construction imports ~800 modules (1.4 s); doing it once
 import torch.distributed as dist  # here, in the notebook kernel, spares every forked rank that cost.
@@ -28,7 +22,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checks import REGISTRY, Check, expect, expect_close, expect_equal, run_learner_ranks
+from .checks import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect,
+                     expect_close, expect_equal, expect_type, plain, run_learner_ranks)
+from .ddp_demos import draw_collectives, fork_after_cuda, settled_all_reduce, spawn_from_notebook  # noqa: F401
 from .launch import rank_device, run_ranks, torchrun_main
 
 # --- models and data: the same on every rank, from a seed ------------------------------------------
@@ -66,138 +62,92 @@ def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return flat_grads(model)
 
 
-@contextlib.contextmanager
-def settled_all_reduce():
-    """Within the ``with``, ``dist.all_reduce`` returns only once the backend has let go of the tensor:
-    gloo's worker thread drops its reference a moment *after* all_reduce returns, so a measurement would
-    see -- or not, by chance -- a buffer the program no longer holds."""
-    real = dist.all_reduce
-
-    def all_reduce(tensor, *args, **kwargs):
-        held = tensor._use_count()
-        out = real(tensor, *args, **kwargs)
-        while tensor._use_count() > held:  # the worker thread still holds it: let it run
-            time.sleep(0)
-        return out
-
-    dist.all_reduce = all_reduce
-    try:
-        yield
-    finally:
-        dist.all_reduce = real
-
-
-# --- pictures of collectives ------------------------------------------------------------------------
-
-def draw_collectives(results: dict[str, tuple[list, list]]):
-    """One row per collective: each rank's tensor before (left) and after (right), one box per element.
-    ``results`` maps a name to (before, after), each a list over ranks of lists of numbers."""
-    fig, axes = plt.subplots(len(results), 2, figsize=(9, 1.5 * len(results) + 0.4), squeeze=False)
-    values = sorted({v for b, a in results.values() for t in b + a for v in t})
-    cmap = plt.get_cmap("tab20", max(len(values), 1))
-    for row, (name, pair) in zip(axes, results.items()):
-        for ax, tensors, when in zip(row, pair, ("before", "after")):
-            for r, t in enumerate(tensors):
-                for j, v in enumerate(t):  # equal values get equal colours: "the same on every rank"
-                    ax.add_patch(plt.Rectangle((j, -r - 1), 0.92, 0.85, color=cmap(values.index(v)), alpha=.55))
-                    ax.text(j + 0.46, -r - 0.57, f"{v:g}", ha="center", va="center", fontsize=9)
-            ax.set_xlim(0, max(len(t) for t in pair[0] + pair[1]))
-            ax.set_ylim(-len(tensors), 0)
-            ax.set_yticks([-r - 0.57 for r in range(len(tensors))], [f"rank {r}" for r in range(len(tensors))])
-            ax.set_xticks([])
-            ax.set_title(f"{name}: {when}", fontsize=10)
-            ax.spines[:].set_visible(False)
-    fig.tight_layout()
-    return fig
-
-
-# --- what goes wrong when launching ranks -----------------------------------------------------------
-
-def _errors_of(code: str) -> list[str]:
-    """Run ``code`` in a fresh interpreter whose ``__main__`` cannot be imported (like a notebook's);
-    return the last line of each traceback it printed, then its exit code."""
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    lines = [line for line in p.stderr.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
-    return [re.sub(r"<module '__main__' \(.*\)>", "<module '__main__'>", x) for x in lines] + [  # as 3.11 .. 3.13
-        f"exit code {p.returncode}"]
-
-
-def spawn_from_notebook() -> list[str]:
-    """``torch.multiprocessing.spawn`` of a function defined in ``__main__``: the child's error, the parent's."""
-    return _errors_of("""
-        import torch.multiprocessing as mp
-        def work(rank):                         # defined in __main__, which the child cannot import
-            print("rank", rank, "ran")
-        mp.spawn(work, nprocs=1)
-    """)
-
-
-def fork_after_cuda() -> list[str]:
-    """(GPU only) Fork a child after CUDA is initialised in the parent: the child's error."""
-    return _errors_of("""
-        import multiprocessing as mp, torch
-        torch.zeros(1, device="cuda")           # the parent initialises CUDA...
-        def child():
-            torch.zeros(1, device="cuda")       # ...and a forked child cannot
-        p = mp.get_context("fork").Process(target=child); p.start(); p.join()
-        raise SystemExit(p.exitcode)
-    """)
-
-
 # --- the checks -------------------------------------------------------------------------------------
+# Every case is a fixed edge case with random sizes: world sizes 1 to 3, uneven shards, a parameter that
+# the forward pass never uses (its .grad stays None), and for 4.2 a bucket exactly at the cap. The
+# reference is the mean over ranks of each rank's own gradients -- what torch DDP computes (tests/test_ddp.py
+# checks that it does) -- computed in one process, once per case.
 
-def _draw_model(rng, layers=(2, 3)):
-    n = rng.randint(*layers)
-    return {"widths": [rng.randint(2, 24) for _ in range(n + 1)], "bias": rng.random() < 0.7,
-            "world_size": rng.choice([2, 3]), "per_rank": rng.randint(2, 5), "seed": rng.randrange(10**6)}
+class _SkipsUnused(nn.Sequential):
+    def forward(self, x):  # the module named "unused" gets no input, so its parameters get no .grad
+        for name, m in self.named_children():
+            x = x if name == "unused" else m(x)
+        return x
 
 
-def _grad_bytes(case) -> list[int]:  # of each parameter's fp32 gradient, in model.parameters() order
+def _model(case) -> nn.Module:
+    layers = list(make_model(case["widths"], case["seed"], case["bias"]).named_children())
+    if case.get("unused"):  # between two layers, so a bucket has to skip it
+        layers.insert(2, ("unused", nn.Linear(3, 2, bias=case["bias"])))
+    return _SkipsUnused(OrderedDict(layers))
+
+
+def _draw_model(rng, layers=(2, 3), world_size=2, uneven=False, unused=False):
+    n, w = rng.randint(*layers), world_size
+    rows = [rng.randint(2, 5) for _ in range(w)]
+    while uneven and len(set(rows)) == 1:
+        rows = [rng.randint(1, 6) for _ in range(w)]
+    return {"widths": [rng.randint(2, 24) for _ in range(n + 1)], "bias": rng.random() < 0.7 or unused,
+            "world_size": w, "rows": rows, "unused": unused, "seed": rng.randrange(10**6)}
+
+
+def _grad_bytes(case) -> list[int]:  # of each used parameter's fp32 gradient, in model.parameters() order
     w = case["widths"]
     return [n for a, b in zip(w[:-1], w[1:]) for n in ([4 * a * b] + ([4 * b] if case["bias"] else []))]
 
 
-def _batch(case):
-    w = case["widths"]
-    return make_batch(case["world_size"] * case["per_rank"], w[0], w[-1], case["seed"] + 1)
+def _shard(case, rank):
+    w, rows = case["widths"], case["rows"]
+    x, y = make_batch(sum(rows), w[0], w[-1], case["seed"] + 1)
+    start = sum(rows[:rank])
+    return x[start:start + rows[rank]], y[start:start + rows[rank]]
+
+
+def _named_grads(model) -> dict:
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def _learner_rank(rank, world_size, fn, case):
-    model = make_model(case["widths"], case["seed"], case["bias"])
-    x, y = (shard(t, rank, world_size) for t in _batch(case))
-    F.cross_entropy(model(x), y).backward()
-    sizes, real_all_reduce = [], dist.all_reduce
-
-    def counting_all_reduce(tensor, *args, **kwargs):  # observe every collective the learner issues
-        sizes.append(tensor.numel() * tensor.element_size())
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
-    try:
+    model = _model(case)
+    F.cross_entropy(model(_shard(case, rank)[0]), _shard(case, rank)[1]).backward()
+    ledger = CollectiveLedger()
+    with ledger.watching():  # records every dist.all_reduce/broadcast/barrier; stops ranks that diverge
         out = fn(model, case["cap"]) if "cap" in case else fn(model)
-    finally:
-        dist.all_reduce = real_all_reduce
-    out = out if isinstance(out, int) and not isinstance(out, bool) else repr(out)[:80]  # plain data only
-    return {"grads": flat_grads(model), "returned": out, "sizes": sizes}
+    return {"grads": _named_grads(model), "returned": plain(out), "calls": ledger.calls,
+            "mismatch": ledger.finish()}
 
 
-def _reference_rank(rank, world_size, case):
-    # torch DDP's gradients on this rank's shard, and one process's on the whole batch and on the shard.
-    # Computed in a rank: backward in the caller would start autograd's GPU threads on a CUDA build, and
-    # ranks forked after that fail ("Unable to handle autograd's threading in combination with fork").
-    (x, y), args = _batch(case), (case["widths"], case["seed"], case["bias"])
-    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
-    return {"ddp": _grads(DDP(make_model(*args)), xs, ys), "full": _grads(make_model(*args), x, y),
-            "local": _grads(make_model(*args), xs, ys)}
+def _local_grads(case):  # each rank's own gradients (mean loss over its shard), by rank
+    out = []
+    for rank in range(case["world_size"]):
+        model = _model(case)
+        F.cross_entropy(model(_shard(case, rank)[0]), _shard(case, rank)[1]).backward()
+        out.append(_named_grads(model))
+    return out
 
 
-def _expected_buckets(sizes: list[int], cap: int) -> list[int]:
+_REFERENCES: dict[str, list] = {}
+
+
+def _references(case) -> list[dict]:
+    """Each rank's own gradients. Computed in a rank of its own where there are GPUs: a backward pass in
+    this process would start autograd's GPU threads on a CUDA build, and ranks forked after that fail."""
+    key = repr(sorted(case.items()))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _local_grads(case) if torch.cuda.device_count() == 0 else \
+            run_ranks(lambda rank, world, c: _local_grads(c), 1, case, backend="gloo", timeout=15)[0]
+    return _REFERENCES[key]
+
+
+def _expected_buckets(sizes: list[int], cap: int, close_at_cap: bool = False, after: bool = False) -> list[int]:
     """Greedy packing in parameter order: start a new bucket when adding the next gradient would make
-    the current one exceed ``cap``; a gradient larger than ``cap`` therefore gets a bucket of its own."""
+    the current one exceed ``cap``; a gradient larger than ``cap`` therefore gets a bucket of its own.
+    (``close_at_cap``: the off-by-one that also closes a bucket that would be exactly at the cap;
+    ``after``: DDP's own rule, which closes a bucket once it has reached the cap.)"""
     buckets: list[int] = []
     for n in sizes:
-        if buckets and buckets[-1] + n <= cap:
+        if buckets and (buckets[-1] < cap if after else (buckets[-1] + n < cap if close_at_cap
+                                                          else buckets[-1] + n <= cap)):
             buckets[-1] += n
         else:
             buckets.append(n)
@@ -205,65 +155,127 @@ def _expected_buckets(sizes: list[int], cap: int) -> list[int]:
 
 
 class _AverageCheck(Check):
+    def describe(self, case):
+        text = (f"{case['world_size']} rank{'s' * (case['world_size'] > 1)}, shards of {case['rows']} rows, "
+                f"widths={case['widths']}, bias={case['bias']}")
+        return text + (", a parameter the forward does not use" if case["unused"] else "") + (
+            f", bucket_cap_bytes={case['cap']}" if "cap" in case else "")
+
     def run(self, fn, case):
-        return run_learner_ranks(_learner_rank, case["world_size"], fn, case, backend="gloo", timeout=60)
+        try:
+            return run_learner_ranks(_learner_rank, case["world_size"], fn, case, backend="gloo", timeout=15)
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            said = str(e).split("--- traceback")[0].strip()
+            if case["unused"] and "None" in said:
+                raise CheckFailure(
+                    f"Exercise {self.id} ✗ {self.function} raised on this model's unused parameter, whose .grad "
+                    f"is None (the forward pass never used it): skip parameters without a gradient.\n"
+                    f"  on case: {self.describe(case)}\n  {said}") from None
+            raise
+
+    def mistakes(self, case, local, target, world) -> dict:
+        return {"summed with all_reduce but not divided by the world size": {n: world * t for n, t in target.items()},
+                "divided by the world size twice": {n: t / world for n, t in target.items()},
+                "divided by 2 instead of the world size (dist.get_world_size())": {n: t * world / 2 for n, t in target.items()},
+                self.unchanged: local}
 
     def judge(self, case, result):
-        world = case["world_size"]
-        refs = run_ranks(_reference_rank, world, case, backend="gloo", timeout=60)
-        full = refs[0]["full"]  # one process, the whole batch: what averaging must reproduce
+        world, locals_ = case["world_size"], _references(case)
         expect(isinstance(result, list) and len(result) == world, f"expected one result per rank ({world})")
+        if any(r["mismatch"] for r in result):
+            raise CheckFailure(collective_mismatch(next(r["mismatch"] for r in result if r["mismatch"])))
+        used = [n for n, g in locals_[0].items() if g is not None]
+        target = {n: sum(loc[n] for loc in locals_) / world for n in used}  # DDP: the mean of the ranks' own
         for r, got in enumerate(result):
-            what = f"rank {r}'s gradients after {self.function}"
-            expect_close(got["grads"], full, what, rtol=1e-4, atol=1e-6, hint=self.hint, mistakes={
-                "summed with all_reduce but not divided by the world size": full * world,
-                "divided by the world size twice": full / world,
-                self.unchanged: refs[r]["local"]})
-            expect_close(got["grads"], refs[r]["ddp"], f"{what} vs torch DDP's", rtol=1e-4, atol=1e-6)
+            grads, what = got["grads"], f"rank {r}'s gradients after {self.function}"
+            for n, g in grads.items():
+                expect(n in used or g is None or not g.any(), f"{what}: the unused parameter {n} (its .grad was "
+                       f"None) now has a non-zero gradient")
+                expect(n not in used or g is not None, f"{what}: {n}.grad is None; it had a gradient before.")
+            flat = lambda d: torch.cat([d[n].reshape(-1) for n in used])  # noqa: E731
+            mistakes = {k: flat(v) for k, v in self.mistakes(case, locals_[r], target, world).items()}
+            bad = [n for n in used if not torch.allclose(grads[n], target[n], rtol=1e-4, atol=1e-6)]
+            if not bad:
+                continue
+            good = [n for n in used if n not in bad]
+            named = [k for k, v in mistakes.items() if torch.allclose(flat(grads), v, rtol=1e-4, atol=1e-6)]
+            if not named and good:  # some parameters right, others not: say which
+                d = max((grads[n] - target[n]).abs().max().item() for n in bad)
+                raise CheckFailure(f"{what}: {', '.join(bad)} differ (max |difference| {d:.3g}); "
+                                   f"{', '.join(good)} match. {self.hint}")
+            expect_close(flat(grads), flat(target), what, rtol=1e-4, atol=1e-6, hint=self.hint, mistakes=mistakes)
 
 
 class Check41(_AverageCheck):
     id, function, points = "4.1", "average_gradients", 2
     unchanged = "gradients unchanged: averaged .data instead of .grad (or never reduced)"
-    hint = "Each .grad must become (sum over ranks) / world_size: dist.all_reduce(p.grad), then divide."
+    hint = "Each .grad must become (sum over ranks) / world_size."
 
     def cases(self, rng):
-        return [{**_draw_model(rng), "world_size": w} for w in (2, 3, rng.choice([2, 3]))]
+        return [_draw_model(rng, world_size=2, uneven=True, unused=True), _draw_model(rng, world_size=3),
+                _draw_model(rng, world_size=1, unused=rng.random() < 0.5)]
 
 
 class Check42(_AverageCheck):
     id, function, points = "4.2", "allreduce_bucketed", 3
     unchanged = "gradients unchanged: the reduced flat buffer was never copied back into .grad"
-    hint = "all_reduce each flat bucket, divide by world_size, and copy its slices back into the .grads."
+    forgot_last = "forgot the last bucket (the one still open after the loop): its gradients were never reduced"
+    hint = "Each .grad must become (sum over ranks) / world_size, bucket by bucket."
 
     def cases(self, rng):
         out = []
-        for kind in ("one bucket", "a gradient larger than the cap", "in between"):
+        for kind, world, uneven, unused in (("at the cap", 2, True, True), ("in between", 3, False, False),
+                                            ("larger than the cap", 2, False, True), ("one bucket", 1, False, False)):
             while True:  # redraw until the case tests what it is meant to (and bucketing saves calls)
-                case = _draw_model(rng, (2, 4))
-                sizes, total = _grad_bytes(case), sum(_grad_bytes(case))
-                case["cap"] = {"one bucket": total + 4 * rng.randint(0, 8),
-                               "a gradient larger than the cap": rng.randint(min(sizes) - 1, max(sizes) - 1),
-                               "in between": rng.randint(max(sizes), total)}[kind]
+                case = _draw_model(rng, (2, 4), world, uneven, unused)
+                sizes = _grad_bytes(case)
+                case["cap"] = {"at the cap": sum(sizes[:2]), "one bucket": sum(sizes) + 4 * rng.randint(0, 8),
+                               "larger than the cap": rng.randint(min(sizes) - 1, max(sizes) - 1),
+                               "in between": rng.randint(max(sizes), sum(sizes))}[kind]
                 n = len(_expected_buckets(sizes, case["cap"]))
-                if n < len(sizes) and (kind != "in between" or n > 1):
+                if n < len(sizes) and (kind in ("one bucket", "larger than the cap") or n > 1) and (
+                        kind != "at the cap" or len(sizes) > len(_expected_buckets(sizes, case["cap"], True)) > n):
                     out.append(case)
                     break
         return out
 
+    def _bucket_mistakes(self, sizes, cap) -> dict:
+        right = _expected_buckets(sizes, cap)
+        return {"one all_reduce per parameter (no bucketing)": sizes,
+                "closed a bucket that would have been exactly at the cap (>= instead of >): a bucket may "
+                "reach the cap, only exceeding it starts a new one": _expected_buckets(sizes, cap, close_at_cap=True),
+                "closed each bucket only once it reached the cap (DDP's rule), so buckets overshoot it; here a "
+                "bucket must never exceed the cap": _expected_buckets(sizes, cap, after=True),
+                self.forgot_last: right[:-1]}
+
+    def mistakes(self, case, local, target, world) -> dict:
+        out = super().mistakes(case, local, target, world)
+        used, buckets = [n for n in target], _expected_buckets(_grad_bytes(case), case["cap"])
+        last, ends = [], 0  # the used parameters that fall in the last bucket
+        for n, b in zip(used, _grad_bytes(case)):
+            ends += b
+            if ends > sum(buckets[:-1]):
+                last.append(n)
+        out[self.forgot_last] = {n: local[n] if n in last else t for n, t in target.items()}
+        return out
+
     def judge(self, case, result):
-        super().judge(case, result)  # the gradients first, then the collectives
+        super().judge(case, result)  # the ranks' collectives and the gradients first, then the packing
         sizes = _grad_bytes(case)
-        buckets = _expected_buckets(sizes, case["cap"])
-        mistakes = {"one all_reduce per parameter (no bucketing)": len(sizes)}
+        buckets, mistakes = _expected_buckets(sizes, case["cap"]), self._bucket_mistakes(sizes, case["cap"])
+        hint = f"Greedy packing of {sizes} bytes under a cap of {case['cap']} bytes gives buckets of {buckets} bytes."
         for r, got in enumerate(result):
+            expect_type(got["returned"], int, f"rank {r}: {self.function}", "an int: the number of all_reduce calls")
             expect_equal(got["returned"], len(buckets), f"rank {r}: the number of collectives returned",
-                         mistakes=mistakes, hint=f"Greedy packing of {sizes} bytes under a cap of "
-                         f"{case['cap']} bytes gives buckets of {buckets} bytes.")
-            if got["sizes"]:  # seen only when the learner calls dist.all_reduce (not an alias of it)
-                expect_equal(len(got["sizes"]), len(buckets), f"rank {r}: the number of all_reduce calls "
-                             "issued", mistakes=mistakes)
-                expect_equal(got["sizes"], buckets, f"rank {r}: the bytes of each all_reduce'd bucket")
+                         mistakes={k: len(v) for k, v in mistakes.items()}, hint=hint)
+            seen = [b for op, b, _ in got["calls"] if op == "all_reduce"]
+            if seen:  # seen only when the learner calls dist.all_reduce (not an alias of it)
+                expect_equal(len(seen), len(buckets), f"rank {r}: the number of all_reduce calls issued",
+                             mistakes={k: len(v) for k, v in mistakes.items()}, hint=hint)
+                expect_equal(seen, buckets, f"rank {r}: the bytes of each all_reduce'd bucket", mistakes=mistakes,
+                             hint=hint)
 
 
 check_4_1 = REGISTRY["4.1"]

@@ -33,17 +33,21 @@ def test_bucket_rule(sizes, cap, buckets):
 
 @pytest.mark.parametrize("seed", range(25))
 def test_cases_test_what_they_claim(seed):
-    one, big, middle = ddp.check_4_2.make_cases(seed)
-    for case in (one, big, middle):
+    at_cap, middle, big, one = ddp.check_4_2.make_cases(seed)
+    for case in (at_cap, middle, big, one):
         sizes = ddp._grad_bytes(case)
-        model = ddp.make_model(case["widths"], case["seed"], case["bias"])
-        assert sizes == [p.numel() * p.element_size() for p in model.parameters()]
+        model = ddp._model(case)
+        model(ddp._shard(case, 0)[0]).sum().backward()
+        assert sizes == [p.numel() * p.element_size() for p in model.parameters() if p.grad is not None]
         assert len(ddp._expected_buckets(sizes, case["cap"])) < len(sizes)   # bucketing saves collectives
-        assert case["world_size"] in (2, 3)
-    assert len(ddp._expected_buckets(ddp._grad_bytes(one), one["cap"])) == 1
+        assert len(case["rows"]) == case["world_size"]
+    assert ddp._expected_buckets(ddp._grad_bytes(at_cap), at_cap["cap"])[0] == at_cap["cap"]   # exactly at it
+    assert at_cap["unused"] and len(set(at_cap["rows"])) > 1                  # an unused parameter; uneven shards
+    assert any(p.grad is None for p in ddp._model(at_cap).parameters())
+    assert len(ddp._expected_buckets(ddp._grad_bytes(one), one["cap"])) == 1 and one["world_size"] == 1
     assert max(ddp._grad_bytes(big)) > big["cap"]
     assert len(ddp._expected_buckets(ddp._grad_bytes(middle), middle["cap"])) > 1
-    assert [c["world_size"] for c in ddp.check_4_1.make_cases(seed)][:2] == [2, 3]
+    assert [c["world_size"] for c in ddp.check_4_1.make_cases(seed)] == [2, 3, 1]
 
 
 def test_shards_partition_the_batch():
@@ -52,14 +56,31 @@ def test_shards_partition_the_batch():
     assert torch.equal(ddp.make_batch(12, 5, 3)[1], y)          # deterministic from the seed
 
 
-def test_references_agree():
-    case = ddp.check_4_1.make_cases(3)[1]
-    x, y = ddp._batch(case)
-    full = ddp._grads(ddp.make_model(case["widths"], case["seed"], case["bias"]), x, y)
-    refs = run_ranks(ddp._reference_rank, case["world_size"], case, backend="gloo")
-    for ref in refs:   # torch DDP = one process on the full batch = the mean of the shards' gradients
-        assert torch.allclose(ref["ddp"], full, rtol=1e-4, atol=1e-6) and torch.equal(ref["full"], refs[0]["full"])
-    assert torch.allclose(torch.stack([r["local"] for r in refs]).mean(0), full, rtol=1e-4, atol=1e-6)
+def _ddp_rank(rank, world_size, case):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    net = DDP(ddp._model(case), find_unused_parameters=case["unused"])
+    x, y = ddp._shard(case, rank)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    return {n: p.grad for n, p in net.module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_reference_is_what_torch_ddp_computes(which):
+    # the checks' reference (the mean over ranks of each rank's own gradients), against torch DDP itself,
+    # with uneven shards and an unused parameter
+    case = ddp.check_4_1.make_cases(3)[which]
+    locals_ = ddp._references(case)
+    for got in run_ranks(_ddp_rank, case["world_size"], case, backend="gloo"):
+        for n, g in got.items():
+            assert torch.allclose(g, sum(loc[n] for loc in locals_) / case["world_size"], rtol=1e-4, atol=1e-6)
+
+
+def test_collective_mismatch_messages():
+    from mgpu_helpers.checks import collective_mismatch
+    msg = collective_mismatch([[["all_reduce", 8, 0]] * 2, [["all_reduce", 8, 0]] * 4])
+    assert msg.startswith("rank 0 made 2 all_reduce calls, rank 1 made 4: the ranks' collectives do not match")
+    msg = collective_mismatch([[["all_reduce", 8, 1]], [["all_reduce", 8, 3]]], tag="micro-step")
+    assert "rank 0's is all_reduce of 8 bytes in micro-step 1, rank 1's is all_reduce of 8 bytes in micro-step 3" in msg
 
 
 @pytest.mark.parametrize("ex,name", [("4.1", "average_gradients"), ("4.2", "allreduce_bucketed")])
@@ -70,7 +91,8 @@ def test_grading_split_ships_plain_data(ex, name):
     torch.save(results, buf)
     buf.seek(0)
     shipped = torch.load(buf, weights_only=True)                # what the grader's judge receives
-    assert check.judge_all(seed, shipped) == (True, f"Exercise {ex} ✓ {name}: 3/3 cases")
+    n = len(check.make_cases(seed))
+    assert check.judge_all(seed, shipped) == (True, f"Exercise {ex} ✓ {name}: {n}/{n} cases")
 
 
 def test_aliased_all_reduce_is_not_penalised():
@@ -83,15 +105,27 @@ def test_aliased_all_reduce_is_not_penalised():
     assert ok, msg
 
 
+def test_wrong_type_is_named():
+    def returns_a_list(model, cap):
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        return [1]
+    ok, msg = ddp.REGISTRY["4.2"].judge_all(2, ddp.REGISTRY["4.2"].run_all(returns_a_list, 2))
+    assert not ok and "returned a list; expected an int" in msg, msg
+
+
 def test_right_grads_wrong_packing_fails():
     def packs_everything(model, cap):     # right gradients, one bucket whatever the cap
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         flat /= dist.get_world_size()
         off = 0
-        for p in model.parameters():
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-            off += p.numel()
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
         return 1
     ok, msg = ddp.REGISTRY["4.2"].judge_all(2, ddp.REGISTRY["4.2"].run_all(packs_everything, 2))
     assert not ok and "number of collectives returned is 1" in msg
