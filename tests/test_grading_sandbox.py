@@ -116,9 +116,10 @@ def probed(tmp_path_factory):
         shutil.copytree(REPO / "solutions", c / "solutions")
         shutil.copytree(FIX, c / "tests" / "grading_fixtures")
     keep = needed_paths([str(pkg)])
-    allowed = sorted({*keep, *mounts.SYSTEM, "/dev", "/tmp/mgpu-grade", "/sys/devices/system",
+    # /tmp is the sandbox's own tmpfs: its work dir, nbval's kernel connection file, the kept --import-path
+    allowed = sorted({*keep, *mounts.SYSTEM, "/dev", "/tmp", "/sys/devices/system",
                       *(f"/etc/{n}" for n in ("passwd", "group", "hosts", "nsswitch.conf", *mounts.ETC))})
-    secrets = sorted({"solutions", "grading_fixtures", "hidden_checks", "mgpu-other-clone", str(tmp),
+    secrets = sorted({"/solutions/", "grading_fixtures", "hidden_checks", "mgpu-other-clone", *map(str, (sol, hid, sub, out)),
                       *(p.name for p in (REPO / "solutions").glob("*.ipynb"))})
     nb = release_notebook(nbformat.reads((FIX / f"{NB}.json").read_text(), as_version=4))
     _exercise(nb, "90.1").source = WALK.replace("@ALLOWED@", repr(allowed)).replace("@SECRETS@", repr(secrets))
