@@ -4,9 +4,10 @@ Pipeline, one module each::
 
     assemble  learner's exercise cells (by id, cleaned) spliced into a pristine copy of the solution
               notebook, plus the grader's "prime" and "harvest" cells around each check cell
-    execute   writes a job and runs it in the sandbox: sandbox.py (pid 1 of new namespaces; limits,
-              timeouts, no capabilities), mounts.py (solutions, hidden checks, submissions, OUT, repo
-              and HOME covered; everything else read-only), nbplugin.py (per-cell records, output cap);
+    execute   writes a job and runs it in the sandbox: sandbox.py (pid 1 of new namespaces; limits on
+              memory, time, output and processes; no capabilities), mounts.py (an empty root holding an
+              allowlist: interpreter, environment, the package alone, system libraries, private /tmp,
+              /dev and /proc), nbplugin.py (per-cell records, output and process caps);
               brings back the learner's results on the grader's inputs (harvest.py)
     judge     decides each check in a process that never runs learner code (Check.judge_all on
               torch.load(weights_only=True) data), including hidden checks (hidden.py)
