@@ -7,7 +7,9 @@ is compared with its stored stream output unless the cell starts with ``# NBVAL_
 
     PYTHONPATH=. python3 bench/run_notebooks.py solutions/01_where_memory_goes.ipynb [...]
 
-Prints one row per notebook: code cells, cells whose compared output differs, errors, seconds.
+Prints one row per notebook and a total: code cells, compared cells (not ``# NBVAL_IGNORE_OUTPUT``),
+compared cells whose stdout differs from the stored output, cells that raised, compared cells that
+wrote to stderr (warnings: not compared here, but nbval would see them), wall seconds.
 ``--show-diff`` prints the differing outputs; ``--outputs DIR`` writes every cell's output there.
 """
 from __future__ import annotations
@@ -31,10 +33,10 @@ def _stored(cell) -> str:
                    if o.get("output_type") == "stream" and o.get("name") == "stdout")
 
 
-def run(path: Path, show_diff: bool, outdir: Path | None) -> tuple[int, int, int, float]:
+def run(path: Path, show_diff: bool, outdir: Path | None) -> tuple[int, int, int, int, int, float]:
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     ns = {"__name__": "__main__"}
-    differ = errors = 0
+    compared = differ = errors = stderr = 0
     log = []
     cwd = os.getcwd()
     os.chdir(path.parent)  # notebooks run with their own folder as the working directory
@@ -42,19 +44,24 @@ def run(path: Path, show_diff: bool, outdir: Path | None) -> tuple[int, int, int
     try:
         for i, cell in enumerate(cells):
             src = "".join(cell["source"])
-            buf, name = io.StringIO(), f"<{path.name} cell {i}>"
+            buf, err, name = io.StringIO(), io.StringIO(), f"<{path.name} cell {i}>"
             # as IPython does: tracebacks (a rank's too) then show the cell's source lines
             linecache.cache[name] = (len(src), None, src.splitlines(True), name)
             try:
-                with contextlib.redirect_stdout(buf):
+                with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
                     exec(compile(src, name, "exec"), ns)
             except BaseException:  # noqa: BLE001 - report and go on, like a notebook run with errors
                 errors += 1
                 buf.write("ERROR\n" + traceback.format_exc())
             got = buf.getvalue()
-            log.append(f"=== cell {i}\n{got}")
-            ignored = src.lstrip().startswith("# NBVAL_IGNORE_OUTPUT")
-            if not ignored and got != _stored(cell):
+            log.append(f"=== cell {i}\n{got}" + (f"--- stderr\n{err.getvalue()}" if err.getvalue() else ""))
+            if err.getvalue():
+                sys.stderr.write(err.getvalue())
+            if src.lstrip().startswith("# NBVAL_IGNORE_OUTPUT"):
+                continue
+            compared += 1
+            stderr += bool(err.getvalue())
+            if got != _stored(cell):
                 differ += 1
                 if show_diff:
                     print(f"--- {path.name} cell {i}: stored\n{_stored(cell)}--- got\n{got}")
@@ -63,7 +70,7 @@ def run(path: Path, show_diff: bool, outdir: Path | None) -> tuple[int, int, int
     if outdir:
         outdir.mkdir(parents=True, exist_ok=True)
         (outdir / f"{path.stem}.txt").write_text("\n".join(log))
-    return len(cells), differ, errors, time.perf_counter() - t0
+    return len(cells), compared, differ, errors, stderr, time.perf_counter() - t0
 
 
 def main() -> int:
@@ -73,11 +80,15 @@ def main() -> int:
     ap.add_argument("--outputs", type=Path)
     a = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    rows = [(p.name, *run(p.resolve(), a.show_diff, a.outputs)) for p in a.notebooks]
-    print(f"{'notebook':<34}{'cells':>6}{'differ':>8}{'errors':>8}{'seconds':>9}")
-    for name, n, d, e, s in rows:
-        print(f"{name:<34}{n:>6}{d:>8}{e:>8}{s:>9.1f}")
-    return 1 if any(e for *_, e, _ in rows) else 0
+    rows = []
+    for p in a.notebooks:
+        rows.append((p.name, *run(p.resolve(), a.show_diff, a.outputs)))
+        print(f"done {p.name}: {rows[-1][3]} differing, {rows[-1][4]} errors, {rows[-1][6]:.1f} s", flush=True)
+    rows.append(("total", *(sum(r[i] for r in rows) for i in range(1, 7))))
+    print(f"{'notebook':<34}{'cells':>6}{'compared':>9}{'differ':>7}{'errors':>7}{'stderr':>7}{'seconds':>9}")
+    for name, n, c, d, e, err, s in rows:
+        print(f"{name:<34}{n:>6}{c:>9}{d:>7}{e:>7}{err:>7}{s:>9.1f}")
+    return 1 if rows[-1][3] or rows[-1][4] else 0
 
 
 if __name__ == "__main__":
