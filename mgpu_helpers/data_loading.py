@@ -1,0 +1,218 @@
+"""Notebook 10 -- data loading: DataLoader workers, pinned memory, prefetching, and per-rank shards.
+
+``SlowDataset`` sleeps in ``__getitem__`` (a stand-in for decoding/augmentation) and returns the worker's
+pid with each item, so epochs show which processes served them. ``shard_reference`` is what
+``torch.utils.data.DistributedSampler`` yields on one rank (check 10.1 compares with the sampler itself).
+
+Run each rank's DistributedSampler shard over a real process group as a script::
+
+    torchrun --nproc-per-node 2 -m mgpu_helpers.data_loading
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .checks import Check, REGISTRY, expect_equal, expect_type
+from .launch import torchrun_main
+
+
+class SlowDataset(Dataset):
+    """``n`` items of ``dim`` floats; each takes ``delay`` seconds to "decode". Item: (tensor, index, pid)."""
+
+    def __init__(self, n: int = 64, delay: float = 0.005, dim: int = 16):
+        if n < 0 or delay < 0:
+            raise ValueError(f"n and delay must be >= 0, got n={n}, delay={delay}")
+        self.n, self.delay, self.dim = n, delay, dim
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return torch.full((self.dim,), float(i)), i, os.getpid()
+
+
+def epoch_seconds(loader) -> tuple[float, set[int]]:
+    """Wall time of one pass over ``loader`` (worker start-up included) and the pids that made items."""
+    t0, pids = time.perf_counter(), set()
+    for _, _, pid in loader:
+        pids.update(pid.tolist())
+    return time.perf_counter() - t0, pids
+
+
+def throughput(workers=(0, 1, 2, 4), n=64, delay=0.005, batch_size=8):
+    """Items per second of one epoch for each ``num_workers``."""
+    ds = SlowDataset(n, delay)
+    with warnings.catch_warnings():  # more workers than cores: torch warns (shown in the notebook)
+        warnings.simplefilter("ignore", UserWarning)
+        return {w: n / epoch_seconds(DataLoader(ds, batch_size=batch_size, num_workers=w))[0] for w in workers}
+
+
+def private_bytes(pid: int) -> int:
+    """USS: the pages only this process holds (Private_Clean + Private_Dirty in smaps_rollup). A forked
+    worker's RSS counts every page it shares with its parent; USS is what it adds to the host."""
+    total = 0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def worker_memory(num_workers: int, persistent: bool = False, **kw):
+    """Start a loader's workers (one batch taken), then measure each worker's RSS and USS."""
+    import psutil
+
+    loader = DataLoader(SlowDataset(64, 0.0), batch_size=8, num_workers=num_workers,
+                        persistent_workers=persistent, **kw)
+    it = iter(loader)
+    next(it)
+    kids = psutil.Process().children()
+    pids = [p.pid for p in kids]
+    out = {"processes": len(pids), "rss": [rss_bytes(p) for p in pids], "uss": [private_bytes(p) for p in pids]}
+    del it
+    return out
+
+
+def pin_memory_on_this_machine():
+    """What ``pin_memory=True`` does here: on CUDA, page-locked batches; without an accelerator, a warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = next(iter(DataLoader(SlowDataset(8, 0.0), batch_size=4, pin_memory=True)))
+    return batch[0].is_pinned(), [str(w.message) for w in caught]
+
+
+def in_flight(num_workers: int, prefetch_factor: int, batch_size: int = 4, wait: float = 0.5) -> int:
+    """Batches the workers have produced after the first one was taken and the loop stalls for ``wait`` s:
+    the loader keeps num_workers × prefetch_factor batches requested ahead."""
+    import multiprocessing as mp
+
+    counter = mp.Value("i", 0)
+
+    class Counting(SlowDataset):
+        def __getitem__(self, i):
+            with counter.get_lock():
+                counter.value += 1
+            return super().__getitem__(i)
+
+    loader = DataLoader(Counting(256, 0.0), batch_size=batch_size, num_workers=num_workers,
+                        prefetch_factor=prefetch_factor)
+    it = iter(loader)
+    next(it)
+    last, stable_since = -1, time.perf_counter()
+    while time.perf_counter() - stable_since < wait:  # until the workers stop: the queue is full
+        time.sleep(0.02)
+        if counter.value != last:
+            last, stable_since = counter.value, time.perf_counter()
+    del it
+    return last // batch_size - 1  # minus the batch already taken
+
+
+# --- exercise 10.1 --------------------------------------------------------------------------------------
+
+def sampler_shard(n, world_size, rank, shuffle, seed, epoch, drop_last) -> list[int]:
+    """What torch's DistributedSampler yields for ``rank`` in ``epoch`` (the ground truth of check 10.1)."""
+    s = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                           drop_last=drop_last)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+def _variant(n, world, shuffle, seed, epoch, drop_last, *, pad=True, strided=True, use_epoch=True):
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch * use_epoch)).tolist() \
+        if shuffle else list(range(n))
+    per = -(-(n - world) // world) if drop_last and n % world else -(-n // world)
+    total = per * world
+    if drop_last:
+        order = order[:total]
+    elif pad:
+        order = (order * -(-total // max(n, 1)))[:total]
+    if strided:
+        return [order[r:total:world] for r in range(world)]
+    return [order[r * per:(r + 1) * per] for r in range(world)]
+
+
+class ShardIndices(Check):
+    id, function = "10.1", "shard_indices"
+
+    def cases(self, rng):
+        fixed = [(10, 4, True, False), (10, 4, True, True), (7, 1, True, False), (3, 5, False, False),
+                 (2, 5, True, False), (12, 3, False, True), (9, 2, False, False)]
+        rnd = [(rng.randint(5, 40), rng.randint(2, 6), rng.random() < 0.8, rng.random() < 0.5) for _ in range(2)]
+        cases = [{"n": n, "world_size": w, "shuffle": sh, "drop_last": dl, "seed": rng.randrange(1000),
+                  "epoch": rng.randint(1, 5)} for n, w, sh, dl in fixed + rnd]
+        rng.shuffle(cases)
+        return cases
+
+    def describe(self, case):
+        return ", ".join(f"{k}={case[k]}" for k in ("n", "world_size", "shuffle", "drop_last", "seed", "epoch"))
+
+    def run(self, fn, case):
+        args = (case["n"], case["world_size"])
+        return [fn(*args, r, shuffle=case["shuffle"], seed=case["seed"], epoch=case["epoch"],
+                   drop_last=case["drop_last"]) for r in range(case["world_size"])]
+
+    def judge(self, case, result):
+        c = case
+        expect_type(result, list, self.function, "a list of ints per rank")
+        got = [[int(i) for i in r] if isinstance(r, (list, tuple)) else r for r in result]
+        for r in got:
+            expect_type(r, list, self.function, "a list of ints (the indices of one rank)")
+        want = [sampler_shard(c["n"], c["world_size"], r, c["shuffle"], c["seed"], c["epoch"], c["drop_last"])
+                for r in range(c["world_size"])]
+        v = lambda **kw: _variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], c["drop_last"], **kw)
+        mistakes = {"contiguous blocks per rank: DistributedSampler deals indices out round-robin "
+                    "(rank, rank + world_size, ...)": v(strided=False)}
+        if not c["drop_last"]:
+            mistakes["no padding: ranks get different numbers of samples, so they run different numbers of "
+                     "steps and the last collective hangs"] = v(pad=False)
+            mistakes["padding that repeats the index list only once (fails when n < world_size / 2)"] = [
+                (o := _shard_once(c))[r::c["world_size"]] for r in range(c["world_size"])]
+        if c["shuffle"]:
+            mistakes["shuffled with the seed alone: set_epoch forgotten, the same order every epoch"] = v(use_epoch=False)
+        if c["drop_last"] and c["n"] % c["world_size"]:
+            mistakes["drop_last ignored: padded instead of dropping the tail"] = _variant(
+                c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], False)
+        expect_equal(got, want, "the indices of every rank (rank 0 first)",
+                     mistakes={k: m for k, m in mistakes.items() if m != want},
+                     hint="Hint: order (shuffled with seed + epoch), then pad or drop to a multiple of world_size, "
+                          "then rank r takes every world_size-th index from r.")
+
+
+def _shard_once(c):
+    order = torch.randperm(c["n"], generator=torch.Generator().manual_seed(c["seed"] + c["epoch"])).tolist() \
+        if c["shuffle"] else list(range(c["n"]))
+    per = -(-c["n"] // c["world_size"])
+    return order + order[:per * c["world_size"] - c["n"]]
+
+
+check_10_1 = REGISTRY["10.1"]
+
+
+def _script(rank, world, n=10):
+    """Each rank's DistributedSampler shard (process group's rank and size), gathered and checked."""
+    import torch.distributed as dist
+
+    s = DistributedSampler(range(n), shuffle=True, seed=0)  # rank and world size from the process group
+    shards = []
+    for epoch in (0, 1):
+        s.set_epoch(epoch)
+        mine = [None] * world
+        dist.all_gather_object(mine, list(s))
+        shards.append(mine)
+    assert all(sorted(set(sum(e, []))) == list(range(n)) for e in shards), "shards do not cover the dataset"
+    return f"{world} ranks, {n} samples: epoch 0 {shards[0]}, epoch 1 {shards[1]} (set_epoch reshuffles)"
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m mgpu_helpers.data_loading
+    torchrun_main(_script)
