@@ -108,12 +108,12 @@ def trains_like_one_process(rank, world_size, method, widths, steps=3, per_rank=
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int):
-    """Be rank 0 of ``world_size`` ranks inside this process: torch's fake process group (private:
+def fake_world(world_size: int, rank: int = 0):
+    """Be rank ``rank`` of ``world_size`` ranks inside this process: torch's fake process group (private:
     ``torch.testing._internal.distributed.fake_pg``) returns from every collective at once, moving no data.
     Shapes and allocations are real, values are not: right for memory accounting, useless for training."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -1,0 +1,70 @@
+"""Each check of notebook 08 passes the solution, fails the stub, and names planted mistakes -- the main ones
+under 20 seeds (``mutant_fails_every_seed``), the rest under one."""
+from pathlib import Path
+
+import pytest
+
+from mgpu_helpers.authoring import mutant_fails_every_seed, mutant_verdict, solution_verdict, stub_verdict
+import mgpu_helpers.sharding_checks  # noqa: F401  (registers 8.1 and 8.2)
+
+NB = Path(__file__).resolve().parent.parent / "solutions" / "08_sharding_zero.ipynb"
+
+SYNC = '            inner.update({k: v for k, v in outer.items() if k != "params"})'
+MINE = 'mine = {k: v for k, v in param_group.items() if k != "params"}'
+RS = "    reduce_scatter(shard, flat) "
+# (edits applied to the solution cell, words the failure must contain, under 20 seeds?)
+CASES = {
+    "8.1": ("ShardedOptimizer", [
+        ([("                    dist.broadcast(p.data, src=r)", "                    pass")],
+         "other ranks' updated parameters never arrived", True),
+        ([('mine["params"] = [p for p in fresh if self.owner[p] == self.rank]', 'mine["params"] = fresh')],
+         "nothing is sharded", True),
+        ([(SYNC, "            pass")], "never reached the wrapped optimizer", True),
+        ([(SYNC, "            pass"), (MINE, "mine = {}")], "hyperparameters", False),
+        ([("            if p not in self.owner and all(p is not q for q in fresh):", "            if True:")],
+         "a tied tensor", False),
+        ([("            self.local.add_param_group(mine)", "            pass")], "has optimizer state on no rank", False),
+        ([("            raise TypeError(", "            print(")], "does not mention 'optimizer_cls'", False),
+        ([("                raise ValueError(", "                print(")], "expected 'ValueError'", False),
+    ]),
+    "8.2": ("reduce_scatter_gradients", [
+        ([("    return shard / world", "    return shard")], "summed over the ranks but not divided", True),
+        ([("        p.grad = None ", "        pass ")], "kept the full .grad", True),
+        ([("    flat = torch.nn.functional.pad(flat, (0, shard_len * world - flat.numel()))",
+           "    flat = flat[:shard_len * world]"),
+          ("shard_len = -(-flat.numel() // world)", "shard_len = flat.numel() // world")],
+         "was not padded", True),
+        ([(RS, "    dist.all_reduce(flat); shard = flat[rank * shard_len:(rank + 1) * shard_len] #")],
+         "all_reduce of the whole gradient, then a slice", False),
+        ([(RS, "    shard.copy_(flat[rank * shard_len:(rank + 1) * shard_len]) #"),
+          ("    return shard / world", "    return shard")], "never reduced across ranks", False),
+    ]),
+}
+
+
+def _marked(ex, *values, id=None):
+    return pytest.param(ex, *values, marks=getattr(pytest.mark, f"ex_{ex.replace('.', '_')}"), id=id)
+
+
+PARAMS = [_marked(ex, edits, named, every, id=f"{ex}-{named[:30]}") for ex, (_, ms) in CASES.items()
+          for edits, named, every in ms]
+
+
+@pytest.mark.parametrize("ex", [_marked(e) for e in CASES])
+def test_solution_passes_and_stub_fails(ex):
+    fn_name, _ = CASES[ex]
+    ok, msg = solution_verdict(NB, ex, fn_name)
+    assert ok, msg
+    ok, msg = stub_verdict(NB, ex, fn_name)
+    assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("ex,edits,named,every", PARAMS)
+def test_planted_mistake_is_named(ex, edits, named, every):
+    if every:
+        mutant_fails_every_seed(NB, ex, CASES[ex][0], edits, named)
+    else:
+        ok, msg = mutant_verdict(NB, ex, CASES[ex][0], edits, seed=7)
+        assert not ok, f"mutant {edits!r} passed the check"
+        assert named in msg, msg
