@@ -133,7 +133,7 @@ def compare_precisions(widths, batch: int, device=None) -> dict[str, dict]:
 def plot_precisions(results: dict[str, dict[str, dict]], title: str = "Peak of forward + backward"):
     """One panel per model (name → ``compare_precisions`` result): the peak of each precision as a bar
     stacked by category, with the activations alive after forward drawn as a black tick."""
-    fig, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 4.8), squeeze=False)
     for ax, (name, res) in zip(axes[0], results.items()):
         div, unit = unit_for(max(r["peak"] for r in res.values()))
         bottoms = [0.0] * len(res)
@@ -147,6 +147,6 @@ def plot_precisions(results: dict[str, dict[str, dict]], title: str = "Peak of f
         ax.scatter(list(res), [r["activations"] / div for r in res.values()], marker="_", s=900, color="k",
                    label="activations after forward", zorder=3)
         ax.set(ylabel=f"peak memory ({unit})", title=f"{name}\n{title}")
-        ax.legend(fontsize=8, frameon=False, loc="upper right")
+        ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
     fig.tight_layout()
     return fig
