@@ -33,13 +33,13 @@ import random
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from .sharding import model_state_bytes  # noqa: F401  notebook 08's closed form, the planner's reference
-from .planner_trace import PRECISIONS, OPTIMIZERS, Trace, trace_step, train_step  # noqa: F401
+from .planner_models import SIZES, Decoder, decoder, lm_loss, token_batch  # noqa: F401
+from .planner_trace import (PRECISIONS, OPTIMIZERS, Trace, apply_checkpointing, make_optimizer, trace_step,  # noqa: F401
+                            train_step, warm_up)
 from .checks import REGISTRY, Check, describe_value, expect, expect_equal
-from .tracker import CATEGORIES
+from .tracker import CATEGORIES, MemoryTracker
 
 __all__ = ["plan", "Plan", "model_state_bytes", "trace_step", "train_step", "decoder", "step_cost",
            "PRECISIONS", "ZERO_STAGES"]
@@ -144,84 +144,22 @@ def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_s
     return trace.shard(zero_stage, world_size)
 
 
-# --- models --------------------------------------------------------------------------------------
-
-class _Attention(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Block(nn.Module):
-    """Pre-norm decoder block: RMSNorm, causal attention (SDPA), RMSNorm, SwiGLU MLP."""
-
-    def __init__(self, d, heads, ffn):
-        super().__init__()
-        self.norm1, self.attn, self.norm2 = nn.RMSNorm(d), _Attention(d, heads), nn.RMSNorm(d)
-        self.gate, self.up = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
-        self.down = nn.Linear(ffn, d, bias=False)
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        h = self.norm2(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-class Decoder(nn.Module):
-    """A Llama-shaped decoder: token embedding, blocks, final norm, untied head; tokens -> logits."""
-
-    def __init__(self, vocab, d, layers, heads, ffn):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, heads, ffn) for _ in range(layers))
-        self.norm, self.head = nn.RMSNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-SIZES = {  # name: (vocab, d, layers, heads, ffn); "7B" is Llama-2-7B's shape (6.74B parameters)
-    "tiny": (512, 64, 2, 4, 172),
-    "small": (4096, 256, 4, 4, 688),
-    "1B": (32000, 4096, 4, 32, 11008),  # four of 7B's blocks: 1.07B parameters, traced in seconds
-    "7B": (32000, 4096, 32, 32, 11008),
-    "13B": (32000, 5120, 40, 40, 13824),
-}
-
-
-def decoder(size: str = "tiny"):
-    """A ``model_fn`` for :data:`SIZES`: ``plan(decoder("7B"), ...)``."""
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
-
-    def model_fn():
-        return Decoder(*SIZES[size])
-    model_fn.__name__ = model_fn.__qualname__ = f"decoder_{size}"
-    return model_fn
-
-
-def lm_loss(logits, targets):
-    """Next-token cross-entropy over every position (logits [B, T, V], targets [B, T])."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def token_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def gib(n: float) -> float:
-    return n / 2**30
+def measure_step(model_fn, batch, *, loss_fn, precision="fp32", checkpointing=False, micro_batches=1,
+                 optimizer="adam", seed=0) -> tuple[int, dict]:
+    """The same step for real, under ``MemoryTracker`` on this machine's CPU (or the model's device):
+    ``(peak_bytes, peak_breakdown)`` -- what :func:`plan` predicts with ``device="cpu"``."""
+    torch.manual_seed(seed)
+    model = model_fn()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+        batch = tuple(t.bfloat16() if t.is_floating_point() else t for t in batch)
+    if checkpointing:
+        apply_checkpointing(model)
+    opt = make_optimizer(model, optimizer)
+    warm_up(model, opt)
+    with MemoryTracker(model, opt) as mt:
+        train_step(model, opt, batch, loss_fn, precision=precision, micro_batches=micro_batches, mark=mt.mark)
+    return mt.peak_bytes, mt.peak_breakdown()
 
 # --- exercise 11.1: the cheapest plan that fits ----------------------------------------------------
 
@@ -271,7 +209,7 @@ class Check11_1(Check):
         lo, hi = peaks[0], peaks[-1]
         cases = [{"budget": lo - 1, "what": "below every plan's peak"},            # nothing fits
                  {"budget": lo, "what": "exactly the smallest peak"},              # fits exactly
-                 {"budget": hi, "what": "exactly the largest peak"},               # all fit
+                 {"budget": hi, "what": "exactly the largest peak, costliest listed first", "worst_first": 1},
                  {"budget": rng.choice(peaks[1:-1]), "what": "exactly one plan's peak"}]
         cases += [{"budget": rng.randint(lo, hi), "what": "random"} for _ in range(3)]
         for c in cases:
@@ -284,6 +222,8 @@ class Check11_1(Check):
     def _plans(self, case):
         plans = candidate_plans()
         random.Random(case["order"]).shuffle(plans)
+        if case.get("worst_first"):  # the first listed of the fewest ranks is then never the cheapest
+            plans.sort(key=lambda p: -p.step_cost)
         return plans
 
     def run(self, fn, case):

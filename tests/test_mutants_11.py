@@ -1,0 +1,38 @@
+"""Check 11.1 passes the solution, fails the stub, and names each planted mistake under every seed."""
+from pathlib import Path
+
+import pytest
+
+from mgpu_helpers.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
+import mgpu_helpers.planner  # noqa: F401  (registers 11.1)
+
+NB = Path(__file__).resolve().parent.parent / "solutions" / "11_capstone_fit_the_budget.ipynb"
+FIT = "fitting = [p for p in plans if p.peak_bytes <= budget]"
+KEY = 'key=lambda p: (p.config["world_size"], p.step_cost)'
+MUTANTS = [
+    ([(FIT, FIT.replace("<=", "<"))], "a plan whose peak equals the budget fits"),
+    ([(FIT, 'fitting = [p for p in plans if p.peak_bytes * p.config["world_size"] <= budget]')],
+     "the budget is per device"),
+    ([(KEY, "key=lambda p: p.step_cost")], "the lowest step cost first, ignoring the number of ranks"),
+    ([(KEY, 'key=lambda p: p.config["world_size"]')], "fewest ranks, but not the lowest step cost"),
+    ([(KEY, "key=lambda p: p.peak_bytes")], "the plan with the smallest peak"),
+    ([("        return None", "        return min(plans, key=lambda p: p.peak_bytes)")],
+     "when nothing fits, return None"),
+    ([(f"return min(fitting, {KEY})", f"return min(fitting, {KEY}).config")],
+     "expected one of the Plan objects"),
+]
+
+
+@pytest.mark.ex_11_1
+def test_solution_passes_and_stub_fails():
+    for seed in (None, 3):
+        ok, msg = solution_verdict(NB, "11.1", "choose_plan", seed=seed)
+        assert ok, msg
+    ok, msg = stub_verdict(NB, "11.1", "choose_plan")
+    assert not ok and "not implemented yet" in msg and "Exercise 11.1" in msg, msg
+
+
+@pytest.mark.ex_11_1
+@pytest.mark.parametrize("edits,named", MUTANTS, ids=[m[1][:30] for m in MUTANTS])
+def test_planted_mistake_is_named_under_every_seed(edits, named):
+    mutant_fails_every_seed(NB, "11.1", "choose_plan", edits, named)
