@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import os
 
@@ -50,6 +51,8 @@ def _spec(exercise: str, work: str) -> dict:
     spec = torch.load(os.path.join(work, SPEC), weights_only=True)[exercise]
     if spec["module"]:
         importlib.import_module(spec["module"])  # registers the checks, if the notebook did not import them
+        if exercise not in REGISTRY and importlib.util.find_spec(spec["module"] + "_checks"):
+            importlib.import_module(spec["module"] + "_checks")  # checks kept beside the module
     return spec
 
 

@@ -10,6 +10,7 @@ reference itself. Tasks and verdicts travel as JSON lines over stdin/stdout.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -79,6 +80,8 @@ def serve(config: dict) -> None:
     sys.path[:0] = config["import_paths"]
     for m in config["modules"]:
         importlib.import_module(m)
+        if importlib.util.find_spec(m + "_checks"):  # checks kept beside the module (sharding_checks.py)
+            importlib.import_module(m + "_checks")
     from .hidden import load_hidden
     hidden = load_hidden(config["hidden"])
     protocol.write(json.dumps({"ready": True}) + "\n")
