@@ -58,3 +58,70 @@ def test_bad_n_params():
         model_state_bytes(-1)
     with pytest.raises(TypeError, match="n_params"):
         model_state_bytes(1.5)
+
+
+# --- the harness, torch's versions, the sweep, the script ---------------------------------------------
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from conftest import run_torchrun  # noqa: E402
+from mgpu_helpers.launch import run_ranks  # noqa: E402
+from mgpu_helpers.sharding import linears, make_model, unique  # noqa: E402
+from mgpu_helpers.sharding_checks import check_8_2  # noqa: E402
+from mgpu_helpers.sharding_fsdp import (fake_world, formula, measure, reference_reduce_scatter, sweep,  # noqa: E402
+                                        trains_like_one_process)
+
+WIDTHS = [16, 64, 64, 64, 10]
+
+
+def test_make_model_ties_and_freezes():
+    m = make_model([4, 5, 5, 5, 3], tie=(1, 2), freeze=(0,))
+    lins = linears(m)
+    assert lins[1].weight is lins[2].weight and not lins[0].weight.requires_grad
+    assert len(unique([p for lin in lins for p in lin.parameters()])) == len(list(m.parameters())) == 7
+
+
+def test_reference_reduce_scatter_passes_check_8_2(capsys):
+    check_8_2(reference_reduce_scatter, seed=3)
+    assert "Exercise 8.2 ✓" in capsys.readouterr().out
+
+
+def _fsdp_and_zero2(rank, world):
+    return {m: trains_like_one_process(rank, world, m, WIDTHS, reduce_scatter_fn=reference_reduce_scatter)
+            for m in ("FSDP2 per block + root", "ZeRO-2 (Zero2)", "ZeRO-1 (ZeroRedundancyOptimizer)")}
+
+
+def test_sharded_training_equals_one_process():  # 3 ranks: the flat size does not divide (Zero2 pads)
+    for res in run_ranks(_fsdp_and_zero2, 3, timeout=60):
+        assert all(d < 1e-4 for d in res.values()), res  # Adam lr 1e-2: summation order only
+
+
+def _fsdp_state(rank, world):
+    return measure(rank, world, "FSDP2 per block + root", WIDTHS)["state"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_model_state_within_1_over_n_plus_5_percent(world):
+    full = sum(run_ranks(lambda r, w: measure(r, w, "DDP (replica)", WIDTHS)["state"], 1)[0].values())
+    per_rank = run_ranks(_fsdp_state, world, timeout=60)
+    for r, state in enumerate(per_rank):
+        assert sum(state.values()) <= full * (1 / world + 0.05), (r, state, full)
+    with fake_world(world):  # the simulated rank 0 gives the same bytes as the real one
+        assert measure(0, world, "FSDP2 per block + root", WIDTHS)["state"] == per_rank[0]
+    assert not dist.is_initialized()
+
+
+def test_sweep_matches_formula_for_zero2_and_fsdp2():
+    res = sweep((1, 2, 8), ["ZeRO-2 (Zero2)", "FSDP2 per block + root"], WIDTHS, reduce_scatter_fn=reference_reduce_scatter)
+    for m, by_world in res.items():
+        for w, r in by_world.items():
+            want, full = sum(formula(r["n_params"], m, w).values()), 16 * r["n_params"]
+            assert want <= sum(r["state"].values()) <= want * 1.05, (m, w, r["state"])
+            assert "FSDP2" not in m or sum(r["state"].values()) <= full * (1 / w + 0.05)
+    assert res["FSDP2 per block + root"][8]["naive_param_bytes"] == 4 * res["FSDP2 per block + root"][8]["n_params"]
+
+
+def test_torchrun_entry():
+    out = run_torchrun("mgpu_helpers.sharding").stdout
+    assert out.count("equal one process") == 2 and "FSDP2 per block + root on 2 ranks" in out, out
