@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import REGISTRY, Check, expect, expect_close, expect_equal
+from .checks import REGISTRY, Check, expect, expect_close, expect_equal, expect_type, plain
 
 # The notebook's demo problem: a small "language-model head" whose logits (tokens x vocab) outweigh
 # its parameters, as in real LMs -- which is what makes gathering them on device 0 expensive.
@@ -79,7 +79,7 @@ class DataParallelStep(Check):
             calls.append([module is model, threading.get_ident() == caller, int(args[0].shape[0])])
         model.register_forward_pre_hook(spy)
         loss = fn(model, x.clone(), y.clone(), case["n_replicas"])
-        return {"loss": float(loss), "calls": calls,
+        return {"loss": plain(loss), "calls": calls,  # plain: detached, so no requires_grad warning
                 "grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]}
 
     def judge(self, case, r):
@@ -94,6 +94,10 @@ class DataParallelStep(Check):
             "(ceil(B/n) rows per chunk, so possibly fewer chunks than n)": sorted(len(c) for c in x.tensor_split(n))})
         expect(len(sizes) == 1 or not all(c[1] for c in calls), "every replica ran forward in the calling "
                "thread: parallel_apply runs each replica in its own thread (e.g. ThreadPoolExecutor.map).")
+        expect_type(r["loss"], (float, torch.Tensor), self.function, "the loss: a float or a 0-d tensor")
+        expect(not isinstance(r["loss"], torch.Tensor) or r["loss"].numel() == 1,
+               f"{self.function} returned a tensor of shape {tuple(getattr(r['loss'], 'shape', ()))} as the loss: "
+               "return the one mean loss over the whole batch")
         loss, grads = single_device_grads(model, x, y)
         bad_loss, bad_grads = single_device_grads(model, x, y, per_chunk=n)
         expect_close(r["loss"], loss, "the returned loss", mistakes={
@@ -251,9 +255,12 @@ def gil_demo(n=2):
     """Seconds for n replicas' forwards one after another vs in n threads, for Python-bound replicas
     (many tiny ops: the GIL serialises them) and kernel-bound ones (big matmuls release the GIL)."""
     threads, out = torch.get_num_threads(), {}
-    torch.set_num_threads(1)  # one core per replica, as one GPU per replica: threads could use them all
+    # One intra-op thread per replica, as one GPU per replica. The setting is per thread, so each worker
+    # thread sets it too: otherwise torch's own intra-op threads fill the cores and the Python threads
+    # have nothing left to run in parallel on.
+    torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(n) as pool, torch.no_grad():
+        with ThreadPoolExecutor(n, initializer=torch.set_num_threads, initargs=(1,)) as pool, torch.no_grad():
             for name, layer, x in (("Python-bound (100 tiny layers)", lambda: nn.Sequential(
                     *[nn.Linear(8, 8) for _ in range(100)]), torch.randn(2, 8)),
                     ("kernel-bound (one big matmul)", lambda: nn.Linear(1024, 1024), torch.randn(512, 1024))):

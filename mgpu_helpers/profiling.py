@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .checks import REGISTRY, Check, expect, expect_equal
+from .checks import REGISTRY, Check, expect, expect_equal, expect_type, plain
 from .memory import make_optimizer, mlp
 from .tracker import MemoryTracker
 
@@ -67,7 +67,7 @@ def allocator_demo(device="cuda") -> dict:
     torch.cuda.reset_peak_memory_stats(dev)
     out = {"start": _counters(dev)}
     a = torch.empty(256 * MiB, dtype=torch.uint8, device=dev)
-    out["a = 256 MiB tensor"] = _counters(dev)
+    out["a = 256 MiB tensor"] = _counters(dev)  # uint8: 1 byte per element
     b = a.float()                                    # a 1 GiB temporary...
     del b                                            # ...freed, but its block stays cached
     out["b = a.float(); del b"] = _counters(dev)
@@ -77,6 +77,7 @@ def allocator_demo(device="cuda") -> dict:
     out["empty_cache()"] = _counters(dev)
     del a
     torch.cuda.empty_cache()
+    out["del a; empty_cache()"] = _counters(dev)  # every step that changes the figures has its row
     # Fragmentation: 32 blocks of 20 MiB (each its own cudaMalloc segment), every other one freed. The
     # 320 MiB of holes stay reserved, but blocks of different segments never merge: no hole holds 40 MiB.
     blocks = [torch.empty(20 * MiB, dtype=torch.uint8, device=dev) for _ in range(32)]
@@ -99,7 +100,7 @@ def print_allocator_table(rows: dict) -> None:
 
 def explain_allocator(rows: dict) -> None:
     """What the table of :func:`allocator_demo` says, as differences between its rows."""
-    r = list(rows.values())
+    r = [v for k, v in rows.items() if k != "del a; empty_cache()"]  # stored runs before it lack that row
 
     def d(i, k):  # the change row i made
         return mib(r[i][k] - r[i - 1][k], sign=True)
@@ -238,9 +239,10 @@ class PeakMemory(Check):
         return out
 
     def run(self, fn, case):
-        return int(_peak_scenario(case, fn)["result"])
+        return plain(_peak_scenario(case, fn)["result"])
 
     def judge(self, case, result):
+        expect_type(result, int, self.function, "an int: a number of bytes")
         m = _peak_scenario(case)
         expect(m["old_peak"] > m["peak"], f"check error: the earlier peak is not above the step's ({case})")
         expect_equal(result, m["peak"] - m["before"], "the bytes the step added at its peak", mistakes={
@@ -281,9 +283,10 @@ class PeakPhase(Check):
 
     def run(self, fn, case):
         model, batch = _inputs(case)
-        return str(fn(model, make_optimizer(case["optimizer"], model.parameters()), batch))
+        return plain(fn(model, make_optimizer(case["optimizer"], model.parameters()), batch))
 
     def judge(self, case, result):
+        expect_type(result, str, self.function, "a str: 'forward', 'backward' or 'optimizer'")
         peaks, ends = phase_peaks(case)
         expected = max(peaks, key=peaks.get)
         wrong: dict[str, list[str]] = {}  # mistaken answer -> the mistakes that give it here

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_verdict, solution_verdict, stub_verdict
+from mgpu_helpers.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
 import mgpu_helpers.profiling  # noqa: F401  (registers 2.1 and 2.2)
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "02_measuring_memory.ipynb"
@@ -19,6 +19,7 @@ CASES = {
         ("peaks = t.phase_peaks()", "peaks = {phase: total for phase, total, _ in t.timeline}",
          "largest memory at its END"),
         ("return max(peaks, key=peaks.get)", "return next(iter(peaks))", "returned simply the first phase"),
+        ("return max(peaks, key=peaks.get)", "return [max(peaks, key=peaks.get)]", "returned a list; expected a str"),
     ]),
 }
 
@@ -27,8 +28,7 @@ def _marked(ex):
     return getattr(pytest.mark, f"ex_{ex.replace('.', '_')}")
 
 
-PARAMS = [pytest.param(ex, m, seed, marks=_marked(ex), id=f"{ex}-{m[2][:24]}-{seed}")
-          for ex, (_, ms) in CASES.items() for m in ms for seed in (7, 2024)]
+PARAMS = [pytest.param(ex, m, marks=_marked(ex), id=f"{ex}-{m[2][:24]}") for ex, (_, ms) in CASES.items() for m in ms]
 
 
 @pytest.mark.parametrize("ex", [pytest.param(e, marks=_marked(e)) for e in CASES])
@@ -41,9 +41,7 @@ def test_solution_passes_and_stub_fails(ex):
     assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg
 
 
-@pytest.mark.parametrize("ex,mutant,seed", PARAMS)
-def test_planted_mistake_is_named(ex, mutant, seed):
+@pytest.mark.parametrize("ex,mutant", PARAMS)
+def test_planted_mistake_is_named_under_20_seeds(ex, mutant):
     old, new, named = mutant
-    ok, msg = mutant_verdict(NB, ex, CASES[ex][0], [(old, new)], seed=seed)
-    assert not ok, f"mutant {new!r} passed the check"
-    assert named in msg, msg
+    mutant_fails_every_seed(NB, ex, CASES[ex][0], [(old, new)], named)
