@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mgpu-installed
 
-.PHONY: lab test release check-release clean-venv
+.PHONY: lab test test-browser release check-release clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,12 +18,34 @@ $(STAMP): pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (mgpu course)" >/dev/null
 	touch $(STAMP)
 
+# Root or not, display or not: prints the URL (with its token) that opens notebooks/00_setup.ipynb.
+# Options go in ARGS, e.g. `make lab ARGS="--port 9000"` (see `python -m mgpu_helpers.lab --help`).
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(PY) -m mgpu_helpers.lab $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/mgpu-course release --check
 	$(PY) -m pytest -n 2 --dist loadfile
+
+# The learner's path in headless Chromium (tests/browser): needs Playwright for Python (the `browser`
+# extra) and Debian's chromium, installed here with apt-get when missing and we are root. Not part of
+# `make test`, which needs no system packages.
+BROWSER_STAMP := $(VENV)/.mgpu-browser-installed
+$(BROWSER_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[browser]"
+	touch $(BROWSER_STAMP)
+
+test-browser: $(BROWSER_STAMP)
+	@if [ -z "$$MGPU_CHROMIUM" ] && ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium (apt-get)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "make test-browser needs Chromium: sudo apt-get install chromium, or MGPU_CHROMIUM=/path/to/chrome" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+	$(PY) -m pytest -m browser tests/browser
 
 release: $(STAMP)
 	$(VENV)/bin/mgpu-course release

@@ -73,12 +73,14 @@ def worker_memory(num_workers: int, persistent: bool = False, **kw):
     """Start a loader's workers (one batch taken), then measure each worker's RSS and USS."""
     import psutil
 
+    # Count only the processes this loader started: the kernel may already have other children
+    # (an earlier loader's workers not yet reaped, run_ranks' forkserver, a resource tracker).
+    before = {p.pid for p in psutil.Process().children()}
     loader = DataLoader(SlowDataset(64, 0.0), batch_size=8, num_workers=num_workers,
                         persistent_workers=persistent, **kw)
     it = iter(loader)
     next(it)
-    kids = psutil.Process().children()
-    pids = [p.pid for p in kids]
+    pids = [p.pid for p in psutil.Process().children() if p.pid not in before]
     out = {"processes": len(pids), "rss": [rss_bytes(p) for p in pids], "uss": [private_bytes(p) for p in pids]}
     del it
     return out

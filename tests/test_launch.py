@@ -252,6 +252,7 @@ def test_fall_back_note_once_and_never_on_stdout(monkeypatch, capsys):
     # Compared notebook outputs must be the same on a CPU, 1 GPU and N GPUs: the note goes to warnings.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(launch, "_noted", False)
+    monkeypatch.delenv("MGPU_FALLBACK_NOTE", raising=False)  # conftest.py silences it for nbval
     monkeypatch.setenv("MGPU_START_METHOD", "fork")  # what starts the ranks does not matter here
     with pytest.warns(UserWarning, match=r"^run_ranks: 2 ranks but 1 GPU\(s\): using gloo on CPU") as said:
         assert run_ranks(_sum_ranks, 2) == [(0, 2, 3.0), (1, 2, 3.0)]

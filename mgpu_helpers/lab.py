@@ -1,0 +1,169 @@
+"""``make lab``: JupyterLab on the course, for any user, with or without a screen.
+
+    python -m mgpu_helpers.lab [--port 8888] [--root notebooks] [--open 00_setup.ipynb] [--no-browser]
+
+What plain ``jupyter lab`` gets wrong for this course, and what this does instead:
+
+* As root (most containers and cloud GPU boxes) it exits with "Running as root is not recommended.
+  Use --allow-root to bypass." -- we pass ``--allow-root`` when the effective user is root.
+* On a machine without a display it tries to start a browser (on Linux, possibly a text browser in
+  the terminal) -- we never let Jupyter open one; we open the system browser ourselves only where
+  there is a display (DISPLAY/WAYLAND_DISPLAY on Linux; always on macOS and Windows).
+* A busy port: Jupyter moves on to the next free one (``port_retries``), and the URL it printed is
+  lost among its log lines -- we read the port it actually bound from its runtime file and print one
+  line to open, token included, pointing at notebook 00.
+* The "Would you like to get notified about official Jupyter news?" pop-up sits over the notebook:
+  an ``overrides.json`` in this environment turns news and update checks off.
+
+On a remote GPU box: ``ssh -L 8888:localhost:8888 user@gpu-box`` on your laptop, then open the
+printed URL (use the port it printed on both sides of ``-L``).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import webbrowser
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Settings every learner gets: no news pop-up, no update check.
+OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
+
+
+def has_display() -> bool:
+    if sys.platform in ("darwin", "win32"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def install_overrides(prefix: str = sys.prefix) -> Path:
+    """Write (or merge into) ``<prefix>/share/jupyter/lab/settings/overrides.json``."""
+    path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    current = {}
+    if path.exists():
+        try:
+            current = json.loads(path.read_text())
+        except ValueError:
+            current = {}
+    merged = {**current, **{k: {**current.get(k, {}), **v} for k, v in OVERRIDES.items()}}
+    if merged != current:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(merged, indent=2) + "\n")
+    return path
+
+
+def lab_command(root: Path, port: int, config: Path, extra: list[str] = ()) -> list[str]:
+    """The ``jupyter lab`` command line; the token travels in a private config file (mode 600), not on
+    the command line, where any user of the machine could read it."""
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--config={config}", f"--ServerApp.root_dir={root}",
+           f"--ServerApp.port={port}", "--ServerApp.port_retries=50", "--ServerApp.ip=localhost",
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.news_url="]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    return cmd + list(extra)
+
+
+def server_info(runtime_dir: Path, pid: int, timeout: float = 120.0, proc=None) -> dict:
+    """The running server's own record of itself (port actually bound, URL): ``jpserver-<pid>.json``."""
+    deadline = time.monotonic() + timeout
+    pattern = str(runtime_dir / f"jpserver-{pid}.json")
+    while time.monotonic() < deadline:
+        for f in glob.glob(pattern):
+            try:
+                return json.loads(Path(f).read_text())
+            except ValueError:
+                pass  # being written
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"JupyterLab exited with status {proc.returncode} before it was ready")
+        time.sleep(0.2)
+    raise TimeoutError(f"JupyterLab did not start within {timeout:.0f} s")
+
+
+def open_url(info: dict, token: str, target: str) -> str:
+    base = f"http://localhost:{info['port']}{info.get('base_url', '/')}"
+    return f"{base}lab/tree/{target}?token={token}"
+
+
+def start(root: Path, port: int = 8888, token: str | None = None, extra: list[str] = (),
+          env: dict | None = None, runtime_dir: Path | None = None, log: Path | None = None):
+    """Start JupyterLab in the background: (process, url, info). Used by ``main`` and the browser test."""
+    token = token or secrets.token_hex(24)
+    runtime_dir = Path(runtime_dir or tempfile.mkdtemp(prefix="mgpu-lab-"))
+    env = dict(os.environ if env is None else env, JUPYTER_RUNTIME_DIR=str(runtime_dir))
+    config = runtime_dir / "mgpu_lab_config.json"
+    config.touch(mode=0o600)
+    config.write_text(json.dumps({"IdentityProvider": {"token": token}}))
+    install_overrides()
+    out = open(log, "ab") if log else None  # None: JupyterLab's log goes to this terminal
+    proc = subprocess.Popen(lab_command(root, port, config, extra), env=env, stdout=out, stderr=out,
+                            start_new_session=True)
+    if out:
+        out.close()  # the child holds its own copy
+    try:
+        info = server_info(runtime_dir, proc.pid, proc=proc)
+    except BaseException:
+        stop(proc)
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        raise
+    info["runtime_dir"] = str(runtime_dir)
+    return proc, token, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mgpu-course lab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, default=ROOT / "notebooks", help="folder JupyterLab serves")
+    ap.add_argument("--open", default="00_setup.ipynb", help="notebook to open, relative to --root")
+    ap.add_argument("--port", type=int, default=int(os.environ.get("MGPU_LAB_PORT", 8888)))
+    ap.add_argument("--no-browser", action="store_true", help="never start a browser")
+    a, extra = ap.parse_known_args(argv)
+    proc, token, info = start(a.root.resolve(), a.port, extra=extra)
+    url = open_url(info, token, a.open)
+    bar = "=" * min(100, len(url) + 4)
+    print(f"\n{bar}\n  The course is running. Open this URL in your browser:\n\n  {url}\n", flush=True)
+    if int(info["port"]) != a.port:
+        print(f"  (port {a.port} was busy: JupyterLab took {info['port']})")
+    print("  On a remote machine, first run on your laptop:\n"
+          f"    ssh -L {info['port']}:localhost:{info['port']} <user>@<this machine>\n"
+          f"  Stop with Ctrl-C.\n{bar}\n", flush=True)
+    if not a.no_browser and has_display():
+        webbrowser.open(url)
+    # Ctrl-C, a closed terminal or a kill: stop JupyterLab (and its kernels) too, never leave it behind.
+    def _stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGHUP, _stop)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        stop(proc)
+        return 130
+    finally:
+        shutil.rmtree(info["runtime_dir"], ignore_errors=True)
+
+
+def stop(proc, timeout: float = 20.0) -> None:
+    """SIGTERM to JupyterLab's process group (it shuts its kernels down), SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+if __name__ == "__main__":
+    sys.exit(main())
