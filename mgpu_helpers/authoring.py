@@ -19,7 +19,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-import nbformat
+# nbformat is imported where a notebook file is read or written: the notebooks import ``verdict`` from
+# here, and machines that run them without Jupyter's packages (bench/run_notebooks.py on a GPU box) lack it.
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 EXERCISE_ID = re.compile(r"^\d{1,2}\.\d{1,2}$")
@@ -114,12 +115,16 @@ def release_notebook(nb):
 
 
 def dumps(nb) -> str:
+    import nbformat
+
     return nbformat.writes(nb) + ("" if nbformat.writes(nb).endswith("\n") else "\n")
 
 
 # --- mutant harness: run a check on the solution, the stub, and planted mistakes ---------------------
 
 def exercise_source(nb_path: str | Path, exercise: str) -> str:
+    import nbformat
+
     nb = nbformat.read(str(nb_path), as_version=4)
     return exercise_cells(nb)[exercise].source
 

@@ -91,11 +91,25 @@ def _context(method):
         # imports take 0.5 s): with its imports preloaded that costs nothing. Paths (scripts) re-run as
         # spawn would; `python -m pkg` mains (pkg.__main__) are not re-run.
         extra = [main] if main and not main.endswith("__main__") else []
-        # Also what the caller imported of ours and of torch's heavy parts (none touches CUDA on import):
-        # DDP's first construction imports torch._dynamo, 1.4 s in every rank that lacks it.
-        extra += sorted(m for m in sys.modules if m.startswith("mgpu_helpers.") or m == "torch._dynamo")
+        # Also what the caller imported of ours, and every module a rank of this course may import: the
+        # server starts once per kernel (at its first launch) and a module it lacks is imported again
+        # in every rank of every later launch -- torch._dynamo alone (DDP's first construction) costs
+        # 1.4 s per rank on a CPU build and more on a CUDA build: notebook 04 took 147 s on an H200
+        # with only the first notebook's modules preloaded, 13 s on 2 CPU cores. None touches CUDA.
+        extra += sorted(m for m in sys.modules if m.startswith("mgpu_helpers.")) + _RANK_MODULES
         ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__] + extra)
     return ctx
+
+
+# Imported once by the forkserver (a missing one is skipped): torch's distributed parts the notebooks'
+# ranks use, and the course's helper modules (not the authoring, grading and JupyterLab ones).
+_RANK_MODULES = ["torch._dynamo", "torch.nn.parallel", "torch.distributed.optim", "torch.distributed.fsdp",
+                 "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.utils.checkpoint",
+                 "torch.utils.data"] + [
+    f"mgpu_helpers.{m}" for m in ("memory", "tracker", "checks", "launch_watch", "setup", "profiling",
+                                  "data_parallel", "ddp", "ddp_demos", "accumulation", "amp", "amp_checks",
+                                  "checkpointing", "sharding", "sharding_fsdp", "sharding_checks", "pipeline",
+                                  "tensor_parallel", "model_sharding", "data_loading", "planner")]
 
 
 @contextlib.contextmanager

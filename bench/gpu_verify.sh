@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Everything the README's "Verified on" table records for one GPU, in as few device calls as possible.
+#   bash bench/gpu_verify.sh notebooks [NB...]   # solution notebooks via bench/run_notebooks.py (default: all)
+#   bash bench/gpu_verify.sh benches             # launch, tracker, amp, checkpointing, sharding, planner
+# Output goes to $OUT (the device tool's result folder) or test-output/gpu. On the device machine, torch is
+# there but Jupyter's packages are not: carry a folder made with
+#   .venv/bin/python -m pip install --target .gpu_site ipywidgets   (notebook 11's calculator imports it)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-test-output/gpu}; mkdir -p "$OUT"
+export PYTHONPATH=".:${PYTHONPATH:-}" MPLBACKEND=Agg
+[ -d .gpu_site ] && export PYTHONPATH="$PYTHONPATH:$PWD/.gpu_site"
+# NVLink multicast stays off (the device tool's rule for shared hosts).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+what=${1:-notebooks}; shift || true
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else '-')"
+  nproc; } | tee "$OUT/machine.txt"
+case "$what" in
+notebooks)
+  nbs=("$@"); [ ${#nbs[@]} -eq 0 ] && nbs=(solutions/*.ipynb)
+  python3 bench/run_notebooks.py --show-diff --outputs "$OUT/nb" "${nbs[@]}" 2>"$OUT/notebooks_stderr.txt" | tee "$OUT/notebooks.txt"
+  ;;
+benches)
+  # Timings first, alone on the machine; then the memory benches side by side (each its own process and
+  # allocator statistics; 4 CPU threads each).
+  run() { local b=$1; local start=$(date +%s); env -u OUT timeout "${2:-300}" python3 "bench/$b" >"$OUT/${b%.py}.txt" 2>&1
+          echo "=== bench/$b: exit $?, $(( $(date +%s) - start )) s" >>"$OUT/${b%.py}.txt"; }
+  run launch.py 200; run rank_phases.py 120
+  export OMP_NUM_THREADS=4
+  for b in amp_gpu.py checkpointing_gpu.py sharding_gpu.py model_sharding_gpu.py planner_gpu.py; do run "$b" 300 & done
+  wait
+  for f in "$OUT"/*.txt; do echo "##### $f"; tail -c 2500 "$f"; done
+  ;;
+esac
