@@ -81,9 +81,12 @@ def browser():
 def _run_all(page, server, rel: str, timeout_s: float = 300) -> None:
     # JupyterLab's launcher first (its kernel cards mean the kernel specs are loaded; a notebook opened
     # before that, on a slow machine, asks "Select Kernel"), then the notebook by the URL `make lab` prints.
-    page.goto(f"{server['base']}lab?token={server['token']}")
+    # Each notebook in its own fresh workspace (`?reset`): the default one would reopen the previous
+    # test's notebook instead of the launcher.
+    ws = f"{server['base']}lab/workspaces/{Path(rel).stem.replace('_', '-')}"
+    page.goto(f"{ws}?reset&token={server['token']}")
     page.wait_for_selector(".jp-LauncherCard", timeout=120_000)
-    page.goto(f"{server['base']}lab/tree/{rel}?token={server['token']}")
+    page.goto(f"{ws}/tree/{rel}?token={server['token']}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
     # Kernel ready: the toolbar's kernel status reads Idle.
     page.wait_for_function("() => [...document.querySelectorAll('.jp-Notebook-ExecutionIndicator')]"
@@ -137,6 +140,14 @@ def _assert_learner_sees(page, server, rel: str) -> None:
     assert rendered >= n_images, f"{rel}: {n_images} plots in the notebook, {rendered} rendered as images"
 
 
+def _shoot_first_plot(page, rel: str) -> None:
+    # JupyterLab scrolls inside its own panel, so a full-page screenshot shows only the viewport: bring
+    # the first plot into view for the record.
+    img = page.locator(".jp-RenderedImage img").first
+    img.scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / (Path(rel).stem + "_plot.png")))
+
+
 @pytest.mark.parametrize("rel", ["solutions/01_where_memory_goes.ipynb", "solutions/04_ddp.ipynb"])
 def test_run_all_in_jupyterlab(server, browser, rel):
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -145,6 +156,7 @@ def test_run_all_in_jupyterlab(server, browser, rel):
         _run_all(page, server, rel)
         page.screenshot(path=str(SHOTS / (Path(rel).stem + ".png")), full_page=True)
         _assert_learner_sees(page, server, rel)
+        _shoot_first_plot(page, rel)
         # The JupyterLab news pop-up must not sit over the notebook.
         assert page.locator(".jp-toast-message", has_text="news").count() == 0, "news pop-up shown"
     finally:

@@ -1,0 +1,83 @@
+"""`make lab` without a browser: root or not, no display, a busy port -- the printed URL serves notebook 00.
+
+The browser itself is driven by tests/browser (``make test-browser``); this runs in ``make test``.
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from mgpu_helpers import lab
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_make_lab_runs_this_module():
+    rule = re.search(r"^lab:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert "-m mgpu_helpers.lab" in rule, rule
+
+
+def test_allow_root_only_for_root(monkeypatch, tmp_path):
+    for uid, expected in ((0, True), (1000, False)):
+        monkeypatch.setattr(os, "geteuid", lambda uid=uid: uid)
+        assert ("--allow-root" in lab.lab_command(tmp_path, 8888, tmp_path / "c.json")) is expected
+    # the token never appears on the command line (any user of the machine can read it there)
+    assert not any("token" in a.lower() for a in lab.lab_command(tmp_path, 8888, tmp_path / "c.json"))
+
+
+def test_no_display_means_no_browser(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    assert not lab.has_display()
+    monkeypatch.setenv("DISPLAY", ":0")
+    assert lab.has_display()
+
+
+def test_busy_port_printed_url_serves_notebook_00(tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    env.update(JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"))
+    proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.lab", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, url, deadline = [], None, time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            m = re.search(r"(http://localhost:\d+/\S+)", line)
+            url = m.group(1) if m else None
+        assert url, "no URL printed:\n" + "".join(out)
+        assert f":{port}/" not in url, "the busy port was printed instead of the one JupyterLab took"
+        assert url.endswith("00_setup.ipynb?token=" + url.rsplit("token=", 1)[1])
+        assert "/lab/tree/00_setup.ipynb?token=" in url
+        for _ in range(5):  # the rest of the banner: the port that was busy, the ssh -L line
+            out.append(proc.stdout.readline())
+        text = "".join(out)
+        assert f"port {port} was busy" in text and "ssh -L" in text, text
+        with urllib.request.urlopen(url, timeout=30) as r:
+            assert r.status == 200 and "JupyterLab" in r.read().decode()
+        # the notebook itself is served (contents API, with the same token)
+        base, token = url.split("/lab/tree/")[0], url.rsplit("token=", 1)[1]
+        with urllib.request.urlopen(f"{base}/api/contents/00_setup.ipynb?token={token}", timeout=30) as r:
+            assert r.status == 200
+    finally:
+        busy.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert proc.returncode in (0, 130, -signal.SIGINT), proc.returncode
