@@ -4,7 +4,7 @@ Run with ``make test-browser`` (installs Playwright for Python and, as root, Deb
 JupyterLab exactly as ``make lab`` does (``mgpu_helpers.lab.start``) on a free loopback port over a
 scratch copy of ``solutions/`` (the run saves the notebooks; the repository is never written), opens
 each notebook in Chromium, runs all cells from the Run menu, saves, and asserts: no error outputs, the
-check cells' "✓" lines on screen, plots rendered as images, no progress bar printed as text, and (in the
+check cells' "✓" lines on screen, plots rendered as images, progress bars drawn as widgets, never as text, and (in the
 capstone) the ipywidgets calculator rendered and redrawing its plot when a slider moves.
 Screenshots go to ``test-output/browser/``.
 """
@@ -138,6 +138,9 @@ def _assert_learner_sees(page, server, rel: str) -> None:
     assert n_images > 0, f"{rel}: no plot was produced"
     rendered = page.locator(".jp-RenderedImage img").count()
     assert rendered >= n_images, f"{rel}: {n_images} plots in the notebook, {rendered} rendered as images"
+    if any("tqdm" in c.source for c in nb.cells if c.cell_type == "code"):  # a bar, drawn as a widget
+        bars = page.locator(".widget-progress, .widget-hprogress, .jp-OutputArea-output progress").count()
+        assert bars > 0, f"{rel}: the progress bar did not render as a widget"
 
 
 def _shoot_first_plot(page, rel: str) -> None:
@@ -148,7 +151,8 @@ def _shoot_first_plot(page, rel: str) -> None:
     page.screenshot(path=str(SHOTS / (Path(rel).stem + "_plot.png")))
 
 
-@pytest.mark.parametrize("rel", ["solutions/01_where_memory_goes.ipynb", "solutions/04_ddp.ipynb"])
+@pytest.mark.parametrize("rel", ["solutions/01_where_memory_goes.ipynb", "solutions/04_ddp.ipynb",
+                                 "solutions/07_activation_checkpointing.ipynb"])
 def test_run_all_in_jupyterlab(server, browser, rel):
     SHOTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
