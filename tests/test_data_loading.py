@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import run_torchrun
+from testkit import run_torchrun
 from mgpu_helpers.data_loading import (SlowDataset, _variant, check_10_1, epoch_seconds, in_flight,
                                        pin_memory_on_this_machine, sampler_shard, worker_memory)
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_torchrun
+from testkit import run_torchrun
 import torch
 import torch.distributed as dist
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_torchrun
+from testkit import run_torchrun
 from mgpu_helpers.launch import run_ranks
 from mgpu_helpers.model_sharding import (StepRecorder, Stuck, TensorParallelMLP, as_intervals, bubble_fraction,
                                          check_9_1, check_9_2, gpipe_step, make_batch, make_mlp, make_model,

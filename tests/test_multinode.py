@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from testkit import ROOT
 
 
 def _free_port() -> int:

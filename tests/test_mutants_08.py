@@ -6,6 +6,7 @@ import pytest
 
 from mgpu_helpers.authoring import mutant_fails_every_seed, mutant_verdict, solution_verdict, stub_verdict
 import mgpu_helpers.sharding_checks  # noqa: F401  (registers 8.1 and 8.2)
+from testkit import marked, mistake_params
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "08_sharding_zero.ipynb"
 
@@ -42,15 +43,10 @@ CASES = {
 }
 
 
-def _marked(ex, *values, id=None):
-    return pytest.param(ex, *values, marks=getattr(pytest.mark, f"ex_{ex.replace('.', '_')}"), id=id)
+PARAMS = mistake_params(CASES, width=30)
 
 
-PARAMS = [_marked(ex, edits, named, every, id=f"{ex}-{named[:30]}") for ex, (_, ms) in CASES.items()
-          for edits, named, every in ms]
-
-
-@pytest.mark.parametrize("ex", [_marked(e) for e in CASES])
+@pytest.mark.parametrize("ex", [marked(e) for e in CASES])
 def test_solution_passes_and_stub_fails(ex):
     fn_name, _ = CASES[ex]
     ok, msg = solution_verdict(NB, ex, fn_name)

@@ -6,6 +6,7 @@ import pytest
 import mgpu_helpers.model_sharding  # noqa: F401  (registers 9.1 and 9.2)
 from mgpu_helpers import pipeline
 from mgpu_helpers.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
+from testkit import marked, mistake_params
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "09_model_sharding.ipynb"
 
@@ -59,14 +60,10 @@ CASES = {
 }
 
 
-def _marked(ex, *values, id=None):
-    return pytest.param(ex, *values, marks=getattr(pytest.mark, f"ex_{ex.replace('.', '_')}"), id=id)
+PARAMS = mistake_params(CASES)
 
 
-PARAMS = [_marked(ex, edits, named, id=f"{ex}-{named[:28]}") for ex, (_, ms) in CASES.items() for edits, named in ms]
-
-
-@pytest.mark.parametrize("ex", [_marked(e) for e in CASES])
+@pytest.mark.parametrize("ex", [marked(e) for e in CASES])
 def test_solution_passes_and_stub_fails(ex):
     fn_name, _ = CASES[ex]
     ok, msg = solution_verdict(NB, ex, fn_name)

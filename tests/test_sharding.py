@@ -65,7 +65,7 @@ def test_bad_n_params():
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from conftest import run_torchrun  # noqa: E402
+from testkit import run_torchrun  # noqa: E402
 from mgpu_helpers.launch import run_ranks  # noqa: E402
 from mgpu_helpers.sharding import linears, make_model, unique  # noqa: E402
 from mgpu_helpers.sharding_checks import check_8_2  # noqa: E402

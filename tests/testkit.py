@@ -1,8 +1,11 @@
-"""Shared test helpers."""
+"""Shared test helpers: ``from testkit import ...`` (not ``conftest``: the repository root has a conftest.py
+too, and two modules named conftest replace each other in sys.modules)."""
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,3 +20,15 @@ def run_torchrun(module: str, nproc: int = 2, timeout: int = 300) -> subprocess.
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
+
+
+# --- mutant tests: one parameter per exercise, one per planted mistake, each marked ex_N_M ----------------
+
+def marked(ex: str, *values, id=None):
+    """``pytest.param(ex, *values)`` with the exercise's marker (``-m ex_4_2`` runs exercise 4.2's tests)."""
+    return pytest.param(ex, *values, marks=getattr(pytest.mark, f"ex_{ex.replace('.', '_')}"), id=id)
+
+
+def mistake_params(cases: dict, width: int = 28) -> list:
+    """``{ex: (function, [(edits, named, *more), ...])}`` -> one marked (ex, edits, named, *more) per mistake."""
+    return [marked(ex, *m, id=f"{ex}-{m[1][:width]}") for ex, (_, ms) in cases.items() for m in ms]
