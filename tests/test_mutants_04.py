@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
+from mgpu_helpers.authoring import mutant_fails_every_seed
 import mgpu_helpers.ddp  # noqa: F401  (registers 4.1 and 4.2)
+from testkit import solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "04_ddp.ipynb"
 DIVIDE = "            p.grad /= world_size"
@@ -50,12 +51,7 @@ PARAMS = [pytest.param(ex, edits, named, marks=_marks(ex), id=f"{ex}-{named[:30]
 
 @pytest.mark.parametrize("ex", [pytest.param(e, marks=_marks(e)) for e in CASES])
 def test_solution_passes_and_stub_fails(ex):
-    fn_name, _ = CASES[ex]
-    for seed in (None, 0, 1):
-        ok, msg = solution_verdict(NB, ex, fn_name, seed=seed)
-        assert ok, msg
-    ok, msg = stub_verdict(NB, ex, fn_name)
-    assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg
+    solution_passes_stub_fails(NB, ex, CASES[ex][0], seeds=(None, 0, 1))
 
 
 @pytest.mark.parametrize("ex,edits,named", PARAMS)

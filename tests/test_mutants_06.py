@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
+from mgpu_helpers.authoring import mutant_fails_every_seed
 import mgpu_helpers.amp  # noqa: F401  (registers 6.1 and 6.2)
-from testkit import marked, mistake_params
+from testkit import marked, mistake_params, solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "06_mixed_precision.ipynb"
 
@@ -44,12 +44,7 @@ PARAMS = mistake_params(CASES)
 
 @pytest.mark.parametrize("ex", [marked(e) for e in CASES])
 def test_solution_passes_and_stub_fails(ex):
-    fn_name, _ = CASES[ex]
-    for seed in range(5):
-        ok, msg = solution_verdict(NB, ex, fn_name, seed=seed)
-        assert ok, msg
-    ok, msg = stub_verdict(NB, ex, fn_name)
-    assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg
+    solution_passes_stub_fails(NB, ex, CASES[ex][0], seeds=range(5))
 
 
 @pytest.mark.parametrize("ex,edits,named", PARAMS)

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed, mutant_verdict, solution_verdict, stub_verdict
+from mgpu_helpers.authoring import mutant_fails_every_seed, mutant_verdict
 import mgpu_helpers.checkpointing  # noqa: F401  (registers 7.1)
+from testkit import solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "07_activation_checkpointing.ipynb"
 FN = "checkpoint_segments"
@@ -38,10 +39,7 @@ ONE_SEED = [
 
 @pytest.mark.ex_7_1
 def test_solution_passes_and_stub_fails():
-    ok, msg = solution_verdict(NB, "7.1", FN)
-    assert ok, msg
-    ok, msg = stub_verdict(NB, "7.1", FN)
-    assert not ok and "not implemented yet" in msg and "Exercise 7.1" in msg, msg
+    solution_passes_stub_fails(NB, "7.1", FN)
 
 
 @pytest.mark.ex_7_1

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed, mutant_verdict, solution_verdict, stub_verdict
+from mgpu_helpers.authoring import mutant_fails_every_seed, mutant_verdict
 import mgpu_helpers.sharding_checks  # noqa: F401  (registers 8.1 and 8.2)
-from testkit import marked, mistake_params
+from testkit import marked, mistake_params, solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "08_sharding_zero.ipynb"
 
@@ -48,11 +48,7 @@ PARAMS = mistake_params(CASES, width=30)
 
 @pytest.mark.parametrize("ex", [marked(e) for e in CASES])
 def test_solution_passes_and_stub_fails(ex):
-    fn_name, _ = CASES[ex]
-    ok, msg = solution_verdict(NB, ex, fn_name)
-    assert ok, msg
-    ok, msg = stub_verdict(NB, ex, fn_name)
-    assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg
+    solution_passes_stub_fails(NB, ex, CASES[ex][0])
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

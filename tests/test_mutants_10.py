@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
+from mgpu_helpers.authoring import mutant_fails_every_seed
 import mgpu_helpers.data_loading  # noqa: F401  (registers 10.1)
+from testkit import solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "10_data_loading.ipynb"
 FN = "shard_indices"
@@ -21,10 +22,7 @@ MUTANTS = [
 
 @pytest.mark.ex_10_1
 def test_solution_passes_and_stub_fails():
-    ok, msg = solution_verdict(NB, "10.1", FN)
-    assert ok, msg
-    ok, msg = stub_verdict(NB, "10.1", FN)
-    assert not ok and "not implemented yet" in msg and "Exercise 10.1" in msg, msg
+    solution_passes_stub_fails(NB, "10.1", FN)
 
 
 @pytest.mark.ex_10_1

@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
+from mgpu_helpers.authoring import mutant_fails_every_seed
 import mgpu_helpers.planner  # noqa: F401  (registers 11.1)
+from testkit import solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "11_capstone_fit_the_budget.ipynb"
 FIT = "fitting = [p for p in plans if p.peak_bytes <= budget]"
@@ -25,11 +26,7 @@ MUTANTS = [
 
 @pytest.mark.ex_11_1
 def test_solution_passes_and_stub_fails():
-    for seed in (None, 3):
-        ok, msg = solution_verdict(NB, "11.1", "choose_plan", seed=seed)
-        assert ok, msg
-    ok, msg = stub_verdict(NB, "11.1", "choose_plan")
-    assert not ok and "not implemented yet" in msg and "Exercise 11.1" in msg, msg
+    solution_passes_stub_fails(NB, "11.1", "choose_plan", seeds=(None, 3))
 
 
 @pytest.mark.ex_11_1

@@ -32,3 +32,14 @@ def marked(ex: str, *values, id=None):
 def mistake_params(cases: dict, width: int = 28) -> list:
     """``{ex: (function, [(edits, named, *more), ...])}`` -> one marked (ex, edits, named, *more) per mistake."""
     return [marked(ex, *m, id=f"{ex}-{m[1][:width]}") for ex, (_, ms) in cases.items() for m in ms]
+
+
+def solution_passes_stub_fails(nb, ex: str, function: str, seeds=(None,)) -> None:
+    """The check passes the solution (under each seed) and fails the released stub, saying it is not done."""
+    from mgpu_helpers.authoring import solution_verdict, stub_verdict
+
+    for seed in seeds:
+        ok, msg = solution_verdict(nb, ex, function, seed=seed)
+        assert ok, f"seed {seed}: {msg}"
+    ok, msg = stub_verdict(nb, ex, function)
+    assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg
