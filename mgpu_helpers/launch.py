@@ -130,6 +130,8 @@ def _interrupt_deferred():
 
 
 def _threads(method, world_size, threads):
+    if not threads and os.environ.get("MGPU_RANK_THREADS"):  # benches, debugging: threads per rank
+        return int(os.environ["MGPU_RANK_THREADS"])
     return threads or (1 if method == "fork" else max(1, _cores() // world_size))
 
 
