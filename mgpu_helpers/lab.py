@@ -57,8 +57,11 @@ def install_overrides(prefix: str = sys.prefix) -> Path:
             current = {}
     merged = {**current, **{k: {**current.get(k, {}), **v} for k, v in OVERRIDES.items()}}
     if merged != current:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(merged, indent=2) + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(merged, indent=2) + "\n")
+        except OSError as e:  # a shared, read-only environment: the course still opens, with the pop-up
+            print(f"note: could not write {path} ({e.strerror}); JupyterLab may ask about its news", file=sys.stderr)
     return path
 
 

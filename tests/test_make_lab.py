@@ -2,6 +2,7 @@
 
 The browser itself is driven by tests/browser (``make test-browser``); this runs in ``make test``.
 """
+import json
 import os
 import re
 import signal
@@ -81,3 +82,21 @@ def test_busy_port_printed_url_serves_notebook_00(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert proc.returncode in (0, 130, -signal.SIGINT), proc.returncode
+
+
+def test_overrides_merge_and_a_read_only_environment(tmp_path, capsys):
+    path = lab.install_overrides(str(tmp_path))
+    ours = json.loads(path.read_text())
+    assert ours["@jupyterlab/apputils-extension:notification"] == {"fetchNews": "false", "checkForUpdates": False}
+    path.write_text(json.dumps({"other": {"keep": 1}}))  # an instructor's own settings survive
+    assert json.loads(lab.install_overrides(str(tmp_path)).read_text())["other"] == {"keep": 1}
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root ignores the mode: make the target a file instead of a folder
+            (ro / "share").write_text("not a folder")
+        lab.install_overrides(str(ro))  # must not raise: the course opens anyway
+        assert "could not write" in capsys.readouterr().err
+    finally:
+        ro.chmod(0o700)
