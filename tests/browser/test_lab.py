@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import nbformat
@@ -44,6 +45,7 @@ def _free_port() -> int:
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("course")
     shutil.copytree(ROOT / "solutions", work / "solutions")
+    shutil.copytree(ROOT / "notebooks", work / "notebooks")  # what `make lab` serves to learners
     for f in (work / "solutions").glob("*.ipynb"):  # as a learner opens them: nothing run yet
         nb = nbformat.read(str(f), as_version=4)
         for c in nb.cells:
@@ -91,10 +93,10 @@ def _run_all(page, server, rel: str, timeout_s: float = 300) -> None:
     # Kernel ready: the toolbar's kernel status reads Idle.
     page.wait_for_function("() => [...document.querySelectorAll('.jp-Notebook-ExecutionIndicator')]"
                            ".some(e => e.getAttribute('data-status') === 'idle')", timeout=120_000)
-    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-    # Done when no prompt shows [*] and every code cell has a number.
+    _one_settled_kernel(server, rel)
+    # Run > Run All Cells, as a learner would; done when no prompt shows [*] and every code cell has a number.
     deadline, started = time.monotonic() + timeout_s, time.monotonic()
+    clicks, last, last_change = 0, None, time.monotonic()
     while True:
         state = page.evaluate("""() => {
             const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(e => e.textContent);
@@ -106,13 +108,43 @@ def _run_all(page, server, rel: str, timeout_s: float = 300) -> None:
             pytest.fail(f"{rel}: a dialog stands in the learner's way: {state['dialog']!r}")
         if state["n"] and not state["busy"] and not state["unrun"]:
             break
-        stuck = not state["busy"] and state["unrun"] == state["n"] and time.monotonic() - started > 60
-        if stuck or time.monotonic() > deadline:
+        if state != last:
+            last, last_change = state, time.monotonic()
+        # Nothing running and cells left: click Run All (again, at most twice more: requests sent while
+        # JupyterLab swaps a kernel it started twice for one notebook are lost -- its race, not the course's).
+        stalled = not state["busy"] and (clicks == 0 or time.monotonic() - last_change > 20)
+        if stalled and clicks < 3:
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            clicks, last_change = clicks + 1, time.monotonic()
+        elif stalled or time.monotonic() > deadline:
             page.screenshot(path=str(SHOTS / (Path(rel).stem + "_stuck.png")))
-            pytest.fail(f"{rel}: run-all did not finish ({state}, {time.monotonic() - started:.0f} s)")
+            pytest.fail(f"{rel}: run-all did not finish after {clicks} clicks ({state}, "
+                        f"{time.monotonic() - started:.0f} s)")
         time.sleep(1)
     page.keyboard.press("Control+s")
     page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')", timeout=30_000)
+
+
+def _one_settled_kernel(server, rel: str, timeout: float = 60) -> None:
+    """Wait until the notebook has one session whose kernel has stayed the same for 2 s: on a fresh
+    server JupyterLab may start two kernels for one notebook and shut one down."""
+    def get(path):
+        req = urllib.request.Request(server["base"] + path, headers={"Authorization": f"token {server['token']}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    deadline, seen, since = time.monotonic() + timeout, None, time.monotonic()
+    while time.monotonic() < deadline:
+        ids = [s["kernel"]["id"] for s in get("api/sessions") if s.get("path") == rel]
+        alive = {k["id"] for k in get("api/kernels")}
+        now = ids[0] if len(ids) == 1 and ids[0] in alive else None
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif now and time.monotonic() - since >= 2:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{rel}: no settled kernel after {timeout:.0f} s (sessions: {get('api/sessions')})")
 
 
 def _saved(server, rel: str):
@@ -135,12 +167,31 @@ def _assert_learner_sees(page, server, rel: str) -> None:
         assert any(f"Exercise {ex} ✓" in t for t in shown), f"{rel}: no 'Exercise {ex} ✓' on screen"
     n_images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                    if "image/png" in o.get("data", {}))
-    assert n_images > 0, f"{rel}: no plot was produced"
+    assert n_images > 0 or not _has_plots(rel), f"{rel}: no plot was produced"
     rendered = page.locator(".jp-RenderedImage img").count()
     assert rendered >= n_images, f"{rel}: {n_images} plots in the notebook, {rendered} rendered as images"
     if any("tqdm" in c.source for c in nb.cells if c.cell_type == "code"):  # a bar, drawn as a widget
         bars = page.locator(".widget-progress, .widget-hprogress, .jp-OutputArea-output progress").count()
         assert bars > 0, f"{rel}: the progress bar did not render as a widget"
+
+
+def _has_plots(rel: str) -> bool:
+    stored = nbformat.read(str(ROOT / "solutions" / Path(rel).name), as_version=4)  # CI's reference run
+    return any("image/png" in o.get("data", {}) for c in stored.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def test_first_notebook_as_make_lab_opens_it(server, browser):
+    """The learner's first step: notebooks/00_setup.ipynb (the released copy), opened and run."""
+    rel = "notebooks/00_setup.ipynb"
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        _run_all(page, server, rel)
+        page.screenshot(path=str(SHOTS / "00_setup.png"))
+        _assert_learner_sees(page, server, rel)
+        shown = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+        assert "rank 1 of 2: sum = 3" in shown, "the ranks launched from the browser's kernel said nothing"
+    finally:
+        page.close()
 
 
 def _shoot_first_plot(page, rel: str) -> None:
