@@ -10,7 +10,9 @@ is compared with its stored stream output unless the cell starts with ``# NBVAL_
 Prints one row per notebook and a total: code cells, compared cells (not ``# NBVAL_IGNORE_OUTPUT``),
 compared cells whose stdout differs from the stored output, cells that raised, compared cells that
 wrote to stderr (warnings: not compared here, but nbval would see them), wall seconds.
-``--show-diff`` prints the differing outputs; ``--outputs DIR`` writes every cell's output there.
+``--show-diff`` prints the differing outputs; ``--outputs DIR`` writes every cell's output there;
+``--cell-times`` lists each notebook's cells that took over 1 s (where a machine is slow: on an H200 the
+forkserver's first start, CUDA's initialisation, 04's spawn demo).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def _stored(cell) -> str:
                    if o.get("output_type") == "stream" and o.get("name") == "stdout")
 
 
-def run(path: Path, show_diff: bool, outdir: Path | None) -> tuple[int, int, int, int, int, float]:
+def run(path: Path, show_diff: bool, outdir: Path | None,
+        cell_times: bool = False) -> tuple[int, int, int, int, int, float]:
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     ns = {"__name__": "__main__"}
     compared = differ = errors = stderr = 0
@@ -45,6 +48,7 @@ def run(path: Path, show_diff: bool, outdir: Path | None) -> tuple[int, int, int
         for i, cell in enumerate(cells):
             src = "".join(cell["source"])
             buf, err, name = io.StringIO(), io.StringIO(), f"<{path.name} cell {i}>"
+            t_cell = time.perf_counter()
             # as IPython does: tracebacks (a rank's too) then show the cell's source lines
             linecache.cache[name] = (len(src), None, src.splitlines(True), name)
             try:
@@ -53,7 +57,9 @@ def run(path: Path, show_diff: bool, outdir: Path | None) -> tuple[int, int, int
             except BaseException:  # noqa: BLE001 - report and go on, like a notebook run with errors
                 errors += 1
                 buf.write("ERROR\n" + traceback.format_exc())
-            got = buf.getvalue()
+            got, dt = buf.getvalue(), time.perf_counter() - t_cell
+            if cell_times and dt > 1:
+                print(f"  {path.name} cell {i}: {dt:.1f} s  {src.splitlines()[0][:70] if src else ''}", flush=True)
             log.append(f"=== cell {i}\n{got}" + (f"--- stderr\n{err.getvalue()}" if err.getvalue() else ""))
             if err.getvalue():
                 sys.stderr.write(err.getvalue())
@@ -78,11 +84,12 @@ def main() -> int:
     ap.add_argument("notebooks", nargs="+", type=Path)
     ap.add_argument("--show-diff", action="store_true")
     ap.add_argument("--outputs", type=Path)
+    ap.add_argument("--cell-times", action="store_true", help="list the cells that took over 1 s")
     a = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     rows = []
     for p in a.notebooks:
-        rows.append((p.name, *run(p.resolve(), a.show_diff, a.outputs)))
+        rows.append((p.name, *run(p.resolve(), a.show_diff, a.outputs, a.cell_times)))
         print(f"done {p.name}: {rows[-1][3]} differing, {rows[-1][4]} errors, {rows[-1][6]:.1f} s", flush=True)
     rows.append(("total", *(sum(r[i] for r in rows) for i in range(1, 7))))
     print(f"{'notebook':<34}{'cells':>6}{'compared':>9}{'differ':>7}{'errors':>7}{'stderr':>7}{'seconds':>9}")

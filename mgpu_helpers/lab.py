@@ -99,7 +99,7 @@ def open_url(info: dict, token: str, target: str) -> str:
 
 def start(root: Path, port: int = 8888, token: str | None = None, extra: list[str] = (),
           env: dict | None = None, runtime_dir: Path | None = None, log: Path | None = None):
-    """Start JupyterLab in the background: (process, url, info). Used by ``main`` and the browser test."""
+    """Start JupyterLab in the background: (process, token, info). Used by ``main`` and the browser test."""
     token = token or secrets.token_hex(24)
     runtime_dir = Path(runtime_dir or tempfile.mkdtemp(prefix="mgpu-lab-"))
     env = dict(os.environ if env is None else env, JUPYTER_RUNTIME_DIR=str(runtime_dir))
@@ -123,7 +123,7 @@ def start(root: Path, port: int = 8888, token: str | None = None, extra: list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mgpu-course lab", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m mgpu_helpers.lab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=ROOT / "notebooks", help="folder JupyterLab serves")
     ap.add_argument("--open", default="00_setup.ipynb", help="notebook to open, relative to --root")
@@ -167,6 +167,7 @@ def stop(proc, timeout: float = 20.0) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
 
 if __name__ == "__main__":
     sys.exit(main())

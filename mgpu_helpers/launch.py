@@ -15,6 +15,7 @@ would start. A rank that raises becomes ``RankError`` here, with its traceback; 
 (Ctrl-C too) kills and joins every child. launch_watch.py watches the running ranks.
 """
 import contextlib, datetime, faulthandler, io, linecache, multiprocessing as mp, os, pickle, signal  # noqa: E401
+import pkgutil
 import sys
 import tempfile
 import threading
@@ -102,14 +103,13 @@ def _context(method):
 
 
 # Imported once by the forkserver (a missing one is skipped): torch's distributed parts the notebooks'
-# ranks use, and the course's helper modules (not the authoring, grading and JupyterLab ones).
+# ranks use, and the course's helper modules -- all but the authoring, grading and JupyterLab tooling.
+_NOT_IN_RANKS = {"authoring", "course", "grading", "lab", "widgets"}
 _RANK_MODULES = ["torch._dynamo", "torch.nn.parallel", "torch.distributed.optim", "torch.distributed.fsdp",
                  "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.utils.checkpoint",
                  "torch.utils.data"] + [
-    f"mgpu_helpers.{m}" for m in ("memory", "tracker", "checks", "launch_watch", "setup", "profiling",
-                                  "data_parallel", "ddp", "ddp_demos", "accumulation", "amp", "amp_checks",
-                                  "checkpointing", "sharding", "sharding_fsdp", "sharding_checks", "pipeline",
-                                  "tensor_parallel", "model_sharding", "data_loading", "planner")]
+    f"{__package__}.{m.name}" for m in pkgutil.iter_modules([os.path.dirname(__file__)])
+    if m.name not in _NOT_IN_RANKS and m.name != "__main__"]
 
 
 @contextlib.contextmanager
@@ -130,8 +130,6 @@ def _interrupt_deferred():
 
 
 def _threads(method, world_size, threads):
-    if not threads and os.environ.get("MGPU_RANK_THREADS"):  # benches, debugging: threads per rank
-        return int(os.environ["MGPU_RANK_THREADS"])
     return threads or (1 if method == "fork" else max(1, _cores() // world_size))
 
 
