@@ -19,9 +19,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Root or not, display or not: prints the URL (with its token) that opens notebooks/00_setup.ipynb.
-# Options go in ARGS, e.g. `make lab ARGS="--port 9000"` (see `python -m mgpu_helpers.lab --help`).
+# Options go in ARGS, e.g. `make lab ARGS="--port 9000"` (see `python -m mgpu_helpers.tools.lab --help`).
 lab: $(STAMP)
-	$(PY) -m mgpu_helpers.lab $(ARGS)
+	$(PY) -m mgpu_helpers.tools.lab $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/mgpu-course release --check

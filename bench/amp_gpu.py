@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tracker_vs_cuda import MiB, Net, Report, blocks, diff  # noqa: E402
 
 from mgpu_helpers.amp import autocast_dtypes, step_memory  # noqa: E402
-from mgpu_helpers.tracker import MemoryTracker  # noqa: E402
+from mgpu_helpers.runtime.tracker import MemoryTracker  # noqa: E402
 
 NOTEBOOK_MODELS = {"weight-heavy": ([1024] * 5, 16), "activation-heavy": ([64, 256, 256, 256, 64], 4096)}
 PRECISIONS = ("fp32", "bf16 autocast", "fp16 autocast+scaler", "pure bf16")

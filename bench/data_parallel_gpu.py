@@ -22,7 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from mgpu_helpers import data_parallel as dp  # noqa: E402
-from mgpu_helpers.launch import run_ranks  # noqa: E402
+from mgpu_helpers.runtime.launch import run_ranks  # noqa: E402
 
 
 def dp_step_time(spec, n_gpus, loss_inside, steps):

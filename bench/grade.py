@@ -7,7 +7,7 @@ tests/grading_fixtures when solutions/ has none): student i is perfect, half don
 * plain:  each student's assembled notebook (their exercise cells spliced into the solution notebook,
           without the grader's harvest cells) run by `python -m pytest --nbval` in its own directory,
           --jobs of them at a time -- what running the class through nbval costs anyway;
-* grader: `python -m mgpu_helpers.grading.cli SUBMISSIONS --out OUT --jobs N` on the same class
+* grader: `python -m mgpu_helpers.tools.grading.cli SUBMISSIONS --out OUT --jobs N` on the same class
           (sandbox, harvest cells, outside judge, reports).
 Prints both wall times (and CPU times of all child processes) and their ratios (goal: grader <= 1.3 x
 plain). With --repeat R the two are alternated R times (the machine's load drifts) and the medians printed.
@@ -31,8 +31,8 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from mgpu_helpers.authoring import mgpu, release_notebook  # noqa: E402
-from mgpu_helpers.grading.assemble import assemble, load_course, read_submission  # noqa: E402
+from mgpu_helpers.tools.authoring import mgpu, release_notebook  # noqa: E402
+from mgpu_helpers.tools.grading.assemble import assemble, load_course, read_submission  # noqa: E402
 
 
 def course_dirs(tmp: Path) -> tuple[Path, list[str]]:
@@ -89,7 +89,7 @@ def plain(sol: Path, sub: Path, work: Path, jobs: int, imports: list[str]) -> fl
 
 
 def grader(sol: Path, sub: Path, out: Path, jobs: int, imports: list[str]) -> float:
-    cmd = [sys.executable, "-m", "mgpu_helpers.grading.cli", str(sub), "--out", str(out), "--solutions", str(sol),
+    cmd = [sys.executable, "-m", "mgpu_helpers.tools.grading.cli", str(sub), "--out", str(out), "--solutions", str(sol),
            "--jobs", str(jobs), "--key", "bench"] + [a for p in imports for a in ("--import-path", p)]
     t = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mgpu_helpers.launch import describe, run_ranks
+from mgpu_helpers.runtime.launch import describe, run_ranks
 
 GOAL_S = 0.5
 

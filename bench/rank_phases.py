@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mgpu_helpers.launch import run_ranks
+from mgpu_helpers.runtime.launch import run_ranks
 
 
 def phases(rank, world_size):

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mgpu_helpers.tracker import CUDA_BLOCK, MemoryTracker
+from mgpu_helpers.runtime.tracker import CUDA_BLOCK, MemoryTracker
 
 MiB = 2**20
 CONFIGS = {  # name: (bf16 autocast, activation checkpointing, micro-batches per step)

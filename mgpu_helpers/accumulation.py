@@ -24,9 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from .checks import (Check, CheckFailure, CollectiveLedger, REGISTRY, collective_mismatch, expect, expect_close,
                      expect_equal, expect_type, plain, run_learner_ranks)
-from .launch import rank_device, run_ranks, torchrun_main
+from .runtime.launch import rank_device, run_ranks, torchrun_main
 from .memory import mlp
-from .tracker import MemoryTracker
+from .runtime.tracker import MemoryTracker
 
 
 # --- data and gradients ------------------------------------------------------------------------------

@@ -31,10 +31,10 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from .amp_checks import check_6_1, check_6_2  # noqa: F401  (re-exported for the notebook)
+from .checks.amp import check_6_1, check_6_2  # noqa: F401  (re-exported for the notebook)
 from .memory import make_optimizer, mlp
-from .plots import COLORS, LABELS, unit_for
-from .tracker import MemoryTracker
+from .runtime.plots import COLORS, LABELS, unit_for
+from .runtime.tracker import MemoryTracker
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRECISIONS = ("fp32", "autocast", "bf16")  # fp32 model; fp32 model under bf16 autocast; bf16 model

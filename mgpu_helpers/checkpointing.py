@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointError, CheckpointPolicy, checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .checks import Check, REGISTRY, describe_value, expect, expect_close, expect_equal, expect_type
-from .tracker import MemoryTracker
+from .runtime.tracker import MemoryTracker
 
 F32 = 4
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .checks import Check, REGISTRY, expect_equal, expect_type
-from .launch import torchrun_main
+from .runtime.launch import torchrun_main
 
 
 class SlowDataset(Dataset):

@@ -136,7 +136,7 @@ class SimDevice:
     """A thread standing in for GPU ``index``: what its tasks allocate is counted by its own tracker."""
 
     def __init__(self, index, model):
-        from .tracker import MemoryTracker
+        from .runtime.tracker import MemoryTracker
         self.index, self.model = index, model
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"device{index}")
         self.tracker = MemoryTracker(model, device="cpu")
@@ -205,7 +205,7 @@ def device_table(devices, name="device", cols=("parameters", "gradients", "activ
 
 def device_bars(devices, title="", ax=None, name="device"):
     """Stacked bars, one per device (or rank), of the breakdown at each one's peak."""
-    from .plots import stacked_bars
+    from .runtime.plots import stacked_bars
     ax = stacked_bars({f"{name} {i}": d["breakdown"] for i, d in enumerate(devices)}, title=title, ax=ax)
     ax.legend(loc="upper right", fontsize=8, frameon=False)  # device 0's tall bar sits on the left
     return ax
@@ -277,8 +277,8 @@ def ddp_step(rank, world_size, spec=None, seed=0):
     no gather); returns the rank's peak bytes, breakdown and the gradients (on CPU)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .launch import rank_device
-    from .tracker import MemoryTracker
+    from .runtime.launch import rank_device
+    from .runtime.tracker import MemoryTracker
     dev = rank_device()
     model, x, y = make_problem(**(spec or DEMO), seed=seed)
     model = model.to(dev)
@@ -301,5 +301,5 @@ def _torchrun_demo(rank, world_size):
 
 
 if __name__ == "__main__":
-    from .launch import torchrun_main
+    from .runtime.launch import torchrun_main
     torchrun_main(_torchrun_demo)

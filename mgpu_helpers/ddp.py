@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .checks import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect,
                      expect_close, expect_equal, expect_type, plain, run_learner_ranks)
 from .ddp_demos import draw_collectives, fork_after_cuda, settled_all_reduce, spawn_from_notebook  # noqa: F401
-from .launch import rank_device, run_ranks, torchrun_main
+from .runtime.launch import rank_device, run_ranks, torchrun_main
 
 # --- models and data: the same on every rank, from a seed ------------------------------------------
 

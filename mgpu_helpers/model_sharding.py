@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import REGISTRY, Check, CheckFailure, expect, expect_close, expect_equal, expect_type, run_learner_ranks
-from .launch import rank_device, run_ranks, torchrun_main
+from .runtime.launch import rank_device, run_ranks, torchrun_main
 from .pipeline import (StepRecorder, Stuck, as_intervals, bubble_fraction, gpipe_step, make_batch, make_model,
                        plot_timeline, single_process_step, stage_bounds, step_timeline, wall_timeline)
 from .tensor_parallel import (AllReduceCounter, DenseMLP, TensorParallelMLP, check_9_2, make_mlp, param_bytes,

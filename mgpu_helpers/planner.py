@@ -39,7 +39,7 @@ from .planner_models import SIZES, Decoder, decoder, lm_loss, token_batch  # noq
 from .planner_trace import (PRECISIONS, OPTIMIZERS, Trace, apply_checkpointing, make_optimizer, trace_step,  # noqa: F401
                             train_step, warm_up)
 from .checks import REGISTRY, Check, describe_value, expect, expect_equal
-from .tracker import CATEGORIES, MemoryTracker
+from .runtime.tracker import CATEGORIES, MemoryTracker
 
 __all__ = ["plan", "Plan", "model_state_bytes", "trace_step", "train_step", "decoder", "step_cost",
            "PRECISIONS", "ZERO_STAGES"]

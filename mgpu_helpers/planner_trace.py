@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from .tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
+from .runtime.tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
 
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .checks import REGISTRY, Check, expect, expect_equal, expect_type, plain
 from .memory import make_optimizer, mlp
-from .tracker import MemoryTracker
+from .runtime.tracker import MemoryTracker
 
 MiB = 2**20
 PHASES = ("forward", "backward", "optimizer")

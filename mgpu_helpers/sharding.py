@@ -5,13 +5,9 @@ rank. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 Models") removes that redundancy in stages: stage 1 shards the optimizer state over the N ranks,
 stage 2 also the gradients, stage 3 also the parameters. :func:`model_state_bytes` is that accounting
 in closed form; :class:`Zero2` runs ZeRO-2 around any model with a reduce-scatter written in exercise 8.2.
-The checks of 8.1 and 8.2 are in ``sharding_checks``; torch's versions (``ZeroRedundancyOptimizer``, FSDP2
-``fully_shard``) and their measured memory in ``sharding_fsdp``.
-
-Run as a script (ZeroRedundancyOptimizer and FSDP2 against one process, bytes per rank against the formula)::
-
-    torchrun --nproc-per-node 2 -m mgpu_helpers.sharding
-    python -m mgpu_helpers.sharding                            # no torchrun: 2 ranks via run_ranks
+The checks of 8.1 and 8.2 are in ``checks.sharding``; torch's versions (``ZeroRedundancyOptimizer``, FSDP2
+``fully_shard``) and their measured memory in ``sharding_fsdp``, which builds on this module (never the
+other way round) and is the script entry (``torchrun --nproc-per-node 2 -m mgpu_helpers.sharding_fsdp``).
 """
 from __future__ import annotations
 
@@ -160,15 +156,3 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor) -> None:
 def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor) -> None:
     """``reduce_scatter_single`` (torch >= 2.13; ``reduce_scatter_tensor`` before, which now warns). SUM."""
     (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, full)
-
-
-if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m mgpu_helpers.sharding
-    import os
-
-    from mgpu_helpers.launch import run_ranks, torchrun_main
-    from mgpu_helpers.sharding_fsdp import _demo
-
-    if "RANK" in os.environ:
-        torchrun_main(_demo)
-    else:
-        print(run_ranks(_demo, 2)[0])

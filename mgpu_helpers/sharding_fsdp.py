@@ -4,6 +4,11 @@ the ways "FSDP did not save memory" happens (root-only wrapping, activations, to
 
 Every figure comes from ``MemoryTracker`` (``memory_allocated`` semantics; on a GPU the allocator) for one
 training step taken after a warm-up step, so that Adam's state exists and the step is a steady one.
+
+Run as a script (ZeroRedundancyOptimizer and FSDP2 against one process, bytes per rank against the formula)::
+
+    torchrun --nproc-per-node 2 -m mgpu_helpers.sharding_fsdp
+    python -m mgpu_helpers.sharding_fsdp                       # no torchrun: 2 ranks via run_ranks
 """
 from __future__ import annotations
 
@@ -17,10 +22,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 
-from .launch import rank_device
-from .plots import COLORS, LABELS, unit_for
+from .runtime.launch import rank_device
+from .runtime.plots import COLORS, LABELS, unit_for
 from .sharding import Zero2, all_gather_flat, linears, make_batch, make_model, model_state_bytes
-from .tracker import MemoryTracker
+from .runtime.tracker import MemoryTracker
 
 STAGE = {"DDP (replica)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
          "FSDP2 per block + root": 3, "FSDP2 root only": 3}
@@ -204,3 +209,14 @@ def _demo(rank, world_size):
 
 __all__ = ["STAGE", "build", "measure", "sweep", "fake_world", "trains_like_one_process", "formula",
            "plot_per_rank", "plot_peaks", "reference_reduce_scatter", "all_gather_flat"]
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m mgpu_helpers.sharding_fsdp
+    import os
+
+    from mgpu_helpers.runtime.launch import run_ranks, torchrun_main
+
+    if "RANK" in os.environ:
+        torchrun_main(_demo)
+    else:
+        print(run_ranks(_demo, 2)[0])

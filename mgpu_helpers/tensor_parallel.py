@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn import functional as F
 
 from .checks import REGISTRY, Check, CheckFailure, expect, expect_close, expect_equal, run_learner_ranks
-from .tracker import MemoryTracker
+from .runtime.tracker import MemoryTracker
 
 
 class DenseMLP(nn.Module):

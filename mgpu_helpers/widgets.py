@@ -17,7 +17,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from .planner import PRECISIONS, SIZES, ZERO_STAGES, cached_trace
-from .plots import COLORS, LABELS
+from .runtime.plots import COLORS, LABELS
 
 CAPACITIES_GB = (24, 80, 141)  # per-device memory of common GPUs (decimal GB, as vendors state it)
 DEFAULTS = dict(size="1B", precision="bf16-autocast", zero_stage=0, world_size=1, checkpointing=False,

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_helpers.accumulation import (AllReduceCount, CollectiveCounter, accumulate, check_5_1, check_5_2,
                                        flat_grads, make_batch, no_sync_context, peak_vs_effective_batch)
-from mgpu_helpers.launch import run_ranks
+from mgpu_helpers.runtime.launch import run_ranks
 from mgpu_helpers.memory import mlp
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mgpu_helpers.amp import (PRECISIONS, autocast_dtypes, check_6_1, check_6_2, compare_precisions, dtype_of,
                               precision_table, step_memory, survival)
-from mgpu_helpers.amp_checks import LossScalerCheck, _decisions, gradscaler_run, library_step
+from mgpu_helpers.checks.amp import LossScalerCheck, _decisions, gradscaler_run, library_step
 
 
 def test_dtype_names_and_bad_input():

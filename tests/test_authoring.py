@@ -3,8 +3,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from mgpu_helpers import course
-from mgpu_helpers.authoring import release_notebook, strip_solution, validate
+from mgpu_helpers.tools import course
+from mgpu_helpers.tools.authoring import release_notebook, strip_solution, validate
 
 
 def _nb(extra_check=True):
@@ -67,7 +67,7 @@ def test_release_check_detects_drift(tmp_path, capsys):
 
 def test_committed_solutions_follow_the_schema():
     from pathlib import Path
-    root = Path(course.__file__).resolve().parent.parent / "solutions"
+    root = Path(course.__file__).resolve().parents[2] / "solutions"
     nbs = sorted(root.glob("[0-9][0-9]_*.ipynb"))
     assert nbs, "no solution notebooks"
     for p in nbs:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mgpu_helpers.authoring import verdict
+from mgpu_helpers.tools.authoring import verdict
 from mgpu_helpers.checkpointing import (OpLog, Stack, _case, _mistake_plans, check_7_1, checkpoint_every,
                                         make_data, measure_step, no_checkpointing, plan_for, predict_peak,
                                         run_plan, segments, selective_context, selective_vs_full)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from mgpu_helpers import data_parallel as dp
-from mgpu_helpers.authoring import exec_cell, exercise_source
-from mgpu_helpers.launch import run_ranks
+from mgpu_helpers.tools.authoring import exec_cell, exercise_source
+from mgpu_helpers.runtime.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 NB = ROOT / "solutions" / "03_data_parallel.ipynb"

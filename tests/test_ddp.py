@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from mgpu_helpers import ddp
-from mgpu_helpers.authoring import exec_cell, exercise_source
-from mgpu_helpers.launch import run_ranks
+from mgpu_helpers.tools.authoring import exec_cell, exercise_source
+from mgpu_helpers.runtime.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 NB = ROOT / "solutions" / "04_ddp.ipynb"

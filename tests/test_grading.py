@@ -19,11 +19,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_helpers.authoring import mgpu, release_notebook
-from mgpu_helpers.grading import assemble as asm
-from mgpu_helpers.grading.cli import main as grade_main
-from mgpu_helpers.grading.execute import sandbox
-from mgpu_helpers.grading.score import seed_for
+from mgpu_helpers.tools.authoring import mgpu, release_notebook
+from mgpu_helpers.tools.grading import assemble as asm
+from mgpu_helpers.tools.grading.cli import main as grade_main
+from mgpu_helpers.tools.grading.execute import sandbox
+from mgpu_helpers.tools.grading.score import seed_for
 
 FIX = Path(__file__).parent / "grading_fixtures"
 NB = "90_fixture.ipynb"

@@ -19,10 +19,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_helpers.authoring import mgpu, release_notebook
-from mgpu_helpers.grading import mounts
-from mgpu_helpers.grading.cli import main as grade_main
-from mgpu_helpers.grading.execute import _repo, needed_paths, processes_bounded, sandbox
+from mgpu_helpers.tools.authoring import mgpu, release_notebook
+from mgpu_helpers.tools.grading import mounts
+from mgpu_helpers.tools.grading.cli import main as grade_main
+from mgpu_helpers.tools.grading.execute import _repo, needed_paths, processes_bounded, sandbox
 
 FIX = Path(__file__).parent / "grading_fixtures"
 NB = "90_fixture.ipynb"
@@ -60,7 +60,7 @@ for pid in os.listdir("/proc"):
             procs.append(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode())
         except OSError:
             pass
-strangers = [c[:60] for c in procs if not any(k in c for k in ("mgpu_helpers.grading.sandbox", "pytest", "ipykernel"))]
+strangers = [c[:60] for c in procs if not any(k in c for k in ("mgpu_helpers.tools.grading.sandbox", "pytest", "ipykernel"))]
 REPORT = (f"outside={len(outside)} {outside[:3]} named={len(named)} {named[:3]} sys={sys_dirs} "
           f"procs={len(procs)} strangers={strangers[:3]}")
 

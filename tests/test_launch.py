@@ -1,4 +1,4 @@
-"""Tests of mgpu_helpers.launch: results, failures and who is blamed, timeouts and where ranks hung,
+"""Tests of mgpu_helpers.runtime.launch: results, failures and who is blamed, timeouts and where ranks hung,
 leaks, the fall-back note, forkserver and spawn, a real kernel, torchrun."""
 import inspect
 import linecache
@@ -19,8 +19,8 @@ from testkit import run_torchrun
 import torch
 import torch.distributed as dist
 
-from mgpu_helpers import launch
-from mgpu_helpers.launch import RankError, RankTimeout, describe, rank_device, run_ranks
+from mgpu_helpers.runtime import launch
+from mgpu_helpers.runtime.launch import RankError, RankTimeout, describe, rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; fork")
 REPO = Path(__file__).resolve().parents[1]
@@ -412,7 +412,7 @@ def test_forkserver_imports_module_functions(monkeypatch):
 NOTEBOOK_CELLS = [
     "import sys; print(sys.executable)",
     """import torch, torch.distributed as dist
-from mgpu_helpers.launch import run_ranks
+from mgpu_helpers.runtime.launch import run_ranks
 def work(rank, world_size):
     t = torch.ones(1) * (rank + 1)
     dist.all_reduce(t)
@@ -480,5 +480,5 @@ def test_through_a_real_kernel():
 
 @pytest.mark.slow
 def test_torchrun_runs_the_module_demo():
-    proc = run_torchrun("mgpu_helpers.launch", timeout=240)
+    proc = run_torchrun("mgpu_helpers.runtime.launch", timeout=240)
     assert proc.stdout.count("all_reduce sum over 2 ranks: 3\n") == 1  # printed by rank 0 only

@@ -13,14 +13,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mgpu_helpers import lab
+from mgpu_helpers.tools import lab
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_make_lab_runs_this_module():
     rule = re.search(r"^lab:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
-    assert "-m mgpu_helpers.lab" in rule, rule
+    assert "-m mgpu_helpers.tools.lab" in rule, rule
 
 
 def test_allow_root_only_for_root(monkeypatch, tmp_path):
@@ -47,7 +47,7 @@ def test_busy_port_printed_url_serves_notebook_00(tmp_path):
     port = busy.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
     env.update(JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"))
-    proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.lab", "--port", str(port)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.lab", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         out, url, deadline = [], None, time.monotonic() + 120

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from testkit import run_torchrun
-from mgpu_helpers.launch import run_ranks
+from mgpu_helpers.runtime.launch import run_ranks
 from mgpu_helpers.model_sharding import (StepRecorder, Stuck, TensorParallelMLP, as_intervals, bubble_fraction,
                                          check_9_1, check_9_2, gpipe_step, make_batch, make_mlp, make_model,
                                          param_bytes, parameter_bytes_formula, single_process_step, stage_bounds,
@@ -103,7 +103,7 @@ def test_tensor_parallel_refuses_an_indivisible_hidden_size():
 
 @pytest.mark.parametrize("check", [check_9_1, check_9_2])
 def test_grading_split_judges_outside(check):
-    from mgpu_helpers.authoring import exec_cell, exercise_source
+    from mgpu_helpers.tools.authoring import exec_cell, exercise_source
     from test_mutants_09 import NB
     fn = exec_cell(exercise_source(NB, check.id))[check.function]
     ok, msg = check.judge_all(5, check.run_all(fn, 5))

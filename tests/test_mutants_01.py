@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
+from mgpu_helpers.tools.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
 import mgpu_helpers.memory  # noqa: F401  (registers 1.1 and 1.2)
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "01_where_memory_goes.ipynb"
@@ -54,7 +54,7 @@ def test_planted_mistake_is_named_under_20_seeds(ex, mutant):
 
 def test_master_copy_forgotten_is_told_apart_from_one_adam_state():
     # the two mistakes give the same bytes for Adam + mixed; an earlier case (momentum + mixed) separates them
-    from mgpu_helpers.authoring import mutant_verdict
+    from mgpu_helpers.tools.authoring import mutant_verdict
     for seed in range(5):
         ok, msg = mutant_verdict(NB, "1.1", "training_state_bytes",
                                  [("master = 4 if precision == \"mixed\" else 0", "master = 0")], seed=seed)

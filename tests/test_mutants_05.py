@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed
+from mgpu_helpers.tools.authoring import mutant_fails_every_seed
 import mgpu_helpers.accumulation  # noqa: F401  (registers 5.1 and 5.2)
 from testkit import marked, mistake_params, solution_passes_stub_fails
 

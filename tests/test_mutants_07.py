@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed, mutant_verdict
+from mgpu_helpers.tools.authoring import mutant_fails_every_seed, mutant_verdict
 import mgpu_helpers.checkpointing  # noqa: F401  (registers 7.1)
 from testkit import solution_passes_stub_fails
 

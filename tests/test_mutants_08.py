@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed, mutant_verdict
-import mgpu_helpers.sharding_checks  # noqa: F401  (registers 8.1 and 8.2)
+from mgpu_helpers.tools.authoring import mutant_fails_every_seed, mutant_verdict
+import mgpu_helpers.checks.sharding  # noqa: F401  (registers 8.1 and 8.2)
 from testkit import marked, mistake_params, solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "08_sharding_zero.ipynb"

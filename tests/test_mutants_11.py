@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.authoring import mutant_fails_every_seed
+from mgpu_helpers.tools.authoring import mutant_fails_every_seed
 import mgpu_helpers.planner  # noqa: F401  (registers 11.1)
 from testkit import solution_passes_stub_fails
 

@@ -33,8 +33,8 @@ def test_environment_yml_matches_pyproject():
 
 def test_console_scripts_declared():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["mgpu-course"] == "mgpu_helpers.course:main"
-    assert scripts["mgpu-grade"] == "mgpu_helpers.grading.cli:main"
+    assert scripts["mgpu-course"] == "mgpu_helpers.tools.course:main"
+    assert scripts["mgpu-grade"] == "mgpu_helpers.tools.grading.cli:main"
 
 
 def test_ci_runs_the_readme_test_command():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mgpu_helpers import profiling as P
-from mgpu_helpers.tracker import MemoryTracker
+from mgpu_helpers.runtime.tracker import MemoryTracker
 
 ROOT = Path(__file__).resolve().parent.parent
 M = P.MiB

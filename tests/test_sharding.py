@@ -66,9 +66,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from testkit import run_torchrun  # noqa: E402
-from mgpu_helpers.launch import run_ranks  # noqa: E402
+from mgpu_helpers.runtime.launch import run_ranks  # noqa: E402
 from mgpu_helpers.sharding import linears, make_model, unique  # noqa: E402
-from mgpu_helpers.sharding_checks import check_8_2  # noqa: E402
+from mgpu_helpers.checks.sharding import check_8_2  # noqa: E402
 from mgpu_helpers.sharding_fsdp import (fake_world, formula, measure, reference_reduce_scatter, sweep,  # noqa: E402
                                         trains_like_one_process)
 
@@ -123,5 +123,5 @@ def test_sweep_matches_formula_for_zero2_and_fsdp2():
 
 
 def test_torchrun_entry():
-    out = run_torchrun("mgpu_helpers.sharding").stdout
+    out = run_torchrun("mgpu_helpers.sharding_fsdp").stdout
     assert out.count("equal one process") == 2 and "FSDP2 per block + root on 2 ranks" in out, out

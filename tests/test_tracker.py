@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mgpu_helpers.tracker import CATEGORIES, MemoryTracker
+from mgpu_helpers.runtime.tracker import CATEGORIES, MemoryTracker
 
 B = 16
 
@@ -266,7 +266,7 @@ def test_per_module_wraps_torchs_memtracker_across_iterations():
 
 def _rank_step(rank, world_size):
     import torch.distributed as dist
-    from mgpu_helpers.tracker import MemoryTracker
+    from mgpu_helpers.runtime.tracker import MemoryTracker
     model = mlp(16, 32, 4)
     opt = adam(model)
     with MemoryTracker(model, opt) as mt:
@@ -278,7 +278,7 @@ def _rank_step(rank, world_size):
 
 
 def test_inside_run_ranks():
-    launch = pytest.importorskip("mgpu_helpers.launch")
+    launch = pytest.importorskip("mgpu_helpers.runtime.launch")
     results = launch.run_ranks(_rank_step, 2, timeout=120)
     (P, n) = results[0][1]
     for got, _ in results:

@@ -36,7 +36,7 @@ def mistake_params(cases: dict, width: int = 28) -> list:
 
 def solution_passes_stub_fails(nb, ex: str, function: str, seeds=(None,)) -> None:
     """The check passes the solution (under each seed) and fails the released stub, saying it is not done."""
-    from mgpu_helpers.authoring import solution_verdict, stub_verdict
+    from mgpu_helpers.tools.authoring import solution_verdict, stub_verdict
 
     for seed in seeds:
         ok, msg = solution_verdict(nb, ex, function, seed=seed)

@@ -1,7 +1,7 @@
 """The learner's path: JupyterLab in a real (headless) browser, run-all, and what the learner sees.
 
 Run with ``make test-browser`` (installs Playwright for Python and, as root, Debian's chromium). Starts
-JupyterLab exactly as ``make lab`` does (``mgpu_helpers.lab.start``) on a free loopback port over a
+JupyterLab exactly as ``make lab`` does (``mgpu_helpers.tools.lab.start``) on a free loopback port over a
 scratch copy of ``solutions/`` (the run saves the notebooks; the repository is never written), opens
 each notebook in Chromium, runs all cells from the Run menu, saves, and asserts: no error outputs, the
 check cells' "✓" lines on screen, plots rendered as images, progress bars drawn as widgets, never as text, and (in the
@@ -21,7 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_helpers import lab
+from mgpu_helpers.tools import lab
 
 pytestmark = pytest.mark.browser
 

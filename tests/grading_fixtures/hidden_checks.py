@@ -2,7 +2,7 @@
 
 HIDDEN-SOURCE-MARKER-7f3a: no grader output may ever contain this line.
 """
-from mgpu_helpers.grading import HiddenCheck
+from mgpu_helpers.tools.grading import HiddenCheck
 
 
 class LongVectors(HiddenCheck):

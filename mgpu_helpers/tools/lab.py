@@ -1,6 +1,6 @@
 """``make lab``: JupyterLab on the course, for any user, with or without a screen.
 
-    python -m mgpu_helpers.lab [--port 8888] [--root notebooks] [--open 00_setup.ipynb] [--no-browser]
+    python -m mgpu_helpers.tools.lab [--port 8888] [--root notebooks] [--open 00_setup.ipynb] [--no-browser]
 
 What plain ``jupyter lab`` gets wrong for this course, and what this does instead:
 
@@ -34,7 +34,7 @@ import time
 import webbrowser
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Settings every learner gets: no news pop-up, no update check.
 OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
@@ -123,7 +123,7 @@ def start(root: Path, port: int = 8888, token: str | None = None, extra: list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mgpu_helpers.lab", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m mgpu_helpers.tools.lab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=ROOT / "notebooks", help="folder JupyterLab serves")
     ap.add_argument("--open", default="00_setup.ipynb", help="notebook to open, relative to --root")

@@ -3,7 +3,7 @@
 Every ``*.py`` file in DIR may define subclasses of :class:`HiddenCheck`::
 
     # hidden/01.py -- never released, never readable from a learner's kernel
-    from mgpu_helpers.grading import HiddenCheck
+    from mgpu_helpers.tools.grading import HiddenCheck
 
     class HugeModels(HiddenCheck):
         exercise = "1.1"          # the public check whose run() feeds the learner's function
@@ -22,7 +22,7 @@ import importlib.util
 import inspect
 from pathlib import Path
 
-from ..checks import Check
+from ...checks import Check
 
 
 class HiddenCheck:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import Check, CheckFailure, REGISTRY, _matches, describe_value, expect, expect_close, expect_equal
-from .memory import make_optimizer, measured_training_state, mlp, nbytes
-from .tracker import MemoryTracker
+from .base import Check, CheckFailure, REGISTRY, _matches, describe_value, expect, expect_close, expect_equal
+from ..memory import make_optimizer, measured_training_state, mlp, nbytes
+from ..runtime.tracker import MemoryTracker
 
 DTYPES16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

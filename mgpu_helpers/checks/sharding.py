@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from .accumulation import CollectiveCounter
-from .checks import REGISTRY, Check, expect, expect_close, expect_equal, expect_type, run_learner_ranks
-from .sharding import Zero2, _ceil_div, all_gather_flat, linears, make_batch, make_model, unique
+from ..accumulation import CollectiveCounter
+from .base import REGISTRY, Check, expect, expect_close, expect_equal, expect_type, run_learner_ranks
+from ..sharding import Zero2, _ceil_div, all_gather_flat, linears, make_batch, make_model, unique
 
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 

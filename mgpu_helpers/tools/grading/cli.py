@@ -26,7 +26,7 @@ from .execute import (RUNNING, STOP, Limits, check_allowlist, course_files, defa
                       processes_bounded, protected_paths, reset_sandbox, sandbox)
 from .score import Context, Row, grade_notebook
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def resolve_module(name: str) -> str:

@@ -15,7 +15,7 @@ import nbformat
 
 from .authoring import dumps, release_notebook, validate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _solutions(d: Path) -> list[Path]:

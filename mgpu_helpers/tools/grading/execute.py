@@ -80,7 +80,7 @@ def _probe():
         for user in users:
             prefix = [unshare, *UNSHARE, *user, *(["--net"] if net else [])]
             with tempfile.TemporaryDirectory(prefix="mgpu-grade-probe-") as base:
-                cmd = [*prefix, sys.executable, "-m", "mgpu_helpers.grading.sandbox", "--probe", base,
+                cmd = [*prefix, sys.executable, "-m", "mgpu_helpers.tools.grading.sandbox", "--probe", base,
                        *(["--net"] if net else []), *(["--setuid"] if _setuid(prefix) else [])]
                 try:
                     r = subprocess.run(cmd, capture_output=True, timeout=60, env=kernel_env([]))
@@ -135,6 +135,13 @@ def needed_paths(import_paths: list[str]) -> list[str]:
     paths.update(p for p in sys.path if p and os.path.abspath(p).startswith(tuple(  # e.g. lib-dynload, .zip
         os.path.abspath(q).rstrip("/") + "/" for q in (sys.prefix, sys.base_prefix) if q not in SYSTEM_PREFIXES)))
     return sorted(os.path.abspath(p) for p in paths if p and os.path.lexists(p))
+
+
+def hidden_from_kernel() -> list[str]:
+    """Directories inside the kept package that the kernel must not see: the judges' references (the answers
+    a check compares against), wherever the package is installed. mounts.py covers each with an empty tmpfs."""
+    from ...checks import references
+    return [os.path.realpath(os.path.dirname(references.__file__))]
 
 
 def protected_paths(paths: list[Path]) -> list[str]:
@@ -201,7 +208,7 @@ def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: 
     job.mkdir(parents=True, exist_ok=True)
     spec = {"notebook": notebook, "exercises": exercises, "cell_timeout": limits.cell_timeout,
             "notebook_timeout": limits.notebook_timeout, "memory": limits.memory, "output_cap": limits.output_cap,
-            "output_cap_total": limits.output_cap_total, "keep": keep, "net": net,
+            "output_cap_total": limits.output_cap_total, "keep": keep, "mask": hidden_from_kernel(), "net": net,
             "namespace": prefix is not None, "setuid": prefix is not None and _setuid(prefix),
             "tasks": limits.processes or default_processes(), "env": kernel_env(import_paths), "mpl_cache": mpl_cache,
             "extra": sorted(extra or {})}
@@ -212,7 +219,7 @@ def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: 
     (job / notebook).write_text(nb_text, encoding="utf-8")
     (job / "mgpu_grade_in.pt").write_bytes(grade_in)
     jobfd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
-    cmd = [*(prefix or []), sys.executable, "-m", "mgpu_helpers.grading.sandbox", str(job), str(jobfd)]
+    cmd = [*(prefix or []), sys.executable, "-m", "mgpu_helpers.tools.grading.sandbox", str(job), str(jobfd)]
     try:
         with open(job / "sandbox.log", "wb") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=kernel_env([]),

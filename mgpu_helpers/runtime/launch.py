@@ -1,7 +1,7 @@
 """Run ``fn(rank, world_size, *args)`` on N processes from a notebook cell, or as a torchrun script.
 
     import torch, torch.distributed as dist
-    from mgpu_helpers.launch import run_ranks, rank_device
+    from mgpu_helpers.runtime.launch import run_ranks, rank_device
     def work(rank, world_size):
         t = torch.ones(2, device=rank_device()) * (rank + 1)
         dist.all_reduce(t)                      # the process group is already set up
@@ -9,7 +9,7 @@
     run_ranks(work, 2)                          # -> [tensor([3., 3.]), tensor([3., 3.])]
 
 As a script, ``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2 -m my.module`` (try
-``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.launch``). ``describe(2)`` says how 2 ranks
+``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.runtime.launch``). ``describe(2)`` says how 2 ranks
 would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving
 ``timeout`` s raises ``TimeoutError`` (``RankTimeout``) saying where each hung rank was; every way out
 (Ctrl-C too) kills and joins every child. launch_watch.py watches the running ranks.
@@ -104,12 +104,23 @@ def _context(method):
 
 # Imported once by the forkserver (a missing one is skipped): torch's distributed parts the notebooks'
 # ranks use, and the course's helper modules -- all but the authoring, grading and JupyterLab tooling.
-_NOT_IN_RANKS = {"authoring", "course", "grading", "lab", "widgets"}
+_PACKAGE = __package__.rpartition(".")[0]                       # mgpu_helpers
+_NOT_IN_RANKS = {"tools", "widgets", "references"}             # tooling, the calculator, judges' references
+
+
+def _course_modules(path=os.path.dirname(os.path.dirname(__file__)), prefix=_PACKAGE):
+    """The lesson modules, the runtime and the checks (whose rank functions run in ranks)."""
+    for m in pkgutil.iter_modules([path]):
+        if m.name in _NOT_IN_RANKS or m.name == "__main__":
+            continue
+        yield f"{prefix}.{m.name}"
+        if m.ispkg:
+            yield from _course_modules(os.path.join(path, m.name), f"{prefix}.{m.name}")
+
+
 _RANK_MODULES = ["torch._dynamo", "torch.nn.parallel", "torch.distributed.optim", "torch.distributed.fsdp",
                  "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.utils.checkpoint",
-                 "torch.utils.data"] + [
-    f"{__package__}.{m.name}" for m in pkgutil.iter_modules([os.path.dirname(__file__)])
-    if m.name not in _NOT_IN_RANKS and m.name != "__main__"]
+                 "torch.utils.data"] + list(_course_modules())
 
 
 @contextlib.contextmanager

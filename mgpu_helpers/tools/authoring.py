@@ -157,7 +157,7 @@ def verdict(check: Callable, fn: Callable, seed: int | None = None) -> tuple[boo
 
 
 def _check(exercise: str):
-    from .checks import REGISTRY
+    from ..checks import REGISTRY
     return REGISTRY[exercise]
 
 

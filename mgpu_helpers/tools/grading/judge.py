@@ -1,6 +1,6 @@
 """Decide every check outside the learner's kernel (DESIGN.md §5, last paragraph).
 
-A judge is a separate, long-lived process (``python -m mgpu_helpers.grading.judge CONFIG``) that never
+A judge is a separate, long-lived process (``python -m mgpu_helpers.tools.grading.judge CONFIG``) that never
 runs learner code. Before any notebook is executed it imports the course's check modules and the hidden
 checks, so a file changed on disk later cannot alter it. For each exercise it loads the harvested results
 with ``torch.load(weights_only=True)`` -- plain data and tensors only, never an object the learner made --
@@ -9,8 +9,6 @@ reference itself. Tasks and verdicts travel as JSON lines over stdin/stdout.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import select
@@ -53,7 +51,7 @@ def _verdict(check, seed, results, head):
 
 
 def judge_exercise(task: dict, hidden: dict) -> dict:
-    from ..checks import REGISTRY
+    from ...checks import REGISTRY
     from .hidden import HiddenProxy
 
     ex = task["exercise"]
@@ -78,10 +76,9 @@ def serve(config: dict) -> None:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything a check module prints goes to stderr, not into the protocol
     sys.path[:0] = config["import_paths"]
+    from ...checks import load_checks
     for m in config["modules"]:
-        importlib.import_module(m)
-        if importlib.util.find_spec(m + "_checks"):  # checks kept beside the module (sharding_checks.py)
-            importlib.import_module(m + "_checks")
+        load_checks(m)  # the lesson module and its checks (mgpu_helpers.checks.<lesson>), references lazily
     from .hidden import load_hidden
     hidden = load_hidden(config["hidden"])
     protocol.write(json.dumps({"ready": True}) + "\n")
@@ -99,7 +96,7 @@ class Judge:
 
     def start(self):
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.grading.judge", json.dumps(self.config)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.grading.judge", json.dumps(self.config)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                          stderr=open(self.log, "a"))
             self.ready = False

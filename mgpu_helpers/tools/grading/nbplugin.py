@@ -1,4 +1,4 @@
-"""pytest plugin for the sandboxed nbval process (``-p mgpu_helpers.grading.nbplugin``), never the kernel.
+"""pytest plugin for the sandboxed nbval process (``-p mgpu_helpers.tools.grading.nbplugin``), never the kernel.
 
 It writes one JSON line per notebook cell to ``--mgpu-report-fd``: pytest's outcome (passed, failed,
 error, skipped, xfailed, xpassed), the kernel's own ``execute_reply`` status, the error name and value,

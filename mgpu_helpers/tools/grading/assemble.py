@@ -131,7 +131,7 @@ def harvest_source(ex: str, work: str, step: str = "harvest") -> str:
     # __import__ keeps the learner's namespace free of grader names.
     args = f"{ex!r}, globals(), {work!r}" if step == "harvest" else f"{ex!r}, {work!r}"
     return ("# Added by mgpu-grade: runs your function on the grader's inputs; the verdict is decided outside.\n"
-            f"__import__('mgpu_helpers.grading.harvest', fromlist=['{step}']).{step}({args})")
+            f"__import__('mgpu_helpers.tools.grading.harvest', fromlist=['{step}']).{step}({args})")
 
 
 def _grader_cell(ex: str, work: str, step: str):

@@ -7,6 +7,7 @@ tree is then detached, so no other path exists inside:
   spec["keep"]           read-only binds at their own paths: the interpreter and its standard library, the
                          environment (venv or conda prefix, with its site-packages), the mgpu_helpers package
                          directory alone (never the repository around it), the --import-path directories
+  spec["mask"]           an empty read-only tmpfs over each (the judges' references inside the package)
   SYSTEM                 /usr/bin, /usr/lib*, /usr/libexec read-only (/bin, /lib* as the host has them: symlinks)
   /etc                   passwd, group, hosts, nsswitch.conf written here; ld.so.cache and localtime bound
   /dev                   null, zero, full, random, urandom, tty, the GPU nodes; /dev/shm a private tmpfs
@@ -172,6 +173,9 @@ def isolate(spec: dict, base: str, uid: int = 0) -> None:
     tmpfs(root.new + "/tmp", "1g", "1777")  # first: a kept path under /tmp (an --import-path) is bound into it
     for p in sorted({os.path.abspath(p) for p in [*SYSTEM, *spec["keep"]]}, key=len):
         root.place(p)
+    for p in spec.get("mask", ()):  # inside a kept path: hide it under an empty, read-only tmpfs
+        if os.path.isdir(root.new + p):
+            tmpfs(root.new + p, "4k", "555")
     _etc(root, uid)
     gpu = _dev(root)
     for p in ("/sys",) if gpu else SYS_CPU:

@@ -8,14 +8,12 @@ these results with ``torch.load(weights_only=True)``, so forged results still ha
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import io
 import os
 
 import torch
 
-from ..checks import REGISTRY, Check
+from ...checks import REGISTRY, Check, load_checks
 
 SPEC = "mgpu_grade_in.pt"           # written by the grader: {exercise: {function, module, seed, hidden}}
 OUT = "mgpu_grade_out_{}.pt"        # one results file per exercise (assemble.HARVEST_OUT)
@@ -50,9 +48,7 @@ _LOGS: dict[str, list] = {}  # exercise id -> what the check cell's own run retu
 def _spec(exercise: str, work: str) -> dict:
     spec = torch.load(os.path.join(work, SPEC), weights_only=True)[exercise]
     if spec["module"]:
-        importlib.import_module(spec["module"])  # registers the checks, if the notebook did not import them
-        if exercise not in REGISTRY and importlib.util.find_spec(spec["module"] + "_checks"):
-            importlib.import_module(spec["module"] + "_checks")  # checks kept beside the module
+        load_checks(spec["module"])  # registers the checks, if the notebook did not import them
     return spec
 
 

@@ -27,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 
+from .delegation import RUNTIME, course_code_used, refusal
+
 REGISTRY: dict[str, "Check"] = {}
 
 
@@ -52,6 +54,7 @@ class Check:
     id: str = ""            # "4.1": the same id in the stub, the check line, the grade row and the test marker
     function: str = ""      # the name of the learner's function, for messages
     points: int = 1
+    may_use: tuple = RUNTIME  # the parts of the package the learner's answer may call (delegation.py)
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -108,6 +111,9 @@ class Check:
     def __call__(self, fn: Callable, seed: int | None = None) -> None:
         if not callable(fn):
             raise CheckFailure(f"Exercise {self.id} ✗ expected a function `{self.function}`, got {type(fn).__name__}")
+        used = course_code_used(fn, self.may_use)
+        if used:
+            raise CheckFailure(refusal(self.id, self.function, used))
         cases = self.make_cases(seed)
         with one_thread():
             for i, case in enumerate(cases):
@@ -132,6 +138,9 @@ class Check:
             return self._run_all(fn, seed)
 
     def _run_all(self, fn: Callable, seed: int) -> list[dict]:
+        used = course_code_used(fn, self.may_use)
+        if used:  # nothing of it is run: the judge reports why
+            return [{"ok": False, "course_code": used} for _ in self.make_cases(seed)]
         out = []
         for case in self.make_cases(seed):
             try:
@@ -153,6 +162,8 @@ class Check:
         if not isinstance(results, list) or len(results) != len(cases):
             return False, f"Exercise {self.id} ✗ {self.function}: no results for this check"
         for i, (case, r) in enumerate(zip(cases, results)):
+            if isinstance(r, dict) and r.get("course_code"):
+                return False, refusal(self.id, self.function, str(r["course_code"])[:200])
             if not isinstance(r, dict) or not r.get("ok"):
                 err = r.get("error", "no result") if isinstance(r, dict) else "malformed result"
                 if "NotImplementedError" in str(err):
@@ -170,7 +181,7 @@ class Check:
 def run_learner_ranks(target: Callable, world_size: int, *args, **kwargs) -> list:
     """``run_ranks`` for a check's ``run``: a learner's stub raising NotImplementedError inside a rank
     reads as "not implemented yet", like a stub called in the kernel, not as a crashed rank."""
-    from .launch import RankError, run_ranks
+    from ..runtime.launch import RankError, run_ranks
 
     try:
         return run_ranks(target, world_size, *args, **kwargs)

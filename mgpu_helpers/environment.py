@@ -1,9 +1,9 @@
 """Notebook 00 -- the environment report and how ranks run from a notebook.
 
-Run as a script to print the same report: ``python -m mgpu_helpers.setup``; under torchrun it checks
+Run as a script to print the same report: ``python -m mgpu_helpers.environment``; under torchrun it checks
 that every rank can reach the others::
 
-    torchrun --nproc-per-node 2 -m mgpu_helpers.setup
+    torchrun --nproc-per-node 2 -m mgpu_helpers.environment
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def print_environment() -> None:
 
 def hello(rank: int, world_size: int) -> str:
     """Each rank contributes rank+1; after all_reduce(SUM) every rank holds 1+2+…+world_size."""
-    from .launch import rank_device
+    from .runtime.launch import rank_device
 
     t = torch.tensor([float(rank + 1)], device=rank_device())
     dist.all_reduce(t)
@@ -56,7 +56,7 @@ def hello(rank: int, world_size: int) -> str:
 
 if __name__ == "__main__":
     if "RANK" in os.environ:
-        from .launch import torchrun_main
+        from .runtime.launch import torchrun_main
 
         torchrun_main(hello)
     else:

@@ -1,7 +1,7 @@
 """Run nbval on one assembled notebook, out of reach of the instructor's files.
 
 The grader starts ``unshare --mount --pid --kill-child [--net] [--map-root-user] python -m
-mgpu_helpers.grading.sandbox JOB_DIR JOB_FD``; this process is then pid 1 of a fresh pid namespace and:
+mgpu_helpers.tools.grading.sandbox JOB_DIR JOB_FD``; this process is then pid 1 of a fresh pid namespace and:
 
 1. builds the kernel's file system from an allowlist (mounts.py): an empty root with read-only binds of
    the interpreter, the environment, the package and the system libraries, a private /tmp, /dev and
@@ -129,7 +129,7 @@ def main(job, jobfd=None):
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "pytest", os.path.join(work, spec["notebook"]), "--nbval", "--nbval-current-env",
            f"--nbval-cell-timeout={spec['cell_timeout']}", "--nbval-kernel-startup-timeout=60",
-           "-p", "no:cacheprovider", "-p", "mgpu_helpers.grading.nbplugin", f"--mgpu-report-fd={wfd}",
+           "-p", "no:cacheprovider", "-p", "mgpu_helpers.tools.grading.nbplugin", f"--mgpu-report-fd={wfd}",
            f"--mgpu-output-cap={spec['output_cap']}", f"--mgpu-output-cap-total={spec['output_cap_total']}",
            *([f"--mgpu-max-tasks={tasks}"] if tasks else []),
            "-o", "addopts=", "-c", os.devnull, "--rootdir", work, "-q", "--no-header"]
@@ -178,10 +178,10 @@ def main(job, jobfd=None):
 def probe(base: str, net: bool, setuid: bool) -> int:
     """Run under the unshare prefix being tried: exit 0 when this process can build the sandbox and a
     process of the kernel's kind is held to RLIMIT_NPROC, 3 when only the latter fails (see the grader)."""
-    from .execute import needed_paths
+    from .execute import hidden_from_kernel, needed_paths
     from .mounts import isolate
     uid = UID_BASE + int(os.readlink("/proc/self")) if setuid else 0
-    isolate({"keep": needed_paths([]), "net": net}, base, uid)
+    isolate({"keep": needed_paths([]), "mask": hidden_from_kernel(), "net": net}, base, uid)
     pid = os.fork()
     if pid == 0:  # as the kernel would be, allowed one task: itself
         try:

@@ -1,0 +1,18 @@
+"""The exercises' checks: ``base`` is the machinery (``Check``: cases, run, judge); ``checks/<lesson>.py``
+holds the checks of ``mgpu_helpers/<lesson>.py``'s notebook (``from mgpu_helpers.checks.ddp import
+check_4_1``). ``references/`` holds what a judge compares against when PyTorch itself cannot serve: it is
+imported only inside ``judge`` (never by a notebook or a lesson module) and the grading sandbox does not
+mount it, so no learner's code can reach it while it is graded."""
+from .base import *  # noqa: F401,F403  the machinery, for `from mgpu_helpers.checks import Check`
+from .base import REGISTRY, _matches, describe_value, plain, one_thread  # noqa: F401  (names * skips)
+
+
+def load_checks(module: str) -> None:
+    """Register the checks of a notebook whose helper module is ``module`` (``mgpu_helpers.ddp`` ->
+    ``mgpu_helpers.checks.ddp``); a module of the course's own without checks is imported as it is."""
+    import importlib
+    import importlib.util
+    importlib.import_module(module)
+    package, _, lesson = module.rpartition(".")
+    if package == "mgpu_helpers" and importlib.util.find_spec(f"{__name__}.{lesson}"):
+        importlib.import_module(f"{__name__}.{lesson}")

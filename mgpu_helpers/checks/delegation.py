@@ -1,0 +1,124 @@
+"""Did the learner's answer use the course's own code? (``course_code_used``)
+
+An exercise asks the learner to write something; a submission whose function only calls into the package
+(``from mgpu_helpers.accumulation import ...`` and delegate) has not done that, whatever it returns. The
+package holds no answers (references live in ``checks/references``, which the grading sandbox masks), so such
+a submission would fail anyway -- this names the reason instead of a confusing difference.
+
+The test is static and cheap: it follows what the learner's function or class refers to by name -- its
+globals, closure cells, defaults, imports inside it, nested functions, base classes and methods, and the
+notebook's own helper functions it calls -- and reports the first object that belongs to the course's
+package outside what the exercise may use (``Check.may_use``: by default the runtime, e.g. ``run_ranks``
+and ``MemoryTracker``). It is a feedback line, not the defence: that is that no answer exists to call.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+
+PACKAGE = __name__.split(".")[0]        # mgpu_helpers
+RUNTIME = (f"{PACKAGE}.runtime",)       # launching ranks, tracking memory, plotting: every exercise may
+
+
+def _course_module(name: str | None, may_use) -> str | None:
+    if not name or not (name == PACKAGE or name.startswith(PACKAGE + ".")):
+        return None
+    if any(name == m or name.startswith(m + ".") for m in may_use):
+        return None
+    return name
+
+
+def _name_of(value, may_use) -> str | None:
+    """'mgpu_helpers.accumulation.accumulate' when ``value`` is a course module, function, class or method."""
+    if isinstance(value, functools.partial):
+        value = value.func
+    if isinstance(value, (types.MethodType, staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, types.ModuleType):
+        return _course_module(value.__name__, may_use)
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
+        module = _course_module(getattr(value, "__module__", None), may_use)
+        return module and f"{module}.{getattr(value, '__qualname__', getattr(value, '__name__', '?'))}"
+    return None
+
+
+def _codes(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def course_code_used(obj, may_use=RUNTIME, _seen=None) -> str | None:
+    """The dotted name of the first course object ``obj`` (a learner's function or class) uses, else None."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return None
+    seen.add(id(obj))
+    direct = _name_of(obj, may_use)
+    if direct:
+        return direct
+    if isinstance(obj, functools.partial):
+        return course_code_used(obj.func, may_use, seen)
+    if isinstance(obj, (types.MethodType, staticmethod, classmethod)):
+        return course_code_used(obj.__func__, may_use, seen)
+    if isinstance(obj, property):
+        for f in (obj.fget, obj.fset, obj.fdel):
+            found = f is not None and course_code_used(f, may_use, seen)
+            if found:
+                return found
+        return None
+    if inspect.isclass(obj):
+        for base in obj.__mro__[1:]:
+            found = _name_of(base, may_use) or (_learners(base, obj) and course_code_used(base, may_use, seen))
+            if found:
+                return found
+        for member in vars(obj).values():
+            found = course_code_used(member, may_use, seen) if callable(member) or isinstance(
+                member, (staticmethod, classmethod, property)) else None
+            if found:
+                return found
+        return None
+    if not isinstance(obj, types.FunctionType):
+        return None
+    values = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+    values += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+    for code in _codes(obj.__code__):
+        for name in code.co_names:
+            module = _course_module(name, may_use)   # `import mgpu_helpers.x` / `from mgpu_helpers.x import y`
+            if module:
+                return module
+            if name in obj.__globals__:
+                values.append(obj.__globals__[name])
+    for value in values:
+        found = _name_of(value, may_use)
+        if found:
+            return found
+        if _learners(value, obj):   # a helper of the learner's own (same notebook): follow it
+            found = course_code_used(value, may_use, seen)
+            if found:
+                return found
+    return None
+
+
+def _learners(value, obj) -> bool:
+    """Defined where ``obj`` was (the learner's notebook), not in a library: worth following."""
+    if isinstance(value, functools.partial):
+        value = value.func
+    if not (isinstance(value, types.FunctionType) or inspect.isclass(value)):
+        return False
+    return getattr(value, "__module__", None) in {getattr(obj, "__module__", None), "__main__"}
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def refusal(exercise: str, function: str, used: str) -> str:
+    return (f"Exercise {exercise} ✗ {function}: it uses the course's own implementation ({used}); "
+            "the exercise is to write it yourself, so this check scores 0")
