@@ -2,10 +2,10 @@
 gradient all-reduce (DDP) or reduce-scatter (FSDP2) can wait for the last micro-step.
 
 Counting collectives: ``AllReduceCount`` (DDP comm hook) and ``CollectiveCounter`` (c10d ops, e.g. FSDP2's).
-``no_sync_context(model)`` skips gradient sync for DDP and FSDP2 and refuses anything else; ``accumulate``
-is the reference loop; ``peak_vs_effective_batch`` measures memory; checks 5.1 and 5.2.
+``no_sync_context(model)`` skips gradient sync for DDP and FSDP2 and refuses anything else;
+``peak_vs_effective_batch`` measures memory. The checks of 5.1 and 5.2 are in ``checks.accumulation``.
 
-Run the 5.2 reference (DDP ``no_sync`` accumulation, all-reduces counted) as a script::
+Run DDP ``no_sync`` accumulation on 2 ranks (all-reduces counted, gradients against one process) as a script::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.accumulation
 """
@@ -22,9 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-from .checks import (Check, CheckFailure, CollectiveLedger, REGISTRY, collective_mismatch, expect, expect_close,
-                     expect_equal, expect_type, plain, run_learner_ranks)
-from .runtime.launch import rank_device, run_ranks, torchrun_main
+from .runtime.launch import torchrun_main
 from .memory import mlp
 from .runtime.tracker import MemoryTracker
 
@@ -117,21 +115,6 @@ def no_sync_context(model: nn.Module):
                         "FSDP2 module (fully_shard); there is no gradient sync to skip. Pass the wrapped model.")
 
 
-def accumulate(model, loss_fn, inputs, targets, k, skip=no_sync_context) -> float:
-    """Reference: forward/backward ``k`` equal micro-batches with loss/k; the first k-1 inside ``skip(model)``
-    (``skip=None`` for a model with nothing to sync). Returns the accumulated loss (the big batch's)."""
-    if len(inputs) % k:
-        raise ValueError(f"k={k} does not divide the batch of {len(inputs)}")
-    total = 0.0
-    for i, (x, y) in enumerate(zip(inputs.tensor_split(k), targets.tensor_split(k))):
-        last = i == k - 1
-        with contextlib.nullcontext() if last or skip is None else skip(model):
-            loss = loss_fn(model(x), y) / k  # mean over the micro-batch / k = its share of the big batch's mean
-            loss.backward()
-        total += loss.item()
-    return total
-
-
 # --- memory: plain big batches vs accumulation -------------------------------------------------------
 
 def peak_vs_effective_batch(effective=(16, 32, 64, 128, 256), micro=16, tokens=16, widths=(32, 128, 128, 16),
@@ -161,156 +144,6 @@ def peak_vs_effective_batch(effective=(16, 32, 64, 128, 256), micro=16, tokens=1
         torch.set_num_threads(threads)
 
 
-# --- checks ------------------------------------------------------------------------------------------
-
-def _model_case(rng, k: int, m: int) -> dict:
-    widths = [rng.randint(4, 24)] + [rng.randint(8, 40) for _ in range(rng.randint(1, 2))] + [rng.randint(3, 6)]
-    return {"widths": widths, "k": k, "micro": m, "seed": rng.randrange(2**31)}
-
-
-def _data(case, world=1):
-    return make_batch(case["seed"] + 1, world * case["k"] * case["micro"], case["widths"][0], case["widths"][-1])
-
-
-def _run_counted(model, call):
-    sizes = []  # the batch size of every forward of model: did the learner split at all?
-    hook = model.register_forward_pre_hook(lambda mod, args: sizes.append(len(args[0])))
-    loss = call()
-    hook.remove()
-    return {"loss": plain(loss), "grads": flat_grads(model), "forward_batches": sizes}
-
-
-def _expect_split(who, res, k, m):
-    expect_equal(res["forward_batches"], [m] * k, f"{who}the batch sizes the model's forward saw", mistakes={
-        "one forward over the whole batch: that is the big batch itself, not k micro-batches": [k * m]},
-        hint="Hint: split inputs and targets into k micro-batches (tensor_split); run each through the model.")
-
-
-def _expect_loss(who, res, k, loss, last_loss):
-    expect_type(res["loss"], (float, int), f"{who}the function", "a float: the accumulated loss",
-                hint="Hint: a Python number, as loss.item() gives, not a tensor (which would keep its graph alive).")
-    expect_close(res["loss"], loss, f"{who}the returned loss", rtol=1e-4, mistakes={
-        "summed the micro-batch losses without dividing by k": k * loss,
-        "returned only the last micro-batch's loss/k (total = instead of total +=)": last_loss / k},
-        hint="Hint: return the sum of the k values of loss/k: the big batch's mean loss.")
-
-
-class AccumulateGradients(Check):
-    id, function = "5.1", "accumulate_gradients"
-
-    def cases(self, rng):
-        k = rng.choice([2, 3, 4])
-        return [_model_case(rng, k, rng.choice([m for m in range(3, 7) if m != k])),  # every mistake shows
-                _model_case(rng, rng.randint(4, 8), 1),                                # micro-batches of one sample
-                _model_case(rng, 1, rng.randint(2, 8)),                                # k=1: the big batch itself
-                _model_case(rng, rng.randint(2, 5), rng.randint(2, 6))]
-
-    def run(self, fn, case):
-        model, (x, y) = mlp(case["widths"], seed=case["seed"]), _data(case)
-        return _run_counted(model, lambda: fn(model, F.cross_entropy, x, y, case["k"]))
-
-    def judge(self, case, result):
-        k, m, (x, y) = case["k"], case["micro"], _data(case)
-        base, loss = _grads_of(case["widths"], case["seed"], x, y)
-        last, last_loss = _grads_of(case["widths"], case["seed"], x[-m:], y[-m:])
-        _expect_split("", result, k, m)
-        expect_close(result["grads"], base, "the accumulated gradient", rtol=1e-4, mistakes={
-            "loss not divided by k: gradients are k× too large": k * base,
-            "zero_grad inside the loop: only the last micro-batch's gradients survive": last / k,
-            "gradients zeroed after the last backward": torch.zeros_like(base),
-            "divided by the micro-batch size instead of k: loss_fn already averages over it": k * base / m,
-            "divided by the batch size as well as by k: loss_fn already averages, so it counts twice": base / m,
-        }, hint="Hint: backward (loss_fn(model(x), y) / k) for each of the k micro-batches, and zero nothing.")
-        _expect_loss("", result, k, loss, last_loss)
-
-
-def _ddp_case(rank, world, fn, case):
-    """One rank of check 5.2 (also the script): fn accumulates on this rank's shard; all-reduces counted."""
-    dev = rank_device()
-    model = mlp(case["widths"], seed=case["seed"]).to(dev)
-    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=case["bucket_cap_mb"])
-    count = AllReduceCount(ddp)
-    x, y = (t.tensor_split(world)[rank].to(dev) for t in _data(case, world))
-    # DDP's first backward uses one bucket, then rebuilds them; a real loop is past that: one step first.
-    F.cross_entropy(ddp(x), y).backward()
-    ddp.zero_grad(set_to_none=True)
-    count.calls, forwards = 0, []
-    model.register_forward_pre_hook(lambda mod, args: forwards.append(1))
-    count.ledger, count.tag = CollectiveLedger(device=dev), lambda: len(forwards)  # tag: the micro-step
-    out = _run_counted(model, lambda: fn(ddp, F.cross_entropy, x, y, case["k"]))
-    out["mismatch"], count.ledger = count.ledger.finish(), None
-    out["allreduces"], count.calls = count.calls, 0
-    ddp.zero_grad(set_to_none=True)
-    F.cross_entropy(ddp(x), y).backward()  # the reference: how many bucket all-reduces ONE sync takes
-    out["buckets_per_sync"] = count.calls
-    return out
-
-
-def _judge_rank(case, rank, world, res):
-    k, m, (x, y) = case["k"], case["micro"], _data(case, world)
-    base, _ = _grads_of(case["widths"], case["seed"], x, y)
-    xs, ys = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
-    local, loss = _grads_of(case["widths"], case["seed"], xs, ys)
-    firsts = [_grads_of(case["widths"], case["seed"], x.tensor_split(world)[r][:m], y.tensor_split(world)[r][:m])[0]
-              for r in range(world)]  # each rank's first micro-batch
-    _expect_split(f"rank {rank}: ", res, k, m)
-    expect_close(res["grads"], base, f"rank {rank}: the accumulated gradient", rtol=1e-4, mistakes={
-        "loss not divided by k: gradients are k× too large": k * base,
-        "synchronised on the FIRST micro-step instead of the last: the later micro-batches' gradients were never "
-        "all-reduced, so each rank kept its own of those (ranks disagree)":
-            local + (sum(firsts) / world - firsts[rank]) / k,
-        "no_sync on every micro-step, including the last: gradients were never all-reduced, so each rank "
-        "kept only its own (ranks disagree)": local,
-    }, hint="Hint: loss/k on every micro-step; the first k-1 inside ddp_model.no_sync(), the last outside it, "
-            "so that DDP averages what was accumulated.")
-    b, n_tensors = res["buckets_per_sync"], 2 * (len(case["widths"]) - 1)
-    expect(1 <= b <= n_tensors, f"rank {rank}: one synchronised backward all-reduced {b} buckets, not 1 to {n_tensors}")
-    expect_equal(res["allreduces"], b, f"rank {rank}: gradient all-reduces during the {k} micro-steps "
-                 f"(one sync = {b} bucket{'s' * (b > 1)})", mistakes={
-        f"no no_sync (or the forward ran outside it: DDP decides in forward): all {k} micro-steps all-reduced, "
-        "k× the collectives": k * b,
-        "no_sync on every micro-step, including the last: gradients never all-reduced": 0})
-    _expect_loss(f"rank {rank}: ", res, k, loss, _grads_of(case["widths"], case["seed"], xs[-m:], ys[-m:])[1])
-
-
-class AccumulateDDP(Check):
-    id, function = "5.2", "accumulate_ddp"
-
-    def cases(self, rng):
-        cases = [dict(_model_case(rng, k, rng.randint(2, 4)), world=2) for k in rng.sample([2, 3, 4], 3)]
-        cases.append(dict(_model_case(rng, rng.randint(2, 4), rng.randint(2, 4)), world=1))  # one rank: DDP still syncs
-        for c in cases:  # a bucket cap that splits the gradients into a few buckets, so counts are telling
-            n = sum((a + 1) * b for a, b in zip(c["widths"][:-1], c["widths"][1:]))
-            c["bucket_cap_mb"] = 4 * n / rng.randint(2, 4) / 2**20
-        return cases
-
-    def describe(self, case):
-        return (f"{case['world']} rank{'s' * (case['world'] > 1)}, batch {case['k'] * case['micro']} per rank, "
-                f"k={case['k']}, widths={case['widths']}")
-
-    def run(self, fn, case):
-        return {"ranks": run_learner_ranks(_ddp_case, case["world"], fn, case, timeout=15)}
-
-    def judge(self, case, result):
-        mismatch = next((r["mismatch"] for r in result["ranks"] if r["mismatch"]), None)
-        if mismatch:
-            raise CheckFailure(collective_mismatch(mismatch, tag="micro-step") + ". Hint: every rank runs the "
-                               "same micro-steps, with the same no_sync choices.")
-        for rank, res in enumerate(result["ranks"]):
-            _judge_rank(case, rank, case["world"], res)
-
-
-check_5_1 = REGISTRY["5.1"]
-check_5_2 = REGISTRY["5.2"]
-
-
-def _script(rank, world, k=4):
-    case = {"widths": [32, 64, 64, 10], "k": k, "micro": 4, "seed": 0, "bucket_cap_mb": 0.01}
-    res = _ddp_case(rank, world, accumulate, case)
-    _judge_rank(case, rank, world, res)  # raises if the gradients or the counts are wrong
-    return (f"DDP accumulation over {world} ranks, k={k}: gradients equal the single-process big batch; "
-            f"{res['allreduces']} bucket all-reduces in all = one sync ({res['buckets_per_sync']} buckets), not {k}×")
-
-
 if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m mgpu_helpers.accumulation
-    torchrun_main(_script)
+    from mgpu_helpers.checks.accumulation import script
+    torchrun_main(script)

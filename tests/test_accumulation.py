@@ -14,7 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mgpu_helpers.accumulation import (AllReduceCount, CollectiveCounter, accumulate, check_5_1, check_5_2,
+from mgpu_helpers.checks.accumulation import check_5_1, check_5_2
+from mgpu_helpers.checks.references.accumulation import accumulate
+from mgpu_helpers.accumulation import (AllReduceCount, CollectiveCounter,
                                        flat_grads, make_batch, no_sync_context, peak_vs_effective_batch)
 from mgpu_helpers.runtime.launch import run_ranks
 from mgpu_helpers.memory import mlp

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mgpu_helpers import data_parallel as dp
+from mgpu_helpers.checks.data_parallel import check_3_1
 from mgpu_helpers.tools.authoring import exec_cell, exercise_source
 from mgpu_helpers.runtime.launch import run_ranks
 
@@ -109,7 +110,7 @@ def test_demos_return_timings():
 
 
 def test_grading_split_round_trips_through_torch_save():
-    check = dp.check_3_1
+    check = check_3_1
     fn = exec_cell(exercise_source(NB, "3.1"))["data_parallel_step"]
     buf = io.BytesIO()
     torch.save(check.run_all(fn, seed=11), buf)
@@ -119,7 +120,7 @@ def test_grading_split_round_trips_through_torch_save():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_cases_cover_even_uneven_and_fewer_chunks(seed):
-    even, uneven, fewer = dp.check_3_1.make_cases(seed)
+    even, uneven, fewer = check_3_1.make_cases(seed)
     chunks = lambda c: [len(t) for t in torch.arange(c["batch"]).chunk(c["n_replicas"])]  # noqa: E731
     assert len(set(chunks(even))) == 1 and len(chunks(even)) == even["n_replicas"] >= 2
     assert len(set(chunks(uneven))) > 1 and len(chunks(uneven)) == uneven["n_replicas"]

@@ -8,7 +8,8 @@ from testkit import run_torchrun
 import torch
 import torch.distributed as dist
 
-from mgpu_helpers import ddp
+from mgpu_helpers import ddp as lesson
+from mgpu_helpers.checks import ddp
 from mgpu_helpers.tools.authoring import exec_cell, exercise_source
 from mgpu_helpers.runtime.launch import run_ranks
 
@@ -51,9 +52,9 @@ def test_cases_test_what_they_claim(seed):
 
 
 def test_shards_partition_the_batch():
-    x, y = ddp.make_batch(12, 5, 3)
-    assert torch.equal(torch.cat([ddp.shard(x, r, 3) for r in range(3)]), x)
-    assert torch.equal(ddp.make_batch(12, 5, 3)[1], y)          # deterministic from the seed
+    x, y = lesson.make_batch(12, 5, 3)
+    assert torch.equal(torch.cat([lesson.shard(x, r, 3) for r in range(3)]), x)
+    assert torch.equal(lesson.make_batch(12, 5, 3)[1], y)          # deterministic from the seed
 
 
 def _ddp_rank(rank, world_size, case):
@@ -132,7 +133,7 @@ def test_right_grads_wrong_packing_fails():
 
 
 def test_draw_collectives():
-    fig = ddp.draw_collectives({"all_reduce": ([[1, 2], [3, 4]], [[4, 6], [4, 6]]),
+    fig = lesson.draw_collectives({"all_reduce": ([[1, 2], [3, 4]], [[4, 6], [4, 6]]),
                                 "all_gather": ([[1], [2]], [[1, 2], [1, 2]])})
     assert len(fig.axes) == 4
     import matplotlib.pyplot as plt
@@ -141,7 +142,7 @@ def test_draw_collectives():
 
 @pytest.mark.slow
 def test_spawn_from_notebook_fails_as_described():
-    lines = ddp.spawn_from_notebook()
+    lines = lesson.spawn_from_notebook()
     assert lines[0] == "AttributeError: Can't get attribute 'work' on <module '__main__'>"
     assert "ProcessExitedException" in lines[1] and lines[-1] == "exit code 1"
 

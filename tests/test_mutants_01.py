@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mgpu_helpers.tools.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
-import mgpu_helpers.memory  # noqa: F401  (registers 1.1 and 1.2)
+import mgpu_helpers.checks.memory  # noqa: F401  (registers 1.1 and 1.2)
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "01_where_memory_goes.ipynb"
 RETURN = ('return {"parameters": n * weight,\n            "gradients": n * weight,\n'

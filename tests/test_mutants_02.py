@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mgpu_helpers.tools.authoring import mutant_fails_every_seed, solution_verdict, stub_verdict
-import mgpu_helpers.profiling  # noqa: F401  (registers 2.1 and 2.2)
+import mgpu_helpers.checks.profiling  # noqa: F401  (registers 2.1 and 2.2)
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "02_measuring_memory.ipynb"
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-import mgpu_helpers.data_parallel  # noqa: F401  (registers 3.1)
+import mgpu_helpers.checks.data_parallel  # noqa: F401  (registers 3.1)
 from mgpu_helpers.tools.authoring import mutant_fails_every_seed, mutant_verdict, solution_verdict, stub_verdict
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "03_data_parallel.ipynb"

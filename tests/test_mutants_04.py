@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mgpu_helpers.tools.authoring import mutant_fails_every_seed
-import mgpu_helpers.ddp  # noqa: F401  (registers 4.1 and 4.2)
+import mgpu_helpers.checks.ddp  # noqa: F401  (registers 4.1 and 4.2)
 from testkit import solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "04_ddp.ipynb"

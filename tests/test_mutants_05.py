@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mgpu_helpers.tools.authoring import mutant_fails_every_seed
-import mgpu_helpers.accumulation  # noqa: F401  (registers 5.1 and 5.2)
+import mgpu_helpers.checks.accumulation  # noqa: F401  (registers 5.1 and 5.2)
 from testkit import marked, mistake_params, solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "05_gradient_accumulation.ipynb"

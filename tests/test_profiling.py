@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mgpu_helpers import profiling as P
+from mgpu_helpers.checks.references import profiling as R
 from mgpu_helpers.runtime.tracker import MemoryTracker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +134,7 @@ def test_2_2_cases_have_clear_answers():
     # (another loss call, zero_grad placement) cannot close.
     for seed in range(5):  # 300 seeds checked once by hand: smallest margin 1.24
         for c in P.REGISTRY["2.2"].make_cases(seed):
-            peaks, _ = P.phase_peaks(c)
+            peaks, _ = R.phase_peaks(c)
             top, second = sorted(peaks.values(), reverse=True)[:2]
             assert max(peaks, key=peaks.get) == ("backward" if c["batch"] >= 1024 else "optimizer")
             assert top > 1.15 * second, (c, peaks)
@@ -142,7 +143,7 @@ def test_2_2_cases_have_clear_answers():
 def test_2_1_spike_exceeds_every_step_peak():
     for seed in range(4):
         for c in P.REGISTRY["2.1"].make_cases(seed):
-            m = P._peak_scenario(c)
+            m = R.peak_figures(c)
             assert m["old_peak"] > m["peak"] > m["after"] > m["before"] > 0
 
 
