@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Check, CheckFailure, REGISTRY, _matches, describe_value, expect, expect_close, expect_equal
-from ..memory import make_optimizer, measured_training_state, mlp, nbytes
+from ..memory import make_optimizer, mlp, nbytes
 from ..runtime.tracker import MemoryTracker
 
 DTYPES16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -274,6 +274,7 @@ class MixedStepCheck(Check):
                      rtol=1e-5, atol=1e-7, mistakes={
                          "the model still has its old weights: copy the master into it after optimizer.step()": start,
                          **{names[m]: wrong[m]["model"] for m in wrong}})
+        from .references.memory import measured_training_state
         row = measured_training_state(mlp(case["widths"], seed=case["seed"]), case["optimizer"], "mixed")
         n4 = 4 * sum(p.numel() for p in mlp(case["widths"], seed=case["seed"]).parameters())
         expect_equal(result["bytes"], row, "the training state after the step, in bytes (notebook 01's mixed row)",

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from .delegation import RUNTIME, course_code_used, refusal
+from .delegation import course_code_used, refusal
 
 REGISTRY: dict[str, "Check"] = {}
 
@@ -54,7 +54,8 @@ class Check:
     id: str = ""            # "4.1": the same id in the stub, the check line, the grade row and the test marker
     function: str = ""      # the name of the learner's function, for messages
     points: int = 1
-    may_use: tuple = RUNTIME  # the parts of the package the learner's answer may call (delegation.py)
+    may_use: tuple = ()     # the parts of the package the learner's answer may name (delegation.py): none
+
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -140,7 +141,7 @@ class Check:
     def _run_all(self, fn: Callable, seed: int) -> list[dict]:
         used = course_code_used(fn, self.may_use)
         if used:  # nothing of it is run: the judge reports why
-            return [{"ok": False, "course_code": used} for _ in self.make_cases(seed)]
+            return [{"ok": False, "course_code": used}]
         out = []
         for case in self.make_cases(seed):
             try:
@@ -158,12 +159,12 @@ class Check:
             return self._judge_all(seed, results)
 
     def _judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:
+        if isinstance(results, list) and results and isinstance(results[0], dict) and results[0].get("course_code"):
+            return False, refusal(self.id, self.function, str(results[0]["course_code"])[:200])
         cases = self.make_cases(seed)
         if not isinstance(results, list) or len(results) != len(cases):
             return False, f"Exercise {self.id} ✗ {self.function}: no results for this check"
         for i, (case, r) in enumerate(zip(cases, results)):
-            if isinstance(r, dict) and r.get("course_code"):
-                return False, refusal(self.id, self.function, str(r["course_code"])[:200])
             if not isinstance(r, dict) or not r.get("ok"):
                 err = r.get("error", "no result") if isinstance(r, dict) else "malformed result"
                 if "NotImplementedError" in str(err):

@@ -8,8 +8,9 @@ a submission would fail anyway -- this names the reason instead of a confusing d
 The test is static and cheap: it follows what the learner's function or class refers to by name -- its
 globals, closure cells, defaults, imports inside it, nested functions, base classes and methods, and the
 notebook's own helper functions it calls -- and reports the first object that belongs to the course's
-package outside what the exercise may use (``Check.may_use``: by default the runtime, e.g. ``run_ranks``
-and ``MemoryTracker``). It is a feedback line, not the defence: that is that no answer exists to call.
+package outside what the exercise may use (``Check.may_use``: nothing, unless the task says so -- 2.2
+measures with ``MemoryTracker``). It is a feedback line, not the defence: that is that no answer exists to
+call (and the checks, which launch ranks themselves, never need the learner to name the runtime).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import inspect
 import types
 
 PACKAGE = __name__.split(".")[0]        # mgpu_helpers
-RUNTIME = (f"{PACKAGE}.runtime",)       # launching ranks, tracking memory, plotting: every exercise may
 
 
 def _course_module(name: str | None, may_use) -> str | None:
@@ -50,7 +50,7 @@ def _codes(code: types.CodeType):
             yield from _codes(const)
 
 
-def course_code_used(obj, may_use=RUNTIME, _seen=None) -> str | None:
+def course_code_used(obj, may_use=(), _seen=None) -> str | None:
     """The dotted name of the first course object ``obj`` (a learner's function or class) uses, else None."""
     seen = set() if _seen is None else _seen
     if id(obj) in seen:

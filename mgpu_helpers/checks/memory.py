@@ -13,7 +13,6 @@ from .base import REGISTRY, Check, expect, expect_equal, expect_type, plain
 
 class TrainingStateBytes(Check):
     id, function = "1.1", "training_state_bytes"
-    may_use = ()  # a formula: no measuring with the course's tracker either
 
     def cases(self, rng: random.Random) -> list[dict]:
         combos = [("adam", "fp32"), ("momentum", "mixed"), ("momentum", "bf16"), ("sgd", "mixed"),
@@ -65,7 +64,6 @@ class TrainingStateBytes(Check):
 
 class ActivationBytes(Check):
     id, function = "1.2", "activation_bytes"
-    may_use = ()
 
     def cases(self, rng: random.Random) -> list[dict]:
         # at least one hidden layer, so that every mistake below changes the answer

@@ -66,6 +66,7 @@ class PeakMemory(Check):
 
 class PeakPhase(Check):
     id, function = "2.2", "peak_phase"
+    may_use = ("mgpu_helpers.runtime.tracker",)  # the task: measure the phases with MemoryTracker
 
     def cases(self, rng):
         # Fixed kinds, random sizes. Weight-heavy (tiny batch): the optimizer's first step peaks (Adam's
