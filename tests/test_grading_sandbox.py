@@ -120,6 +120,7 @@ def probed(tmp_path_factory):
     allowed = sorted({*keep, *mounts.SYSTEM, "/dev", "/tmp", "/sys/devices/system",
                       *(f"/etc/{n}" for n in ("passwd", "group", "hosts", "nsswitch.conf", *mounts.ETC))})
     secrets = sorted({"/solutions/", "grading_fixtures", "hidden_checks", "mgpu-other-clone", *map(str, (sol, hid, sub, out)),
+                      "checks/references/",  # the judges' references: masked inside the kept package
                       *(p.name for p in (REPO / "solutions").glob("*.ipynb"))})
     nb = release_notebook(nbformat.reads((FIX / f"{NB}.json").read_text(), as_version=4))
     _exercise(nb, "90.1").source = WALK.replace("@ALLOWED@", repr(allowed)).replace("@SECRETS@", repr(secrets))
