@@ -172,7 +172,7 @@ def render_text(r):
     out = [f"model: {r['model']['name']}: {r['model']['parameters']:,} trainable parameters; "
            f"optimizer {r['optimizer']}",
            f"batch per GPU: {' + '.join('x'.join(map(str, s)) for s in r['batch']['shapes'])} (inputs + targets)",
-           f"GPU: {r['gpu']['name']}, {cap:,} B = {cap / G:.2f} GiB = {cap / 1e9:.2f} GB per device "
+           f"GPU: {r['gpu']['name']}, {cap:,} B = {cap / db.GiB:.2f} GiB = {cap / 1e9:.2f} GB per device "
            f"({r['gpu']['source']}); allocator {r['allocator']}; {r['traces']} trace(s)", "",
            f"{'gpus':>4} {'zero':>4} {'precision':<9} {'ckpt':>4} {'micro':>5} | {'tensors ' + unit:>11} "
            f"{'alloc ' + unit:>9} {'device ' + unit:>10} {'fits':>4} {'cost':>5} | peak set by"]
