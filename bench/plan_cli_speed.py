@@ -56,12 +56,15 @@ def main():
         t = time.perf_counter()
         proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
         wall = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rss, cpu = ru.ru_maxrss / 2**20, ru.ru_utime + ru.ru_stime
+    load = os.getloadavg()[0]
     print(proc.stdout, end="")
     if proc.returncode not in (0, 1):
         print(proc.stderr, file=sys.stderr)
     print(f"\nexit status {proc.returncode}; wall {wall:.1f} s (goal <= 60 s), peak RSS {rss:.2f} GiB (goal <= 2 GiB); "
-          f"{os.cpu_count()} CPU cores visible")
+          f"CPU {cpu:.1f} s; {os.cpu_count()} CPU cores visible, load average {load:.1f} (other processes "
+          "share the cores when it exceeds their count)")
 
 
 if __name__ == "__main__":

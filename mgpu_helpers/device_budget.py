@@ -71,14 +71,14 @@ SOURCES = {
 
 
 def parse_memory(text: str) -> int:
-    """``"80GB"`` -> 80_000_000_000, ``"79.5 GiB"`` -> bytes, also MB/MiB/TB/TiB. A unit is required:
+    """``"80GB"`` -> 80_000_000_000, ``"79.5 GiB"`` -> bytes, also B, KB/KiB, MB/MiB, TB/TiB. A unit is required:
     GPU memory is sold in GB (1e9) and reported by tools in MiB/GiB (2**20, 2**30); a bare number is
     ambiguous by 7%."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B)\s*", str(text), flags=re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*((?:[KMGT]i?)?B)\s*", str(text), flags=re.IGNORECASE)
     if not m:
         raise ValueError(f"memory size {text!r} needs a unit: e.g. 80GB (decimal, 1e9 bytes) or 80GiB (2**30)")
     value, unit = float(m.group(1)), m.group(2)
-    power = "KMGT".index(unit[0].upper()) + 1
+    power = "BKMGT".index(unit[0].upper())
     base = 1024 if "i" in unit.lower() else 1000
     return int(round(value * base**power))
 
