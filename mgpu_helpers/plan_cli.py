@@ -111,27 +111,14 @@ def watch_convs(model_fn, seen):
     return wrapped
 
 
-def has_blocks(source):
-    """Whether checkpointing applies (the planner checkpoints the largest nn.ModuleList's blocks)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(), torch.device("cpu"):
-        model = source.model_fn()
-    return any(isinstance(m, nn.ModuleList) and len(m) for m in model.modules())
-
-
 def run(a):
     s = settings(a)
     source = resolve(a.model)
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
-    ckpts = s["ckpt"]
-    if True in ckpts and not has_blocks(source):
-        if a.checkpointing == "on":
-            raise PlanInputError(f"{source.name}: no nn.ModuleList of blocks to checkpoint")
-        ckpts = [False]
-    keys = [(p, c, k) for p in s["precisions"] for c in ckpts for k in s["micro"]]
+    keys = [(p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]
     from tqdm.auto import tqdm
-    plans, n_params = [], 0
+    plans, n_params, traced = [], 0, 0
     for prec, ck, k in tqdm(keys, desc="tracing", unit="trace", file=sys.stderr, disable=None, leave=False):
         convs = []
         try:
@@ -139,10 +126,14 @@ def run(a):
                                micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512)
         except PlanInputError:
             raise
+        except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for
+            if ck and "no nn.ModuleList" in str(e) and a.checkpointing == "both":
+                continue
+            raise PlanInputError(f"{source.name}: {e}") from None
         except Exception as e:
             raise PlanInputError(f"tracing {source.name} ({prec}, checkpointing {ck}, {k} micro-batches) failed: "
                                  f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}") from None
-        n_params = trace.n_params
+        n_params, traced = trace.n_params, traced + 1
         conv = max(convs, default=0)
         for n in s["gpus"]:
             for st in (s["stages"] if n > 1 else [0]):
@@ -163,7 +154,7 @@ def run(a):
     return dict(model=dict(name=source.name, kind=source.kind, parameters=n_params),
                 batch=dict(per_gpu=a.batch, shapes=[list(t.shape) for t in batch], bytes=batch_bytes),
                 gpu=dict(name=s["gpu"], capacity_bytes=s["capacity"], source=s["capacity_source"]),
-                optimizer=a.optimizer, allocator=a.allocator, traces=len(keys), plans=plans, cheapest=cheapest)
+                optimizer=a.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
 
 
 def render_text(r):

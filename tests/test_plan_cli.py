@@ -39,6 +39,9 @@ CONVNET = textwrap.dedent('''
 
     def not_a_module():
         return 42
+
+    def flat():  # no nn.ModuleList: nothing to checkpoint
+        return nn.Sequential(nn.Flatten(), nn.Linear(12, 4))
 ''')
 
 
@@ -158,6 +161,11 @@ def test_conv_net_from_module_function_gets_a_cudnn_workspace_line(capsys, convm
     assert r["batch"]["shapes"] == [[4, 3, 32, 32], [4]]
 
 
+def test_a_model_without_blocks_is_planned_without_checkpointing(capsys, convmod):
+    code, r = run_json(capsys, f"{convmod}:flat", "--input-shape", "3,2,2", "--micro-batches", "1", "--gpu", "L4")
+    assert code == 0 and r["traces"] == 1 and [p["checkpointing"] for p in r["plans"]] == [False]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["nosuch", "--gpu", "L4"], "unknown model 'nosuch': give a built-in name (tiny"),
     (["tiny", "--gpu-memory", "80"], "memory size '80' needs a unit"),
@@ -170,6 +178,7 @@ def test_conv_net_from_module_function_gets_a_cudnn_workspace_line(capsys, convm
     (["{m}:broken", "--input-shape", "3,8,8", "--gpu", "L4"], "{m}:broken raised RuntimeError: weights missing"),
     (["{m}:not_a_module", "--input-shape", "3,8,8", "--gpu", "L4"], "returned int; it must return an nn.Module"),
     (["{m}:nope", "--gpu", "L4"], "has no function 'nope'"),
+    (["{m}:flat", "--input-shape", "12", "--checkpointing", "on", "--gpu", "L4"], "no nn.ModuleList of blocks"),
     (["{m}:convnet", "--gpu", "L4"], "give the input shape of one sample"),
     (["{m}:convnet", "--input-shape", "3,32", "--gpu", "L4"], "failed: RuntimeError"),
 ])
