@@ -157,9 +157,12 @@ def accelerate_estimate(model_spec, argv):
         from accelerate.utils import calculate_maximum_sizes
     except ImportError:
         return None
-    with torch.device("meta"):
-        model = resolve(parse_args(argv).model).model_fn()
-    total, _ = calculate_maximum_sizes(model)
+    try:
+        with torch.device("meta"):
+            model = resolve(parse_args(argv).model).model_fn()
+        total, _ = calculate_maximum_sizes(model)
+    except Exception as e:  # an accelerate whose API moved: say so in the row, do not stop the bench
+        return f"err:{type(e).__name__}"
     return 4 * total  # estimate-memory: weights x 4 for Adam training (model, gradients, two moments)
 
 
@@ -214,7 +217,7 @@ def main():
         ws = m["allocated"] - (p["tensor_peak"] + lines.get("batch", 0))  # measured beyond the planned tensors
         print(f"{name:<42} {r['model']['parameters']:>11,} | {p['allocated']:>13,} {m['allocated']:>13,} "
               f"{100 * e_alloc:>+6.2f}% | {p['device_total']:>13,} {used:>13,} {100 * e_dev:>+6.2f}% | "
-              f"{16 * r['model']['parameters']:>13,} {acc if acc is not None else '-':>13} | "
+              f"{16 * r['model']['parameters']:>13,} {acc if isinstance(acc, str) else f"{acc:,}" if acc else '-':>13} | "
               f"{db.fmt_bytes(ws):>9} {100 * (m['reserved'] - m['allocated']) / m['allocated']:>+6.1f}%", flush=True)
         print(f"{'':<42} planned lines: " + ", ".join(f"{k} {db.fmt_bytes(v)}" for k, v in lines.items())
               + f"; measured: workspace after warm-up {db.fmt_bytes(m['extra'])}, "
