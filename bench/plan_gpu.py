@@ -214,10 +214,11 @@ def main():
         e_dev = (p["device_total"] - used) / used
         worst = [max(worst[0], abs(e_alloc)), max(worst[1], abs(e_dev))]
         acc = accelerate_estimate(ROWS[name][0], argv)
+        acc_s = acc if isinstance(acc, str) else "-" if acc is None else f"{acc:,}"
         ws = m["allocated"] - (p["tensor_peak"] + lines.get("batch", 0))  # measured beyond the planned tensors
         print(f"{name:<42} {r['model']['parameters']:>11,} | {p['allocated']:>13,} {m['allocated']:>13,} "
               f"{100 * e_alloc:>+6.2f}% | {p['device_total']:>13,} {used:>13,} {100 * e_dev:>+6.2f}% | "
-              f"{16 * r['model']['parameters']:>13,} {acc if isinstance(acc, str) else f"{acc:,}" if acc else '-':>13} | "
+              f"{16 * r['model']['parameters']:>13,} {acc_s:>13} | "
               f"{db.fmt_bytes(ws):>9} {100 * (m['reserved'] - m['allocated']) / m['allocated']:>+6.1f}%", flush=True)
         print(f"{'':<42} planned lines: " + ", ".join(f"{k} {db.fmt_bytes(v)}" for k, v in lines.items())
               + f"; measured: workspace after warm-up {db.fmt_bytes(m['extra'])}, "
