@@ -124,7 +124,8 @@ def measure(argv):
     """The child: the planned step for real on this GPU. Prints one JSON line."""
     a = parse_args(argv)
     source = resolve(a.model)
-    dev = torch.device("cuda")
+    dev = torch.device(os.environ.get("PLAN_GPU_DEVICE", "cuda"))  # "cpu": a dry run of this code path
+    cuda = dev.type == "cuda"
     torch.manual_seed(0)
     batch = tuple(torch.zeros(t.shape, dtype=t.dtype, device=dev) for t in make_batch(
         source, a.batch, a.seq, a.input_shape, a.input_dtype))
@@ -138,6 +139,8 @@ def measure(argv):
         apply_checkpointing(model)
     opt = make_optimizer(model, a.optimizer)
     train_step(model, opt, batch, output_loss, precision=prec, micro_batches=k)  # warm-up
+    if not cuda:
+        return print(json.dumps(dict(dry_run=str(dev))))
     torch.cuda.synchronize()
     owned = {t.untyped_storage().data_ptr(): -(-t.untyped_storage().nbytes() // 512) * 512 for t in
              [*model.parameters(), *model.buffers(), *batch, *(v for s in opt.state.values() for v in s.values())]
