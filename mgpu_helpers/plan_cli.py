@@ -41,8 +41,13 @@ def _ints(text, what):
     return vals
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the usage block: bad input reads like every other error
+        self.exit(2, f"mgpu-plan: error: {message} (mgpu-plan --help)\n")
+
+
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="mgpu-plan", description=__doc__.split("\n\n")[0],
+    ap = _Parser(prog="mgpu-plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("model", help="built-in name, Hugging Face config.json or model directory, or module:function")
     ap.add_argument("--batch", type=int, default=1, help="samples per GPU per step, split into micro-batches (1)")

@@ -189,6 +189,13 @@ def test_bad_input_is_one_line_on_stderr_and_exit_2(capsys, convmod, argv, messa
     assert message.format(m=convmod) in err
 
 
+def test_a_malformed_option_is_one_line_too(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tiny", "--batch", "four", "--gpu", "L4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--batch: invalid int value: 'four'" in err
+
+
 def test_transformers_missing_names_the_extra(capsys, tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
