@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from . import device_budget as db
 from .planner import PRECISIONS, SIZES, ZERO_STAGES, cached_trace
 from .runtime.plots import COLORS, LABELS
 
-CAPACITIES_GB = (24, 80, 141)  # per-device memory of common GPUs (decimal GB, as vendors state it)
+CAPACITY_GPUS = ("L4", "A100-80GB", "H200")  # device_budget.GPUS: real capacities in bytes
 DEFAULTS = dict(size="1B", precision="bf16-autocast", zero_stage=0, world_size=1, checkpointing=False,
                 micro_batches=1, batch_size=4, seq_len=1024)
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -60,10 +61,11 @@ def render(settings: dict, fig=None):
     for i, st in enumerate(ZERO_STAGES):
         ax.text(i, plans[st].peak_bytes / GB, f"{plans[st].peak_bytes / GB:.1f}", ha="center", va="bottom")
     top = max(p.peak_bytes for p in plans.values()) / GB
-    for cap in CAPACITIES_GB:
+    for name in CAPACITY_GPUS:
+        cap = db.GPUS[name][0] / GB
         if cap < 1.6 * top:
             ax.axhline(cap, color="black", linestyle="--", linewidth=1)
-            ax.text(len(xs) - 0.5, cap, f"{cap} GB", va="bottom", ha="right", fontsize=9)
+            ax.text(len(xs) - 0.5, cap, f"{name} ({cap:.1f} GB)", va="bottom", ha="right", fontsize=9)
     ax.set_ylabel("peak per rank (GB = 1e9 bytes)")
     n = chosen.n_params / 1e9
     ax.set_title(f"{s['size']} ({n:.2f}B params), {s['precision']}, world size {s['world_size']}, "
@@ -71,10 +73,15 @@ def render(settings: dict, fig=None):
                  f"batch {s['batch_size']}x{s['seq_len']}", fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     fig.subplots_adjust(right=0.8)
-    fits = [c for c in CAPACITIES_GB if chosen.peak_bytes <= c * GB]
+    # "fits" as mgpu-plan decides it: the device total (context, workspaces, allocator reserve, NCCL) vs capacity
+    tokens = 2 * s["batch_size"] * s["seq_len"] * 8  # int64 inputs and targets on the device
+    totals = {g: db.budget(chosen.peak_bytes, batch_bytes=tokens, world_size=s["world_size"], arch=db.GPUS[g][1])
+              for g in CAPACITY_GPUS}
+    fits = [g for g in CAPACITY_GPUS if totals[g].fits(db.GPUS[g][0])]
     return fig, chosen, (f"ZeRO-{s['zero_stage']} on {s['world_size']} rank(s): {chosen.peak_bytes / GB:.2f} GB "
-                         f"per rank, peak in {chosen.peak_phase}; fits "
-                         + (", ".join(f"{c} GB" for c in fits) if fits else "none of the listed GPUs"))
+                         f"per rank, peak in {chosen.peak_phase}; on the device up to "
+                         f"{max(b.total for b in totals.values()) / GB:.2f} GB; fits "
+                         + (", ".join(fits) if fits else "none of the listed GPUs"))
 
 
 def calculator(**defaults):

@@ -22,7 +22,7 @@ def test_render_draws_the_planners_figures():
     assert plan == trace.shard(2, 4)
     top = max(r.get_y() + r.get_height() for r in fig.axes[0].patches)
     assert abs(top - max(trace.shard(s, 4).peak_bytes for s in range(4)) / 1e9) < 1e-9
-    assert "ZeRO-2 on 4 rank(s)" in line and "fits 24 GB" in line
+    assert "ZeRO-2 on 4 rank(s)" in line and "fits L4, A100-80GB, H200" in line
 
 
 def test_moving_a_control_changes_the_plot():

@@ -1,0 +1,236 @@
+"""mgpu-plan against a real GPU: planned vs measured allocated peak and device total, rule of thumb beside.
+
+    PYTHONPATH=. python3 bench/plan_gpu.py                  # on an idle GPU; every row printed
+    PYTHONPATH=. python3 bench/plan_gpu.py --expandable     # the same rows under expandable_segments:True
+    PYTHONPATH=. python3 bench/plan_gpu.py --only conv      # rows whose name contains "conv"
+
+Families: a Llama-shaped decoder (168M; bench/planner_gpu.py's), the same with its embedding frozen, a
+Hugging Face Llama config (GQA; tied embeddings) when transformers is installed, and a ResNet-style conv
+net with BatchNorm at batch 64 x 224^2; precisions fp32 / bf16 autocast / pure bf16, checkpointing, 4
+micro-batches. The plan is ``mgpu_helpers.tools.plan_cli.run`` -- the command's own code, one GPU, ZeRO-0.
+
+Each row is measured in a fresh child process (nothing of an earlier row left in the allocator): batch on
+the device, model built, one warm-up step (optimizer state, cuBLAS workspace), peak stats reset, one step
+measured. *allocated*: ``torch.cuda.max_memory_allocated()`` over the measured step, against the plan's
+allocated line (tensors + batch + cuBLAS + cuDNN workspaces); goal within 2%. *device*: what the process
+uses on the device after the step (``mem_get_info`` used, minus what was used before the child started:
+the GPU must be otherwise idle), against the plan's device total; goal within 5%. Also printed: the
+measured workspace beyond tensors and the allocator's reserve as a fraction -- what to set in
+``mgpu_helpers/device_budget.py`` if a line is off -- the 16 bytes/parameter rule, and accelerate's
+"training with Adam" estimate where accelerate is installed.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from mgpu_helpers import device_budget as db  # noqa: E402
+from mgpu_helpers.tools.plan_cli import parse_args, run  # noqa: E402
+from mgpu_helpers.tools.plan_sources import make_batch, output_loss, resolve  # noqa: E402
+from mgpu_helpers.planner_models import Decoder  # noqa: E402
+from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, train_step  # noqa: E402
+
+LLAMA_HF = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
+            "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "tie_word_embeddings": True, "torch_dtype": "float32"}
+
+
+# --- the models (module:function sources for mgpu-plan) --------------------------------------------
+
+def decoder():
+    return Decoder(32000, 1024, 8, 16, 2816)
+
+
+def frozen_decoder():
+    m = decoder()
+    m.embed.weight.requires_grad_(False)
+    return m
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, c_in, width, stride):
+        super().__init__()
+        c_out = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+        self.skip = (nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+                     if stride != 1 or c_in != c_out else nn.Identity())
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    """ResNet-50's layout (3, 4, 6, 3 bottlenecks; 25.6M parameters)."""
+
+    def __init__(self, classes=1000):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(3, 2, 1))
+        blocks, c = [], 64
+        for width, n, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for i in range(n):
+                blocks.append(Bottleneck(c, width, stride if i == 0 else 1))
+                c = 4 * width
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet():
+    return ResNet()
+
+
+TOKENS = ["--batch", "4", "--seq", "512"]
+IMAGES = ["--batch", "64", "--input-shape", "3,224,224"]
+ROWS = {  # name: (model, batch args, precision, checkpointing, micro-batches)
+    "decoder fp32": ("plan_gpu:decoder", TOKENS, "fp32", "off", 1),
+    "decoder bf16 autocast": ("plan_gpu:decoder", TOKENS, "bf16-autocast", "off", 1),
+    "decoder bf16 autocast + ckpt": ("plan_gpu:decoder", TOKENS, "bf16-autocast", "on", 1),
+    "decoder bf16 autocast, 4 micro": ("plan_gpu:decoder", TOKENS, "bf16-autocast", "off", 4),
+    "decoder pure bf16": ("plan_gpu:decoder", TOKENS, "bf16", "off", 1),
+    "frozen-embedding decoder bf16 autocast": ("plan_gpu:frozen_decoder", TOKENS, "bf16-autocast", "off", 1),
+    "hf llama (GQA, tied) fp32": ("HF", TOKENS, "fp32", "off", 1),
+    "hf llama (GQA, tied) bf16 autocast + ckpt": ("HF", TOKENS, "bf16-autocast", "on", 1),
+    "conv net fp32": ("plan_gpu:resnet", IMAGES, "fp32", "off", 1),
+    "conv net bf16 autocast": ("plan_gpu:resnet", IMAGES, "bf16-autocast", "off", 1),
+    "conv net bf16 autocast + ckpt": ("plan_gpu:resnet", IMAGES, "bf16-autocast", "on", 1),
+    "conv net fp32, 4 micro": ("plan_gpu:resnet", IMAGES, "fp32", "off", 4),
+}
+
+
+def cli_args(name, hf_dir):
+    model, batch, prec, ck, k = ROWS[name]
+    return [hf_dir if model == "HF" else model, *batch, "--precision", prec, "--checkpointing", ck,
+            "--micro-batches", str(k), "--zero", "0", "--gpus", "1", "--gpu-memory", "1TB"]
+
+
+def measure(argv):
+    """The child: the planned step for real on this GPU. Prints one JSON line."""
+    a = parse_args(argv)
+    source = resolve(a.model)
+    dev = torch.device(os.environ.get("PLAN_GPU_DEVICE", "cuda"))  # "cpu": a dry run of this code path
+    cuda = dev.type == "cuda"
+    torch.manual_seed(0)
+    batch = tuple(torch.zeros(t.shape, dtype=t.dtype, device=dev) for t in make_batch(
+        source, a.batch, a.seq, a.input_shape, a.input_dtype))
+    with dev:
+        model = source.model_fn()
+    prec, k = a.precision, int(a.micro_batches)
+    if prec == "bf16":
+        model = model.to(torch.bfloat16)
+        batch = tuple(t.bfloat16() if t.is_floating_point() else t for t in batch)
+    if a.checkpointing == "on":
+        apply_checkpointing(model)
+    opt = make_optimizer(model, a.optimizer)
+    train_step(model, opt, batch, output_loss, precision=prec, micro_batches=k)  # warm-up
+    if not cuda:
+        return print(json.dumps(dict(dry_run=str(dev))))
+    torch.cuda.synchronize()
+    owned = {t.untyped_storage().data_ptr(): -(-t.untyped_storage().nbytes() // 512) * 512 for t in
+             [*model.parameters(), *model.buffers(), *batch, *(v for s in opt.state.values() for v in s.values())]
+             if t.is_cuda}
+    extra = torch.cuda.memory_allocated() - sum(owned.values())  # cuBLAS workspace & co.: no tensor owns it
+    torch.cuda.reset_peak_memory_stats()
+    train_step(model, opt, batch, output_loss, precision=prec, micro_batches=k)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    print(json.dumps(dict(allocated=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved(),
+                          extra=extra, used=total - free)))
+
+
+def accelerate_estimate(model_spec, argv):
+    """accelerate's "Training using Adam" figure for the model, if accelerate is installed (else None)."""
+    try:
+        from accelerate.utils import calculate_maximum_sizes
+    except ImportError:
+        return None
+    try:
+        with torch.device("meta"):
+            model = resolve(parse_args(argv).model).model_fn()
+        total, _ = calculate_maximum_sizes(model)
+    except Exception as e:  # an accelerate whose API moved: say so in the row, do not stop the bench
+        return f"err:{type(e).__name__}"
+    return 4 * total  # estimate-memory: weights x 4 for Adam training (model, gradients, two moments)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--expandable", action="store_true")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--child", nargs=argparse.REMAINDER)
+    args = ap.parse_args()
+    if args.child:
+        return measure(args.child)
+    if not torch.cuda.is_available():
+        print("plan_gpu.py needs a CUDA GPU (it compares plans with the allocator); nothing run")
+        return
+    import tempfile
+    hf_dir = tempfile.mkdtemp()
+    Path(hf_dir, "config.json").write_text(json.dumps(LLAMA_HF))
+    try:
+        import transformers  # noqa: F401
+        have_hf = True
+    except ImportError:
+        have_hf = False
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]))
+    if args.expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    alloc = "expandable" if args.expandable else "default"
+    print(torch.cuda.get_device_name(), f"{torch.cuda.mem_get_info()[1]:,} B", "torch", torch.__version__,
+          "allocator", alloc)
+    hdr = (f"{'row':<42} {'params':>11} | {'alloc plan':>13} {'alloc real':>13} {'err':>7} | {'device plan':>13} "
+           f"{'device real':>13} {'err':>7} | {'16 B/param':>13} {'accelerate':>13} | {'ws real':>9} {'reserve':>7}")
+    print(hdr)
+    worst = [0.0, 0.0]
+    for name in ROWS:
+        if args.only not in name or (ROWS[name][0] == "HF" and not have_hf):
+            continue
+        argv = cli_args(name, hf_dir) + ["--allocator", alloc]
+        r = run(parse_args(argv))
+        p = r["plans"][0]
+        lines = {ln["name"]: ln["bytes"] for ln in p["lines"]}
+        free, total = torch.cuda.mem_get_info()
+        before = total - free  # this parent's context and anything else on the GPU
+        child = subprocess.run([sys.executable, __file__, "--child", *argv], env=env, capture_output=True, text=True)
+        if child.returncode:
+            print(f"{name:<42} child failed: {child.stderr.strip().splitlines()[-1]}")
+            continue
+        m = json.loads(child.stdout.strip().splitlines()[-1])
+        used = m["used"] - before
+        e_alloc = (p["allocated"] - m["allocated"]) / m["allocated"]
+        e_dev = (p["device_total"] - used) / used
+        worst = [max(worst[0], abs(e_alloc)), max(worst[1], abs(e_dev))]
+        acc = accelerate_estimate(ROWS[name][0], argv)
+        acc_s = acc if isinstance(acc, str) else "-" if acc is None else f"{acc:,}"
+        ws = m["allocated"] - (p["tensor_peak"] + lines.get("batch", 0))  # measured beyond the planned tensors
+        print(f"{name:<42} {r['model']['parameters']:>11,} | {p['allocated']:>13,} {m['allocated']:>13,} "
+              f"{100 * e_alloc:>+6.2f}% | {p['device_total']:>13,} {used:>13,} {100 * e_dev:>+6.2f}% | "
+              f"{16 * r['model']['parameters']:>13,} {acc_s:>13} | "
+              f"{db.fmt_bytes(ws):>9} {100 * (m['reserved'] - m['allocated']) / m['allocated']:>+6.1f}%", flush=True)
+        print(f"{'':<42} planned lines: " + ", ".join(f"{k} {db.fmt_bytes(v)}" for k, v in lines.items())
+              + f"; measured: workspace after warm-up {db.fmt_bytes(m['extra'])}, "
+              f"context + reserve {db.fmt_bytes(used - m['allocated'])}")
+    print(f"worst |error|: allocated {100 * worst[0]:.2f}% (goal 2%), device total {100 * worst[1]:.2f}% (goal 5%)")
+    print("ws real: allocated peak beyond planned tensors + batch (cuBLAS + cuDNN + kernel scratch); reserve: "
+          "max reserved over max allocated. 16 B/param: the rule of thumb; accelerate: weights x 4 "
+          "(estimate-memory's 'Training using Adam'), '-' where accelerate is not installed.")
+
+
+if __name__ == "__main__":
+    main()

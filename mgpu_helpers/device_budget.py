@@ -1,0 +1,151 @@
+"""What a GPU must hold beyond a training step's tensors -- the lines between "planned peak" and "fits".
+
+The planner (``planner.plan``) gives the peak of the bytes that *tensors* hold. A device that runs the step
+also holds, per process (rank):
+
+  * **kernel workspaces** -- allocated through PyTorch's caching allocator, so inside
+    ``max_memory_allocated``, but owned by no tensor, so invisible to a fake-tensor trace: cuBLAS's
+    workspace (torch's default per handle and stream: 32 MiB on Hopper, 8.125 MiB before it -- torch's
+    ``CUBLAS_WORKSPACE_CONFIG`` defaults) and cuDNN's convolution workspaces (one convolution runs at a
+    time, so the largest counts);
+  * **the caching allocator's reserve** above the allocated peak (whole segments, blocks split and not
+    merged back: fragmentation). ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` maps memory into one
+    growing segment per stream, so freed blocks coalesce and the reserve shrinks to page rounding;
+  * **the CUDA context** (driver state, kernels of torch, cuBLAS and cuDNN loaded), used before any tensor;
+  * **NCCL's buffers** when the process group spans N > 1 GPUs (channels' buffers per peer).
+
+Each line says where its figure comes from (:data:`SOURCES`). Figures measured on the H200 of this course
+(torch 2.11.0+cu130, driver 580.159.04; FACTS.md, last section, and README's notebook 02 row);
+``bench/plan_gpu.py`` re-measures every line on a GPU and prints what to set here. Where a figure is a
+range, the upper end is used: an under-estimate is the dangerous direction (the plan says "fits", the run
+dies). :data:`GPUS` holds real capacities in bytes (what ``nvidia-smi`` and ``torch.cuda.mem_get_info``
+report as total), and :func:`parse_memory` reads sizes with units required: ``80GB`` is 80e9 bytes,
+``80GiB`` is 80 * 2**30.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+MiB, GiB, GB = 2**20, 2**30, 10**9
+
+# name: (total bytes, architecture, where the figure comes from). "MiB" figures are nvidia-smi's
+# "memory total" (= torch.cuda.mem_get_info()[1]); vendors sell the same cards in decimal GB.
+GPUS = {
+    "H200": (143771 * MiB, "hopper", "measured here: NVIDIA H200, driver 580.159.04 (README, Verified on)"),
+    "H100-80GB": (81559 * MiB, "hopper", "nvidia-smi of H100 80GB HBM3 and H100 PCIe: 81559MiB"),
+    "A100-80GB": (81920 * MiB, "ampere", "nvidia-smi of A100 80GB: 81920MiB (issue 19)"),
+    "A100-40GB": (40960 * MiB, "ampere", "nvidia-smi of A100-SXM4-40GB and A100-PCIE-40GB: 40960MiB"),
+    "L4": (23034 * MiB, "ada", "nvidia-smi of NVIDIA L4: 23034MiB"),
+    "RTX-4090": (24564 * MiB, "ada", "nvidia-smi of GeForce RTX 4090: 24564MiB"),
+    "A10": (24564 * MiB, "ampere", "nvidia-smi of NVIDIA A10: 24564MiB"),
+}
+
+# --- calibrated figures (the H200 of this course unless said otherwise) -------------------------------
+CONTEXT_BYTES = int(0.80 * GiB)      # CUDA context + cuBLAS/cuDNN loaded, before any tensor
+NCCL_BYTES = 558 * MiB               # one NCCL process group's buffers, unseen by torch's counters
+CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}
+# cuDNN convolution workspace as a fraction of the largest convolution's largest activation (input or
+# output, in its compute dtype). FACTS.md: ~112 MB (fp32) / ~62 MB (bf16) at batch 64 x 224^2, where a
+# ResNet stem's output is 64x64x112x112 (205.5 MB fp32, 102.8 MB bf16): 0.55 and 0.60 -> 0.60.
+CONV_WORKSPACE_FRACTION = 0.60
+# Caching allocator's reserve above the allocated peak, as a fraction of it (FACTS.md: transformer steps
+# +2% to +27%, a conv net +14% to +48%; the upper ends). With expandable segments: not yet measured here,
+# assumed 2 MiB page rounding per segment plus 2% (bench/plan_gpu.py --expandable measures it).
+RESERVE_FRACTION = {("default", "transformer"): 0.27, ("default", "conv"): 0.48,
+                    ("expandable", "transformer"): 0.02, ("expandable", "conv"): 0.02}
+EXPANDABLE_PAGE = 2 * MiB
+
+SOURCES = {
+    "allocated by tensors": "the planner's fake-tensor trace of one steady-state step (planner.plan)",
+    "batch": "inputs and targets on the device: their shapes x dtypes",
+    "cuBLAS workspace": "torch's default CUBLAS_WORKSPACE_CONFIG per handle: 32 MiB on Hopper, 8.125 MiB before",
+    "cuDNN conv workspace": f"{CONV_WORKSPACE_FRACTION:.2f} x the largest convolution activation "
+                            "(FACTS.md: H200, batch 64x224^2, ~112 MB fp32 / ~62 MB bf16)",
+    "allocator reserve": "caching allocator above the allocated peak (FACTS.md, H200: transformers +2..27%, "
+                         "conv nets +14..48%; upper end)",
+    "allocator reserve (expandable)": "expandable_segments: 2 MiB pages + 2% (assumed; not yet measured)",
+    "CUDA context": "used before any tensor: 0.80 GiB (FACTS.md, H200, torch 2.11+cu130)",
+    "NCCL buffers": "one NCCL process group, N > 1: 558 MiB (README notebook 02 row, H200, NCCL 2.28.9)",
+}
+
+
+def parse_memory(text: str) -> int:
+    """``"80GB"`` -> 80_000_000_000, ``"79.5 GiB"`` -> bytes, also B, KB/KiB, MB/MiB, TB/TiB. A unit is required:
+    GPU memory is sold in GB (1e9) and reported by tools in MiB/GiB (2**20, 2**30); a bare number is
+    ambiguous by 7%."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*((?:[KMGT]i?)?B)\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"memory size {text!r} needs a unit: e.g. 80GB (decimal, 1e9 bytes) or 80GiB (2**30)")
+    value, unit = float(m.group(1)), m.group(2)
+    power = "BKMGT".index(unit[0].upper())
+    base = 1024 if "i" in unit.lower() else 1000
+    return int(round(value * base**power))
+
+
+def gpu(name: str) -> tuple[int, str, str]:
+    """(bytes, architecture, source) of a GPU in :data:`GPUS`; case and separators are forgiven."""
+    key = {re.sub(r"[^a-z0-9]", "", k.lower()): k for k in GPUS}.get(re.sub(r"[^a-z0-9]", "", name.lower()))
+    if key is None:
+        raise ValueError(f"unknown GPU {name!r}: use one of {', '.join(GPUS)} or --gpu-memory with a unit")
+    return GPUS[key]
+
+
+@dataclass
+class DeviceBudget:
+    """A plan's per-rank device total, line by line. ``lines``: [(name, bytes, source)]."""
+    lines: list = field(default_factory=list)
+
+    @property
+    def allocated(self) -> int:
+        """What ``torch.cuda.max_memory_allocated`` should show: tensors + batch + kernel workspaces."""
+        return sum(b for n, b, _ in self.lines if n in _ALLOCATED)
+
+    @property
+    def total(self) -> int:
+        """What the process uses on the device (``mem_get_info`` before vs after, or NVML)."""
+        return sum(b for _, b, _ in self.lines)
+
+    def fits(self, capacity: int) -> bool:
+        return self.total <= capacity
+
+
+_ALLOCATED = ("allocated by tensors", "batch", "cuBLAS workspace", "cuDNN conv workspace")
+
+
+def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch: str = "hopper",
+           conv_activation_bytes: int = 0, allocator: str = "default") -> DeviceBudget:
+    """The device total of one rank whose tensors peak at ``tensor_peak`` bytes (a planner figure).
+
+    ``conv_activation_bytes``: the largest activation (input or output) of any convolution in its compute
+    dtype, 0 for a model without convolutions -- it also selects the conv nets' allocator reserve.
+    ``allocator``: "default" or "expandable" (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)."""
+    if allocator not in ("default", "expandable"):
+        raise ValueError(f"allocator must be 'default' or 'expandable', got {allocator!r}")
+    lines = [("allocated by tensors", int(tensor_peak), SOURCES["allocated by tensors"])]
+    if batch_bytes:
+        lines.append(("batch", int(batch_bytes), SOURCES["batch"]))
+    lines.append(("cuBLAS workspace", CUBLAS_WORKSPACE["hopper" if arch == "hopper" else "other"],
+                  SOURCES["cuBLAS workspace"]))
+    if conv_activation_bytes:
+        lines.append(("cuDNN conv workspace", int(CONV_WORKSPACE_FRACTION * conv_activation_bytes),
+                      SOURCES["cuDNN conv workspace"]))
+    allocated = sum(b for _, b, _ in lines)
+    kind = "conv" if conv_activation_bytes else "transformer"
+    reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
+    if allocator == "expandable":
+        reserve += EXPANDABLE_PAGE
+        lines.append(("allocator reserve", reserve, SOURCES["allocator reserve (expandable)"]))
+    else:
+        lines.append(("allocator reserve", reserve, SOURCES["allocator reserve"]))
+    lines.append(("CUDA context", CONTEXT_BYTES, SOURCES["CUDA context"]))
+    if world_size > 1:
+        lines.append(("NCCL buffers", NCCL_BYTES, SOURCES["NCCL buffers"]))
+    return DeviceBudget(lines)
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes as GiB (MiB below 1 GiB, KiB below 1 MiB), the unit torch and nvidia-smi report in."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n / 1024:.1f} KiB"

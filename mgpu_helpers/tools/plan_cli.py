@@ -1,0 +1,240 @@
+"""``mgpu-plan``: does my model fit on N GPUs of this size, and how? The course's planner as a command.
+
+    mgpu-plan 7B --batch 1 --seq 4096 --gpus 8 --gpu H100-80GB
+    mgpu-plan path/to/config.json --batch 4 --seq 2048 --gpus 1,2,4,8 --gpu-memory 80GB --json
+    mgpu-plan mymodels:resnet --input-shape 3,224,224 --batch 64 --gpus 1 --gpu L4 --plot plan.png
+
+For each (precision layout, checkpointing, micro-batches) the step is traced once under fake tensors
+(``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
+(``Trace.shard``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
+peak plus the batch, kernel workspaces, the caching allocator's reserve, the CUDA context and NCCL's
+buffers, each its own line with its source (``mgpu_helpers.device_budget``). The cheapest plan that fits
+follows the course's rule (notebook 11): fewest GPUs, then the lowest ``step_cost``.
+
+Exit status: 0 a plan fits, 1 nothing fits, 2 bad input (one line on stderr; MGPU_PLAN_DEBUG=1 shows the
+traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+from mgpu_helpers import device_budget as db
+from mgpu_helpers.tools.plan_sources import PlanInputError, make_batch, output_loss, resolve
+from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, step_cost, trace_step
+
+SHORT = {"fp32": "fp32", "bf16-autocast": "bf16-amp", "fp16-autocast": "fp16-amp", "bf16": "bf16"}
+
+
+def _ints(text, what):
+    try:
+        vals = sorted({int(v) for v in str(text).split(",")})
+    except ValueError:
+        raise PlanInputError(f"{what} {text!r}: integers separated by commas, e.g. 1,2,4") from None
+    if not vals or vals[0] < 1:
+        raise PlanInputError(f"{what} {text!r}: each value must be >= 1")
+    return vals
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the usage block: bad input reads like every other error
+        self.exit(2, f"mgpu-plan: error: {message} (mgpu-plan --help)\n")
+
+
+def parse_args(argv):
+    ap = _Parser(prog="mgpu-plan", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("model", help="built-in name, Hugging Face config.json or model directory, or module:function")
+    ap.add_argument("--batch", type=int, default=1, help="samples per GPU per step, split into micro-batches (1)")
+    ap.add_argument("--seq", type=int, help="tokens per sample, for models that take tokens (1024)")
+    ap.add_argument("--input-shape", help="shape of one sample for other models, e.g. 3,224,224")
+    ap.add_argument("--input-dtype", default="float32")
+    ap.add_argument("--gpus", default="1", help="GPU count, or several: 1,2,4,8 (1)")
+    cap = ap.add_mutually_exclusive_group()
+    cap.add_argument("--gpu", help=f"one of {', '.join(db.GPUS)}")
+    cap.add_argument("--gpu-memory", help="capacity per GPU with a unit: 80GB (1e9 B) or 80GiB (2**30 B)")
+    ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (0,1,2,3)")
+    ap.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--micro-batches", help="micro-batch counts (default: 1,2,4 that divide --batch)")
+    ap.add_argument("--precision", default="bf16-autocast", help=f"{', '.join(PRECISIONS)}, comma-separated, or all")
+    ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "momentum"))
+    ap.add_argument("--allocator", default="default", choices=("default", "expandable"),
+                    help="expandable = PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ap.add_argument("--plot", metavar="FILE", help="save a bar chart of the device totals")
+    return ap.parse_args(argv)
+
+
+def settings(a):
+    """Validated settings, before anything is traced: bad input fails here, fast."""
+    if a.batch < 1 or (a.seq is not None and a.seq < 1):
+        raise PlanInputError("--batch and --seq must be >= 1")
+    if a.gpu is None and a.gpu_memory is None:
+        raise PlanInputError("give the GPU: --gpu NAME (" + ", ".join(db.GPUS) + ") or --gpu-memory SIZE (80GB, 80GiB)")
+    if a.gpu:
+        capacity, arch, source = db.gpu(a.gpu)
+        gpu_name = a.gpu
+    else:
+        capacity, arch, source = db.parse_memory(a.gpu_memory), "hopper", "--gpu-memory"
+        gpu_name = a.gpu_memory  # unknown architecture: Hopper's larger cuBLAS workspace (the safe side)
+    micro = _ints(a.micro_batches, "--micro-batches") if a.micro_batches else [k for k in (1, 2, 4) if a.batch % k == 0]
+    bad = [k for k in micro if a.batch % k]
+    if bad:
+        raise PlanInputError(f"--micro-batches {bad[0]} does not divide --batch {a.batch}")
+    precisions = list(PRECISIONS) if a.precision == "all" else a.precision.split(",")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise PlanInputError(f"--precision {p!r}: one of {', '.join(PRECISIONS)} or all")
+    try:
+        stages = [int(v) for v in a.zero.split(",")]
+    except ValueError:
+        stages = [-1]
+    if any(v not in ZERO_STAGES for v in stages):
+        raise PlanInputError(f"--zero {a.zero!r}: stages among 0,1,2,3")
+    ckpt = {"both": [False, True], "on": [True], "off": [False]}[a.checkpointing]
+    return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, micro=micro,
+                precisions=precisions, stages=sorted(set(stages)), gpus=_ints(a.gpus, "--gpus"), ckpt=ckpt)
+
+
+def watch_convs(model_fn, seen):
+    """``model_fn`` with forward hooks recording each convolution's largest activation (bytes, in the
+    dtype it ran in): cuDNN's workspace scales with it and no tensor holds it (device_budget)."""
+    def wrapped():
+        model = model_fn()
+        if isinstance(model, nn.Module):
+            for m in model.modules():
+                if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                    m.register_forward_hook(lambda mod, inp, out: seen.append(max(
+                        t.numel() * t.element_size() for t in (*inp, out) if isinstance(t, torch.Tensor))))
+        return model
+    wrapped.__name__ = getattr(model_fn, "__name__", "model_fn")
+    return wrapped
+
+
+def run(a):
+    s = settings(a)
+    source = resolve(a.model)
+    batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
+    batch_bytes = sum(t.numel() * t.element_size() for t in batch)
+    keys = [(p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]
+    from tqdm.auto import tqdm
+    plans, n_params, traced = [], 0, 0
+    for prec, ck, k in tqdm(keys, desc="tracing", unit="trace", file=sys.stderr, disable=None, leave=False):
+        convs = []
+        try:
+            trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
+                               micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512)
+        except PlanInputError:
+            raise
+        except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for
+            if ck and "no nn.ModuleList" in str(e) and a.checkpointing == "both":
+                continue
+            raise PlanInputError(f"{source.name}: {e}") from None
+        except Exception as e:
+            raise PlanInputError(f"tracing {source.name} ({prec}, checkpointing {ck}, {k} micro-batches) failed: "
+                                 f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}") from None
+        n_params, traced = trace.n_params, traced + 1
+        conv = max(convs, default=0)
+        for n in s["gpus"]:
+            for st in (s["stages"] if n > 1 else [0]):
+                p = trace.shard(st, n)
+                b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"],
+                              conv_activation_bytes=conv, allocator=a.allocator)
+                cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
+                plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,
+                                  tensor_peak=p.peak_bytes, peak_phase=p.peak_phase,
+                                  peak_set_by=f"{p.peak_phase}: {cat} {100 * cb / max(p.peak_bytes, 1):.0f}%",
+                                  breakdown=p.breakdown, model_state=p.model_state, allocated=b.allocated,
+                                  device_total=b.total, fits=b.fits(s["capacity"]),
+                                  step_cost=step_cost(world_size=n, zero_stage=st, checkpointing=ck, micro_batches=k),
+                                  lines=[dict(name=nm, bytes=v, source=src) for nm, v, src in b.lines]))
+    plans.sort(key=lambda p: (p["gpus"], p["step_cost"], p["device_total"]))  # the order the rule reads them
+    fitting = [i for i, p in enumerate(plans) if p["fits"]]
+    cheapest = min(fitting, key=lambda i: (plans[i]["gpus"], plans[i]["step_cost"]), default=None)
+    return dict(model=dict(name=source.name, kind=source.kind, parameters=n_params),
+                batch=dict(per_gpu=a.batch, shapes=[list(t.shape) for t in batch], bytes=batch_bytes),
+                gpu=dict(name=s["gpu"], capacity_bytes=s["capacity"], source=s["capacity_source"]),
+                optimizer=a.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
+
+
+def render_text(r):
+    cap = r["gpu"]["capacity_bytes"]
+    G, unit = (db.GiB, "GiB") if max(p["device_total"] for p in r["plans"]) >= 2 * db.GiB else (db.MiB, "MiB")
+    out = [f"model: {r['model']['name']}: {r['model']['parameters']:,} trainable parameters; "
+           f"optimizer {r['optimizer']}",
+           f"batch per GPU: {' + '.join('x'.join(map(str, s)) for s in r['batch']['shapes'])} (inputs + targets)",
+           f"GPU: {r['gpu']['name']}, {cap:,} B = {cap / db.GiB:.2f} GiB = {cap / 1e9:.2f} GB per device "
+           f"({r['gpu']['source']}); allocator {r['allocator']}; {r['traces']} trace(s)", "",
+           f"{'gpus':>4} {'zero':>4} {'precision':<9} {'ckpt':>4} {'micro':>5} | {'tensors ' + unit:>11} "
+           f"{'alloc ' + unit:>9} {'device ' + unit:>10} {'fits':>4} {'cost':>5} | peak set by"]
+    for i, p in enumerate(r["plans"]):
+        mark = " <- cheapest" if i == r["cheapest"] else ""
+        out.append(f"{p['gpus']:>4} {p['zero_stage']:>4} {SHORT.get(p['precision'], p['precision']):<9} "
+                   f"{'on' if p['checkpointing'] else 'off':>4} {p['micro_batches']:>5} | {p['tensor_peak'] / G:>11.2f} "
+                   f"{p['allocated'] / G:>9.2f} {p['device_total'] / G:>10.2f} {'yes' if p['fits'] else 'no':>4} "
+                   f"{p['step_cost']:>5.2f} | {p['peak_set_by']}{mark}")
+    out.append("")
+    if r["cheapest"] is None:
+        best = min(r["plans"], key=lambda p: p["device_total"])
+        out.append(f"nothing fits {db.fmt_bytes(cap)} per GPU; the smallest plan needs {db.fmt_bytes(best['device_total'])} "
+                   f"({best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, checkpointing "
+                   f"{'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es)):")
+    else:
+        best = r["plans"][r["cheapest"]]
+        out.append(f"cheapest plan that fits: {best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, "
+                   f"checkpointing {'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es) "
+                   f"(fewest GPUs, then the lowest step cost). Per GPU:")
+    for ln in best["lines"]:
+        out.append(f"  {ln['name']:<22} {db.fmt_bytes(ln['bytes']):>11}   {ln['source']}")
+    out.append(f"  {'device total':<22} {db.fmt_bytes(best['device_total']):>11}   of {db.fmt_bytes(cap)} "
+               f"({100 * best['device_total'] / cap:.0f}%)")
+    return "\n".join(out)
+
+
+def save_plot(r, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plans, G = r["plans"], db.GiB
+    names = list(dict.fromkeys(ln["name"] for p in plans for ln in p["lines"]))
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(plans) + 2), 4.5))
+    labels = [f"{p['gpus']}g Z{p['zero_stage']}{' ck' if p['checkpointing'] else ''} k{p['micro_batches']}"
+              f"{' ' + SHORT.get(p['precision'], '') if len({q['precision'] for q in plans}) > 1 else ''}" for p in plans]
+    bottom = [0.0] * len(plans)
+    for nm in names:
+        vals = [next((ln["bytes"] for ln in p["lines"] if ln["name"] == nm), 0) / G for p in plans]
+        ax.bar(range(len(plans)), vals, bottom=bottom, label=nm)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(r["gpu"]["capacity_bytes"] / G, color="black", linestyle="--", linewidth=1)
+    ax.text(len(plans) - 0.5, r["gpu"]["capacity_bytes"] / G, f"{r['gpu']['name']}", ha="right", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(plans)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("per GPU (GiB)")
+    ax.set_title(f"{r['model']['name']}: device total per plan", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    try:
+        r = run(a)
+    except (PlanInputError, ValueError) as e:  # ValueError: the planner's and device_budget's own checks
+        if os.environ.get("MGPU_PLAN_DEBUG"):
+            raise
+        print(f"mgpu-plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(r, indent=1) if a.json else render_text(r))
+    if a.plot:
+        save_plot(r, a.plot)
+    return 0 if r["cheapest"] is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

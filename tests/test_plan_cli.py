@@ -1,0 +1,240 @@
+"""mgpu-plan: sources, the device budget, the candidate table, exit statuses, bad input (one line, exit 2)."""
+import json
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from mgpu_helpers import device_budget as db
+from mgpu_helpers.tools.plan_cli import main
+from mgpu_helpers.planner import lm_loss, plan, token_batch, decoder, SIZES
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["tiny", "--batch", "8", "--seq", "64", "--micro-batches", "1", "--checkpointing", "off"]
+
+CONVNET = textwrap.dedent('''
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Conv2d(16, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU())])
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x):
+            x = self.stem(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x.mean((2, 3)))
+
+    def convnet():
+        return Net()
+
+    def broken():
+        raise RuntimeError("weights missing")
+
+    def not_a_module():
+        return 42
+
+    def flat():  # no nn.ModuleList: nothing to checkpoint
+        return nn.Sequential(nn.Flatten(), nn.Linear(12, 4))
+''')
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv):
+    code, out, err = run(capsys, *argv, "--json")
+    assert code in (0, 1), err
+    return code, json.loads(out)
+
+
+@pytest.fixture
+def convmod(tmp_path, monkeypatch):
+    (tmp_path / "plan_convnets.py").write_text(CONVNET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "plan_convnets"
+    sys.modules.pop("plan_convnets", None)
+
+
+# --- device_budget ---------------------------------------------------------------------------------
+
+def test_memory_sizes_need_a_unit_and_gb_is_decimal():
+    assert db.parse_memory("80GB") == 80 * 10**9
+    assert db.parse_memory("80 GiB") == 80 * 2**30
+    assert db.parse_memory("1.5gib") == 3 * 2**29
+    assert db.parse_memory("512MiB") == 2**29
+    for bad in ("80", "80 G", "GB", "-1GB", "eighty GB"):
+        with pytest.raises(ValueError, match="needs a unit"):
+            db.parse_memory(bad)
+
+
+def test_gpu_table_holds_real_capacities_in_bytes():
+    assert db.gpu("H200")[0] == 143771 * 2**20          # as seen on this course's H200
+    assert db.gpu("a100-80gb")[0] == 81920 * 2**20      # "80GB" cards hold 81920 MiB, not 80e9 bytes
+    assert db.gpu("H100 80GB")[0] == 81559 * 2**20
+    assert all(b > 10 * 2**30 and src for b, _, src in db.GPUS.values())
+    with pytest.raises(ValueError, match="unknown GPU 'B300'"):
+        db.gpu("B300")
+
+
+def test_budget_lines_add_up_and_each_names_its_source():
+    one = db.budget(10 * db.GiB, batch_bytes=2**20, world_size=1)
+    eight = db.budget(10 * db.GiB, batch_bytes=2**20, world_size=8, conv_activation_bytes=100 * 2**20)
+    names = [n for n, _, _ in one.lines]
+    assert names == ["allocated by tensors", "batch", "cuBLAS workspace", "allocator reserve", "CUDA context"]
+    assert one.total == sum(b for _, b, _ in one.lines) and all(src for _, _, src in eight.lines)
+    assert one.allocated == 10 * db.GiB + 2**20 + db.CUBLAS_WORKSPACE["hopper"]  # what max_memory_allocated sees
+    assert {"NCCL buffers", "cuDNN conv workspace"} <= {n for n, _, _ in eight.lines}
+    assert dict((n, b) for n, b, _ in eight.lines)["cuDNN conv workspace"] == int(0.6 * 100 * 2**20)
+    assert db.budget(10 * db.GiB, allocator="expandable").total < db.budget(10 * db.GiB).total
+    assert db.budget(1, arch="ampere").allocated == 1 + 8_519_680
+    assert one.fits(one.total) and not one.fits(one.total - 1)
+    with pytest.raises(ValueError, match="allocator"):
+        db.budget(1, allocator="cudaMallocAsync")
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+def test_built_in_model_plans_equal_the_planner_and_fits_means_device_total(capsys):
+    code, r = run_json(capsys, *TINY, "--gpus", "1,2", "--gpu", "L4")
+    assert code == 0 and r["traces"] == 1 and len(r["plans"]) == 1 + 4  # world 1: stage 0 only
+    batch = token_batch(8, 64, SIZES["tiny"][0])
+    for p in r["plans"]:
+        want = plan(decoder("tiny"), batch, loss_fn=lm_loss, precision="bf16-autocast", zero_stage=p["zero_stage"],
+                    world_size=p["gpus"], round_to=512)
+        assert p["tensor_peak"] == want.peak_bytes and p["peak_phase"] == want.peak_phase
+        assert p["device_total"] == sum(ln["bytes"] for ln in p["lines"])
+        assert ("NCCL buffers" in [ln["name"] for ln in p["lines"]]) == (p["gpus"] > 1)
+        assert p["fits"] == (p["device_total"] <= db.gpu("L4")[0])
+    assert r["model"]["parameters"] == sum(p.numel() for p in decoder("tiny")().parameters())
+    assert r["plans"][r["cheapest"]]["gpus"] == 1
+
+
+def test_capacity_between_the_tensor_peak_and_the_device_total_does_not_fit(capsys):
+    _, r = run_json(capsys, *TINY, "--gpu", "H200")
+    p = r["plans"][0]
+    code, r2 = run_json(capsys, *TINY, "--gpu-memory", f"{p['device_total']}B")
+    assert code == 0 and r2["plans"][0]["fits"]                       # exactly the device total: fits
+    code, r3 = run_json(capsys, *TINY, "--gpu-memory", f"{p['device_total'] - 1}B")
+    assert code == 1 and r3["cheapest"] is None                        # a byte less: the allocated peak alone would fit
+    assert p["allocated"] < p["device_total"] - 1
+
+
+def test_cheapest_is_fewest_gpus_then_lowest_step_cost(capsys):
+    _, r = run_json(capsys, "tiny", "--batch", "8", "--seq", "64", "--gpus", "1,2", "--gpu", "H200")
+    fit = [p for p in r["plans"] if p["fits"]]
+    best = r["plans"][r["cheapest"]]
+    assert (best["gpus"], best["step_cost"]) == min((p["gpus"], p["step_cost"]) for p in fit)
+    assert r["traces"] == 2 * 3  # checkpointing off/on x micro-batches 1, 2, 4: sharding never re-traces
+
+
+def test_text_table_and_plot(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    code, out, err = run(capsys, *TINY, "--gpus", "2", "--gpu-memory", "16GB", "--plot", str(png))
+    assert code == 0 and not err
+    assert "cheapest plan that fits: 2 GPU(s)" in out and "NCCL buffers" in out and "CUDA context" in out
+    assert "16,000,000,000 B = 14.90 GiB = 16.00 GB" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nothing_fits_exits_1_and_names_the_smallest_plan(capsys):
+    code, out, _ = run(capsys, *TINY, "--gpu-memory", "100MB")
+    assert code == 1 and "nothing fits 95.4 MiB per GPU; the smallest plan needs" in out
+
+
+def test_conv_net_from_module_function_gets_a_cudnn_workspace_line(capsys, convmod):
+    code, r = run_json(capsys, f"{convmod}:convnet", "--input-shape", "3,32,32", "--batch", "4",
+                       "--precision", "fp32", "--micro-batches", "1", "--gpu", "L4")
+    lines = {ln["name"]: ln["bytes"] for ln in r["plans"][0]["lines"]}
+    largest = 4 * 16 * 16 * 16 * 4  # the stem's fp32 output (4x16x16x16) is larger than its 4x3x32x32 input
+    assert lines["cuDNN conv workspace"] == int(db.CONV_WORKSPACE_FRACTION * largest)
+    assert lines["cuBLAS workspace"] == db.CUBLAS_WORKSPACE["other"]  # an L4 is not Hopper
+    assert r["batch"]["shapes"] == [[4, 3, 32, 32], [4]]
+
+
+def test_a_model_without_blocks_is_planned_without_checkpointing(capsys, convmod):
+    code, r = run_json(capsys, f"{convmod}:flat", "--input-shape", "3,2,2", "--micro-batches", "1", "--gpu", "L4")
+    assert code == 0 and r["traces"] == 1 and [p["checkpointing"] for p in r["plans"]] == [False]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nosuch", "--gpu", "L4"], "unknown model 'nosuch': give a built-in name (tiny"),
+    (["tiny", "--gpu-memory", "80"], "memory size '80' needs a unit"),
+    (["tiny", "--batch", "6", "--micro-batches", "4", "--gpu", "L4"], "--micro-batches 4 does not divide --batch 6"),
+    (["tiny", "--gpu", "X100"], "unknown GPU 'X100'"),
+    (["tiny"], "give the GPU: --gpu NAME"),
+    (["tiny", "--precision", "fp8", "--gpu", "L4"], "--precision 'fp8'"),
+    (["tiny", "--zero", "4", "--gpu", "L4"], "--zero '4'"),
+    (["missing/config.json", "--gpu", "L4"], "missing/config.json: no such file or directory"),
+    (["{m}:broken", "--input-shape", "3,8,8", "--gpu", "L4"], "{m}:broken raised RuntimeError: weights missing"),
+    (["{m}:not_a_module", "--input-shape", "3,8,8", "--gpu", "L4"], "returned int; it must return an nn.Module"),
+    (["{m}:nope", "--gpu", "L4"], "has no function 'nope'"),
+    (["{m}:flat", "--input-shape", "12", "--checkpointing", "on", "--gpu", "L4"], "no nn.ModuleList of blocks"),
+    (["{m}:convnet", "--gpu", "L4"], "give the input shape of one sample"),
+    (["{m}:convnet", "--input-shape", "3,32", "--gpu", "L4"], "failed: RuntimeError"),
+])
+def test_bad_input_is_one_line_on_stderr_and_exit_2(capsys, convmod, argv, message):
+    code, out, err = run(capsys, *[a.format(m=convmod) for a in argv])
+    assert code == 2 and not out
+    assert err.count("\n") == 1 and err.startswith("mgpu-plan: error: ") and "Traceback" not in err
+    assert message.format(m=convmod) in err
+
+
+def test_a_malformed_option_is_one_line_too(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tiny", "--batch", "four", "--gpu", "L4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--batch: invalid int value: 'four'" in err
+
+
+def test_transformers_missing_names_the_extra(capsys, tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    code, _, err = run(capsys, str(tmp_path), "--gpu", "L4")
+    assert code == 2 and 'pip install "mgpu-helpers[hf]"' in err
+
+
+# --- Hugging Face configs (transformers is in the dev extra; skipped cleanly without it) ----------------
+
+LLAMA = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 172,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "bfloat16",
+         "tie_word_embeddings": False}
+
+
+def test_hugging_face_config_plans_the_real_model(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    code, r = run_json(capsys, str(tmp_path), "--batch", "2", "--seq", "32", "--precision", "fp32",
+                       "--micro-batches", "1", "--gpu", "L4")
+    real = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**LLAMA),
+                                                         dtype=torch.float32)
+    n = sum(p.numel() for p in real.parameters())
+    assert code == 0 and r["model"]["parameters"] == n and r["model"]["kind"] == "hugging face"
+    # fp32 Adam: parameters, gradients and two moments are alive at the step's peak at least
+    assert r["plans"][0]["tensor_peak"] >= 16 * n
+    assert {p["checkpointing"] for p in r["plans"]} == {False, True}  # the decoder layers are checkpointable
+
+
+def test_config_transformers_cannot_build_is_one_line(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    code, _, err = run(capsys, str(tmp_path / "config.json"), "--gpu", "L4")
+    assert code == 2 and "cannot read this config" in err and err.count("\n") == 1
+    (tmp_path / "config.json").write_text("{not json")
+    code, _, err = run(capsys, str(tmp_path), "--gpu", "L4")
+    assert code == 2 and "not a readable JSON config" in err
+
+
+def test_console_script_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["mgpu-plan"] == "mgpu_helpers.tools.plan_cli:main"
+    assert any(d.startswith("transformers") for d in project["optional-dependencies"]["hf"])
