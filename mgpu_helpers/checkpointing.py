@@ -119,8 +119,9 @@ class OpLog(TorchDispatchMode):
 
 # --- selective checkpointing: save what is expensive to recompute ----------------------------------------
 
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.linear.default}
+# aten ops as the policy sees them: nn.Linear reaches it as addmm (or mm without a bias), never as
+# aten.linear, which decomposes before dispatch (``policy_ops`` shows what a block sends it).
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
 def save_matmuls(ctx, op, *args, **kwargs):
@@ -129,6 +130,35 @@ def save_matmuls(ctx, op, *args, **kwargs):
 
 
 selective_context = functools.partial(create_selective_checkpoint_contexts, save_matmuls)
+
+
+def policy_ops(block, x) -> list[str]:
+    """The ops a selective-checkpointing policy is asked about in ``block``'s forward, in order."""
+    seen: list[str] = []
+
+    def recording(ctx, op, *args, **kwargs):
+        if not ctx.is_recompute:
+            seen.append(op.__name__)
+        return save_matmuls(ctx, op, *args, **kwargs)
+
+    checkpoint(block, x, use_reentrant=False,
+               context_fn=functools.partial(create_selective_checkpoint_contexts, recording))
+    return seen
+
+
+def recomputed_ops(model: Stack, x, y, forward, k=None) -> dict[str, int]:
+    """Forward ops run again during backward (their counts, from the op log): what checkpointing pays in
+    compute, deterministic where wall times are not. Gradient ops never include addmm, layer_norm, gelu
+    or relu, so those counted in backward are recomputations."""
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model.head(forward(model.blocks, x, k)), y)
+    with OpLog() as log:
+        loss.backward()
+    counts: dict[str, int] = {}
+    for op in log.ops:
+        if op in ("addmm", "relu", "gelu", "native_layer_norm"):
+            counts[op] = counts.get(op, 0) + 1
+    return counts
 
 
 # --- prediction: the exact peak of one forward + backward of Stack ----------------------------------------
@@ -191,14 +221,16 @@ def time_step(model: Stack, x, y, forward, k=None, repeat=3) -> float:
 
 
 def sweep(layers=16, d=32, h=64, classes=8, batch=1024, ks=None, forward=None, repeat=3, progress=None):
-    """Peak (measured and predicted) and step time for no checkpointing and every k; ``forward`` (the
-    learner's function, same signature as :func:`checkpoint_every`) replaces the reference."""
+    """Peak (measured and predicted), matmuls recomputed in backward (op log) and step time for no
+    checkpointing and every k; ``forward`` (the learner's function, same signature as
+    :func:`checkpoint_every`) replaces the reference."""
     model, (x, y) = Stack(layers, d, h, classes), make_data(batch, d, classes)
     rows = {}
     for k in [None] + list(ks or range(1, layers + 1)):
         fwd = no_checkpointing if k is None else (forward or checkpoint_every)
         rows[k] = {"peak": measure_step(model, x, y, fwd, k)[0],
                    "predicted": predict_peak(plan_for(layers, k), d, h, classes, batch),
+                   "recomputed": recomputed_ops(model, x, y, fwd, k).get("addmm", 0),
                    "seconds": time_step(model, x, y, fwd, k, repeat)}
         if progress is not None:
             progress.update(1)
@@ -214,13 +246,15 @@ def selective_vs_full(layers=8, d=128, h=512, classes=8, batch=512, repeat=3):
     out = {}
     for name, (fwd, k) in variants.items():
         peak, grads = measure_step(model, x, y, fwd, k)
-        out[name] = {"peak": peak, "grads": grads, "seconds": time_step(model, x, y, fwd, k, repeat)}
+        out[name] = {"peak": peak, "grads": grads, "recomputed": recomputed_ops(model, x, y, fwd, k),
+                     "seconds": time_step(model, x, y, fwd, k, repeat)}
     return out
 
 
-def plot_sweep(rows, layers, ax_mem=None, passed=None):
-    """Peak memory (measured, predicted) and step time against k, no checkpointing as a line, the
-    measured optimum and sqrt(L) marked."""
+def plot_sweep(rows, layers, ax_mem=None, passed=None, optimum=None):
+    """Peak memory (measured, predicted) and step time against k, no checkpointing as a line; on the
+    memory panel the measured optimum, sqrt(L) and ``optimum`` (sqrt(L·s/a), the formula's) marked; on the
+    time panel what the op counts predict if matmuls were all the time."""
     import matplotlib.pyplot as plt
 
     ks = [k for k in rows if k is not None]
@@ -231,8 +265,10 @@ def plot_sweep(rows, layers, ax_mem=None, passed=None):
     am.axhline(rows[None]["peak"] / MiB, color="gray", ls="--", label="no checkpointing")
     best = min(ks, key=lambda k: rows[k]["peak"])
     am.plot([best], [rows[best]["peak"] / MiB], "*", ms=16, color="C3", label=f"measured optimum k={best}")
+    am.axvline(layers ** 0.5, color="C2", ls=":", label=f"√L = {layers ** 0.5:.2f}")
+    if optimum is not None:
+        am.axvline(optimum, color="C3", ls="--", lw=0.8, label=f"√(L·s/a) = {optimum:.2f}")
     for ax in (am, at):
-        ax.axvline(layers ** 0.5, color="C2", ls=":", label=f"√L = {layers ** 0.5:.1f}")
         ax.set_xlabel("k (blocks per checkpointed segment)")
         ax.set_xticks(ks)
         ax.grid(alpha=0.3)
@@ -240,11 +276,19 @@ def plot_sweep(rows, layers, ax_mem=None, passed=None):
            title="Peak of one forward + backward" + ("" if passed is None else f" (your 7.1: {passed})"))
     at.plot(ks, [1e3 * rows[k]["seconds"] for k in ks], "o-", color="C1", label="checkpointed")
     at.axhline(1e3 * rows[None]["seconds"], color="gray", ls="--", label="no checkpointing")
+    at.plot(ks, [1e3 * rows[None]["seconds"] * op_count_ratio(rows[k]["recomputed"], layers) for k in ks], "x:",
+            color="k", label="from the op counts (matmuls only)")
     at.set(ylabel="step time (ms, best of 3)", ylim=(0, None), title="Time of one forward + backward")
     am.legend(fontsize=8)
     at.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def op_count_ratio(recomputed: int, layers: int) -> float:
+    """Step time relative to no checkpointing if the blocks' matmuls were all the time: forward runs 2L
+    of them, backward twice as many (input and weight gradients), and checkpointing adds ``recomputed``."""
+    return (6 * layers + recomputed) / (6 * layers)
 
 
 # --- exercise 7.1 --------------------------------------------------------------------------------------
@@ -273,6 +317,27 @@ def _mistake_plans(L, k):
     return plans
 
 
+def _ptr(args) -> int:
+    return args[0].untyped_storage().data_ptr() if args and isinstance(args[0], torch.Tensor) else -1
+
+
+def _stale(recomputed: list) -> str:
+    """Name what the blocks re-run in backward show ([block, got its forward input?] in order), or ""."""
+    blocks = [b for b, _ in recomputed]
+    if len(set(blocks)) < len(blocks):  # a block re-run twice: every recomputation ran the same segment
+        return ("it matches a common mistake: the recomputation ran the wrong blocks (block "
+                f"{max(set(blocks), key=blocks.count)} again and again): the checkpointed function reads loop "
+                "variables (start, the slice of blocks, perhaps x) instead of receiving them as arguments, and by "
+                "backward time they hold the last segment's values. Hint: pass the segment and its input: "
+                "checkpoint(run_segment, blocks[start:start + k], x, use_reentrant=False).")
+    starts = [same for j, (b, same) in enumerate(recomputed) if j == 0 or recomputed[j - 1][0] != b - 1]
+    if not all(starts):
+        return ("it matches a common mistake: the segment's input was not passed to checkpoint as an argument, so "
+                "the function reads the loop's x -- at backward time it holds its final value and the "
+                "recomputation runs on the wrong input. Hint: checkpoint(function, *its inputs, use_reentrant=False).")
+    return ""
+
+
 class CheckpointEvery(Check):
     id, function = "7.1", "checkpoint_segments"
 
@@ -298,17 +363,30 @@ class CheckpointEvery(Check):
             except Exception as e:  # noqa: BLE001 - the judge names what was raised instead
                 return {"raised": type(e).__name__, "message": str(e)}
             return {"raised": None}
+        # Which blocks backward re-runs, and whether each gets the input it had in forward (the same
+        # storage: checkpoint keeps the segment's input): names reading loop variables inside the
+        # checkpointed function. Storage addresses only -- nothing is allocated, the peak is untouched.
+        phase, first_input, recomputed = ["forward"], {}, []
+        def seen(i, args):  # returns None: a pre-hook's return value would replace the block's input
+            if phase[0] == "forward":
+                first_input.setdefault(i, _ptr(args))
+            else:
+                recomputed.append([i, _ptr(args) == first_input.get(i)])
+
+        for i, b in enumerate(model.blocks):
+            b.register_forward_pre_hook(lambda m, args, i=i: seen(i, args))
         with MemoryTracker(model) as mt:
             out = fn(model.blocks, x, case["k"])
             if not isinstance(out, torch.Tensor):
                 return {"output": describe_value(out)}
             loss = F.cross_entropy(model.head(out), y)
             del out
+            phase[0] = "backward"
             try:
                 loss.backward()
             except CheckpointError as e:  # torch compared the recomputation with the forward: they differ
-                return {"checkpoint_error": str(e).split("\n\n")[0][:400]}
-        return {"peak": mt.peak_bytes, "grads": [p.grad for p in model.parameters()]}
+                return {"checkpoint_error": str(e).split("\n\n")[0][:400], "recomputed": recomputed}
+        return {"peak": mt.peak_bytes, "grads": [p.grad for p in model.parameters()], "recomputed": recomputed}
 
     def judge(self, case, result):
         L, k = case["layers"], case["k"]
@@ -321,11 +399,11 @@ class CheckpointEvery(Check):
             return
         expect("output" not in result, f"{self.function} returned {result.get('output')}; expected the output "
                "tensor of the last block (batch × d).")
-        expect("checkpoint_error" not in result, "backward raised torch's CheckpointError: "
-               f"{result.get('checkpoint_error')}\n  It matches a common mistake: the segment's input was not "
-               "passed to checkpoint as an argument, so the function reads the loop's variables -- at backward "
-               "time they hold their final values and the recomputation runs on the wrong input. Hint: "
-               "checkpoint(function, *its inputs, use_reentrant=False).")
+        if "checkpoint_error" in result:
+            expect(False, "backward raised torch's CheckpointError (the recomputation did not match the forward): "
+                   f"{result['checkpoint_error']}\n  " + (_stale(result.get("recomputed") or []) or
+                   "Hint: checkpoint(function, *its inputs, use_reentrant=False), with everything the function "
+                   "uses passed as an argument."))
         model = Stack(L, case["d"], case["h"], case["classes"], seed=case["seed"])
         x, y = make_data(case["batch"], case["d"], case["classes"], seed=case["seed"])
         F.cross_entropy(model.head(no_checkpointing(model.blocks, x)), y).backward()
@@ -345,15 +423,18 @@ class CheckpointEvery(Check):
                 "the number of blocks)" if tail else "") + ". Hint: every block runs, in order, exactly once.")
         flat = torch.cat([g.flatten() for g in grads])
         ref = torch.cat([p.grad.flatten() for p in model.parameters()])
-        expect_close(flat, ref, "the gradients (compared with the same step without checkpointing)", hint="Hint: pass each segment's input to checkpoint as an argument; non-reentrant checkpointing "
-                "gives gradients equal to the plain step.", rtol=1e-4, atol=1e-6)
+        if not torch.allclose(flat, ref, rtol=1e-4, atol=1e-6):
+            expect(not _stale(result.get("recomputed") or []), "the gradients differ from the same step without "
+                   "checkpointing: " + _stale(result.get("recomputed") or []))
+        expect_close(flat, ref, "the gradients (compared with the same step without checkpointing)", hint="Hint: pass each segment's blocks and input to checkpoint as arguments; "
+                     "non-reentrant checkpointing gives gradients equal to the plain step.", rtol=1e-4, atol=1e-6)
         shape = (case["d"], case["h"], case["classes"], case["batch"])
         expected = predict_peak(plan_for(L, k), *shape)
         mistakes = {name: predict_peak(plan, *shape) for name, plan in _mistake_plans(L, k).items()}
-        expect_equal(result["peak"], expected, f"peak bytes of the step (predicted for segments of {k})",
+        expect_equal(result["peak"], expected, "the peak bytes of the step, measured with MemoryTracker",
                      mistakes={n: v for n, v in mistakes.items() if v != expected},
-                     hint=f"Hint: segments are blocks 0..{k - 1}, {k}..{2 * k - 1}, ... (the last may be "
-                          "shorter), each one checkpointed.")
+                     hint=f"(The expected value is predict_peak for segments of {k}.) Hint: segments are blocks "
+                          f"0..{k - 1}, {k}..{2 * k - 1}, ... (the last may be shorter), each one checkpointed.")
 
 
 check_7_1 = REGISTRY["7.1"]
