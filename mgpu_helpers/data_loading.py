@@ -1,7 +1,8 @@
 """Notebook 10 -- data loading: DataLoader workers, pinned memory, prefetching, and per-rank shards.
 
 ``SlowDataset`` sleeps in ``__getitem__`` (a stand-in for decoding/augmentation) and returns the worker's
-pid with each item, so epochs show which processes served them. ``shard_reference`` is what
+pid with each item, so epochs show which processes served them; ``batch_makers`` shows which worker made
+each batch; ``throughput`` separates worker start-up from the steady rate. ``shard_reference`` is what
 ``torch.utils.data.DistributedSampler`` yields on one rank (check 10.1 compares with the sampler itself).
 
 Run each rank's DistributedSampler shard over a real process group as a script::
@@ -45,12 +46,44 @@ def epoch_seconds(loader) -> tuple[float, set[int]]:
     return time.perf_counter() - t0, pids
 
 
-def throughput(workers=(0, 1, 2, 4), n=64, delay=0.005, batch_size=8):
-    """Items per second of one epoch for each ``num_workers``."""
-    ds = SlowDataset(n, delay)
-    with warnings.catch_warnings():  # more workers than cores: torch warns (shown in the notebook)
+def throughput(workers=(0, 1, 2, 4), n=256, delay=0.005, batch_size=8) -> dict[int, dict]:
+    """One epoch per ``num_workers``: ``startup`` -- seconds until the first batch arrives (starting the
+    workers included), ``rate`` -- items per second after it (the steady state start-up would otherwise
+    hide in a short epoch), and the ``warnings`` the loader gave (e.g. more workers than cores)."""
+    ds, out = SlowDataset(n, delay), {}
+    for w in workers:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            it = iter(DataLoader(ds, batch_size=batch_size, num_workers=w))
+            first = len(next(it)[1])
+            t1 = time.perf_counter()
+            rest = sum(len(batch[1]) for batch in it)
+            t2 = time.perf_counter()
+        out[w] = {"startup": t1 - t0, "rate": rest / (t2 - t1), "items": first + rest,
+                  "warnings": sorted({" ".join(str(m.message).split()) for m in caught})}
+    return out
+
+
+class _WhoMadeIt(Dataset):
+    """Each item is the id of the worker that made it (-1: the main process). Module level: a spawned or
+    forkserver worker unpickles it by name."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        return -1 if info is None else info.id
+
+
+def batch_makers(num_workers: int, batches: int = 8, batch_size: int = 4) -> list[int]:
+    """Which worker made each of the first ``batches`` batches: the loader hands batch i to worker
+    i mod num_workers, and each worker makes whole batches."""
+    with warnings.catch_warnings():  # more workers than cores: torch's warning is shown with throughput()
         warnings.simplefilter("ignore", UserWarning)
-        return {w: n / epoch_seconds(DataLoader(ds, batch_size=batch_size, num_workers=w))[0] for w in workers}
+        loader = DataLoader(_WhoMadeIt(), batch_size=batch_size, num_workers=num_workers)
+        return [int(b[0]) for b, _ in zip(loader, range(batches))]
 
 
 def private_bytes(pid: int) -> int:
@@ -185,6 +218,12 @@ class ShardIndices(Check):
         if c["drop_last"] and c["n"] % c["world_size"]:
             mistakes["drop_last ignored: padded instead of dropping the tail"] = _variant(
                 c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], False)
+            # neither padded nor dropped (order[rank::world_size]): named here too, so that the diagnosis
+            # does not depend on whether a drop_last case happens to be the first one that fails
+            mistakes["no padding (and no dropping): ranks get different numbers of samples, so they run "
+                     "different numbers of steps and the last collective hangs; with drop_last=True drop the "
+                     "tail instead"] = _variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], False,
+                                                pad=False)
         expect_equal(got, want, "the indices of every rank (rank 0 first)",
                      mistakes={k: m for k, m in mistakes.items() if m != want},
                      hint="Hint: order (shuffled with seed + epoch), then pad or drop to a multiple of world_size, "

@@ -101,3 +101,20 @@ def test_grading_split_round_trips_through_torch_save(tmp_path):
     assert ok, msg
     ok, msg = check_7_1.judge_all(11, [{"ok": True, "result": {"oops": 1}}] * len(results))
     assert not ok
+
+
+def test_recomputed_matmuls_counted_from_the_op_log():
+    from mgpu_helpers.checkpointing import (MATMULS, Stack, checkpoint_every, make_data, no_checkpointing,
+                                            recomputed_ops, segments)
+    L = 5
+    model, (x, y) = Stack(L, 4, 8, 3), make_data(16, 4, 3)
+    assert recomputed_ops(model, x, y, no_checkpointing) == {}
+    for k in range(1, L + 1):  # each segment again but its last layer: 2L - (number of segments)
+        assert recomputed_ops(model, x, y, checkpoint_every, k)["addmm"] == 2 * L - len(segments(L, k))
+    assert torch.ops.aten.linear.default not in MATMULS
+
+
+def test_the_policy_sees_addmm_not_linear():
+    from mgpu_helpers.checkpointing import Block, policy_ops
+    ops = policy_ops(Block(4, 8), torch.randn(3, 4))
+    assert ops.count("addmm.default") == 2 and not any(op.startswith("linear") for op in ops)

@@ -52,3 +52,18 @@ def test_grading_split_round_trips_through_torch_save(tmp_path):
 @pytest.mark.slow
 def test_script_runs_under_torchrun():
     assert "set_epoch reshuffles" in run_torchrun("mgpu_helpers.data_loading").stdout
+
+
+def test_batches_go_to_workers_in_turn():
+    from mgpu_helpers.data_loading import batch_makers
+    assert batch_makers(0, batches=3) == [-1, -1, -1]
+    assert batch_makers(2, batches=6) == [0, 1, 0, 1, 0, 1]
+
+
+def test_throughput_separates_startup_and_reports_warnings():
+    import os
+    from mgpu_helpers.data_loading import throughput
+    w = (os.cpu_count() or 1) + 1                      # more workers than cores: torch's warning is returned
+    out = throughput(workers=(0, w), n=32, delay=0.0, batch_size=8)
+    assert [r["items"] for r in out.values()] == [32, 32]
+    assert out[0]["warnings"] == [] and any("worker processes" in m for m in out[w]["warnings"])
