@@ -231,7 +231,7 @@ def sweep(layers=16, d=32, h=64, classes=8, batch=1024, ks=None, forward=None, r
         rows[k] = {"peak": measure_step(model, x, y, fwd, k)[0],
                    "predicted": predict_peak(plan_for(layers, k), d, h, classes, batch),
                    "recomputed": recomputed_ops(model, x, y, fwd, k).get("addmm", 0),
-                   "seconds": time_step(model, x, y, fwd, k, repeat)}
+                   "seconds": time_step(model, x, y, fwd, k, repeat), "repeat": repeat}
         if progress is not None:
             progress.update(1)
     return rows
@@ -278,7 +278,8 @@ def plot_sweep(rows, layers, ax_mem=None, passed=None, optimum=None):
     at.axhline(1e3 * rows[None]["seconds"], color="gray", ls="--", label="no checkpointing")
     at.plot(ks, [1e3 * rows[None]["seconds"] * op_count_ratio(rows[k]["recomputed"], layers) for k in ks], "x:",
             color="k", label="from the op counts (matmuls only)")
-    at.set(ylabel="step time (ms, best of 3)", ylim=(0, None), title="Time of one forward + backward")
+    at.set(ylabel=f"step time (ms, best of {rows[None].get('repeat', 3)})", ylim=(0, None),
+           title="Time of one forward + backward")
     am.legend(fontsize=8)
     at.legend(fontsize=8)
     fig.tight_layout()
