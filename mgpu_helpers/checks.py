@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 REGISTRY: dict[str, "Check"] = {}
+_TIMED_OUT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # function -> {check id: message}
 
 
 @contextlib.contextmanager
@@ -126,22 +127,19 @@ class Check:
         hint = self.hint(error)
         return f"Exercise {self.id} ✗ {self.function} raised {error}" + (f"\n  Hint: {hint}" if hint else "")
 
-    # A function whose run timed out (a hung rank) is not run again by a later call of the same check on
-    # the same function object (a plot's `passes`, the grader's harvest): that would pay the timeout twice.
-    # Redefining the function (re-running its cell) makes a new object, which runs again.
-    _timed_out: "weakref.WeakKeyDictionary" = None  # type: ignore[assignment]
-
+    # A function whose run timed out (a hung rank) is not run again by a later call of the same check (by
+    # id: the grader's hidden-case wrapper shares it) on the same function object -- a plot's `passes`, the
+    # grader's harvest: that would pay the timeout twice. Redefining the function (re-running its cell)
+    # makes a new object, which runs again.
     def _timeout_of(self, fn: Callable) -> str | None:
         try:
-            return (self._timed_out or {}).get(fn)
+            return _TIMED_OUT.get(fn, {}).get(self.id)
         except TypeError:  # not weak-referenceable
             return None
 
     def _remember_timeout(self, fn: Callable, message: str) -> None:
-        if self._timed_out is None:
-            self._timed_out = weakref.WeakKeyDictionary()
         try:
-            self._timed_out[fn] = message
+            _TIMED_OUT.setdefault(fn, {})[self.id] = message
         except TypeError:
             pass
 

@@ -158,6 +158,13 @@ def test_a_timeout_is_paid_once_per_function():
     results = check.run_all(hung, 0)                                   # the grader's harvest
     assert Hangs.calls == 1 and all("TimeoutError" in r["error"] for r in results)
 
+    class Hidden(Hangs):                     # the grader's hidden cases: another Check with the same id
+        id = ""                              # (not registered)
+
+    hidden = Hidden()
+    hidden.id = "99.2"
+    assert all("TimeoutError" in r["error"] for r in hidden.run_all(hung, 0)) and Hangs.calls == 1
+
     def hung_again(x):                                                 # the cell re-run: a new function
         raise TimeoutError("still hung")
     assert not check.passes(hung_again) and Hangs.calls == 2
