@@ -218,3 +218,36 @@ def _raise_stub(rank, world):
 def _raise_torch(rank, world):
     import torch
     torch.nn.ModuleList()(1)
+
+
+class HangsInRanks(Check):
+    id, function = "99.4", "hangs_in_ranks"
+
+    def cases(self, rng):
+        return [{"x": 1}, {"x": 2}]
+
+    launches = 0
+
+    def run(self, fn, case):
+        from mgpu_helpers.checks import run_learner_ranks
+        HangsInRanks.launches += 1
+        return run_learner_ranks(fn, 2, timeout=3)
+
+    def judge(self, case, result):
+        expect_equal(result, [None, None], "hangs_in_ranks")
+
+
+def _sleeps(rank, world):
+    import time
+    time.sleep(60)
+
+
+def test_a_hung_rank_is_waited_for_once():
+    """The real path: run_ranks' RankTimeout is a TimeoutError; the second call (a plot's `passes`) and the
+    grader's run_all launch nothing, instead of waiting for the timeout again."""
+    check = REGISTRY["99.4"]
+    with pytest.raises(CheckFailure, match="RankTimeout"):
+        check(_sleeps)
+    assert HangsInRanks.launches == 1
+    assert not check.passes(_sleeps)
+    assert all(not r["ok"] for r in check.run_all(_sleeps, 0)) and HangsInRanks.launches == 1
