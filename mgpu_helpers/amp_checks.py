@@ -183,7 +183,8 @@ class LossScalerCheck(Check):
                     why = "a clean step was skipped: skip only when some gradient is inf or nan"
                     raise CheckFailure(f"the weights did not change {at}, GradScaler stepped: {why}")
                 scales = result["scale"] + [result["final_scale"]]
-                backed_off = isinstance(scales[t + 1], float) and scales[t + 1] < scales[t]
+                numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scales[t:t + 2])
+                backed_off = numbers and scales[t + 1] < scales[t]
                 if backed_off:  # the overflow was seen (the scale backed off), and the step ran anyway
                     why = [f"the optimizer stepped although a gradient was {script[t]}: skip optimizer.step() "
                            "on an overflow"]
