@@ -8,7 +8,7 @@ dynamic loss scaling (exercise 6.1, checked against ``torch.amp.GradScaler``), f
 * ``autocast_dtypes(device, dtype)`` -- the output dtype of common ops under ``torch.autocast``.
 * ``step_memory(widths, batch, precision)`` -- activations after forward and the peak of forward+backward,
   measured with ``MemoryTracker``, for "fp32", "autocast" (bf16) and "bf16" (a pure bf16 model);
-  ``plot_precisions`` draws them.
+  ``plot_precisions`` draws them; ``saved_for_backward`` -- which layers keep a bf16 weight copy.
 * Checks 6.1 and 6.2 live in ``amp_checks`` (re-exported here).
 
 Apex ``amp`` (NVIDIA, 2018) came before ``torch.amp``. Its opt levels and today's equivalents::
@@ -18,6 +18,7 @@ Apex ``amp`` (NVIDIA, 2018) came before ``torch.amp``. Its opt levels and today'
         lists, dynamic loss scaling
     O2  16-bit model, fp32 master weights    -> exercise 6.2 by hand; FSDP2 MixedPrecisionPolicy(param_dtype=
         in the optimizer, norms kept fp32       torch.bfloat16, reduce_dtype=torch.float32) with sharding
+                                                (notebook 08 describes it; the course runs FSDP2 in fp32 only)
     O3  pure 16 bits, no master weights      -> model.to(torch.bfloat16) (the "bf16" row: updates get lost)
 
 ``amp.initialize(model, opt, opt_level)`` has no equivalent (nothing to patch); ``with amp.scale_loss(loss,
@@ -31,7 +32,6 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from .checks.amp import check_6_1, check_6_2  # noqa: F401  (re-exported for the notebook)
 from .memory import make_optimizer, mlp
 from .runtime.plots import COLORS, LABELS, unit_for
 from .runtime.tracker import MemoryTracker
@@ -118,6 +118,34 @@ def step_memory(widths, batch: int, precision: str, device=None, seed: int = 0) 
         del logits
     return {"precision": precision, "activations": activations, "peak": mt.peak_bytes,
             "peak_breakdown": mt.peak_breakdown(), "params": sum(p.numel() for p in model.parameters())}
+
+
+def saved_for_backward(widths, batch: int, seed: int = 0) -> list[dict]:
+    """What each Linear of ``memory.mlp(widths)`` saves for backward under bf16 autocast on the CPU, from
+    ``saved_tensors_hooks``: bytes of bf16 copies of its weight, and of everything else it saves (its
+    input, cast to bf16). Layer 0 saves no weight copy: its input needs no gradient, and the weight is only
+    needed to compute that one."""
+    model = mlp(list(widths), seed=seed)
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    rows = [{"layer": i, "shape": tuple(m.weight.shape), "weight_copy": 0, "other": 0} for i, m in enumerate(linears)]
+    current = [None]
+    for i, m in enumerate(linears):
+        m.register_forward_pre_hook(lambda mod, args, i=i: current.__setitem__(0, i))
+    seen: set = set()
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if current[0] is not None and key not in seen:  # a storage saved twice is held once
+            seen.add(key)
+            row = rows[current[0]]
+            is_copy = t.dtype == torch.bfloat16 and tuple(t.shape) in (row["shape"], row["shape"][::-1])
+            row["weight_copy" if is_copy else "other"] += t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(seed + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    return rows
 
 
 def compare_precisions(widths, batch: int, device=None) -> dict[str, dict]:

@@ -1,8 +1,9 @@
 """Notebook 10 -- data loading: DataLoader workers, pinned memory, prefetching, and per-rank shards.
 
 ``SlowDataset`` sleeps in ``__getitem__`` (a stand-in for decoding/augmentation) and returns the worker's
-pid with each item, so epochs show which processes served them. ``shard_reference`` is what
-``torch.utils.data.DistributedSampler`` yields on one rank (check 10.1 compares with the sampler itself).
+pid with each item, so epochs show which processes served them; ``batch_makers`` shows which worker made
+each batch; ``throughput`` separates worker start-up from the steady rate. ``shard_reference`` is what
+``torch.utils.data.DistributedSampler`` yields on one rank (check 10.1, in ``checks.data_loading``, compares with the sampler itself).
 
 Run each rank's DistributedSampler shard over a real process group as a script::
 
@@ -17,7 +18,6 @@ import warnings
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .checks import Check, REGISTRY, expect_equal, expect_type
 from .runtime.launch import torchrun_main
 
 
@@ -45,12 +45,44 @@ def epoch_seconds(loader) -> tuple[float, set[int]]:
     return time.perf_counter() - t0, pids
 
 
-def throughput(workers=(0, 1, 2, 4), n=64, delay=0.005, batch_size=8):
-    """Items per second of one epoch for each ``num_workers``."""
-    ds = SlowDataset(n, delay)
-    with warnings.catch_warnings():  # more workers than cores: torch warns (shown in the notebook)
+def throughput(workers=(0, 1, 2, 4), n=256, delay=0.005, batch_size=8) -> dict[int, dict]:
+    """One epoch per ``num_workers``: ``startup`` -- seconds until the first batch arrives (starting the
+    workers included), ``rate`` -- items per second after it (the steady state start-up would otherwise
+    hide in a short epoch), and the ``warnings`` the loader gave (e.g. more workers than cores)."""
+    ds, out = SlowDataset(n, delay), {}
+    for w in workers:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            it = iter(DataLoader(ds, batch_size=batch_size, num_workers=w))
+            first = len(next(it)[1])
+            t1 = time.perf_counter()
+            rest = sum(len(batch[1]) for batch in it)
+            t2 = time.perf_counter()
+        out[w] = {"startup": t1 - t0, "rate": rest / (t2 - t1), "items": first + rest,
+                  "warnings": sorted({" ".join(str(m.message).split()) for m in caught})}
+    return out
+
+
+class _WhoMadeIt(Dataset):
+    """Each item is the id of the worker that made it (-1: the main process). Module level: a spawned or
+    forkserver worker unpickles it by name."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        return -1 if info is None else info.id
+
+
+def batch_makers(num_workers: int, batches: int = 8, batch_size: int = 4) -> list[int]:
+    """Which worker made each of the first ``batches`` batches: the loader hands batch i to worker
+    i mod num_workers, and each worker makes whole batches."""
+    with warnings.catch_warnings():  # more workers than cores: torch's warning is shown with throughput()
         warnings.simplefilter("ignore", UserWarning)
-        return {w: n / epoch_seconds(DataLoader(ds, batch_size=batch_size, num_workers=w))[0] for w in workers}
+        loader = DataLoader(_WhoMadeIt(), batch_size=batch_size, num_workers=num_workers)
+        return [int(b[0]) for b, _ in zip(loader, range(batches))]
 
 
 def private_bytes(pid: int) -> int:
@@ -118,87 +150,6 @@ def in_flight(num_workers: int, prefetch_factor: int, batch_size: int = 4, wait:
             last, stable_since = counter.value, time.perf_counter()
     del it
     return last // batch_size - 1  # minus the batch already taken
-
-
-# --- exercise 10.1 --------------------------------------------------------------------------------------
-
-def sampler_shard(n, world_size, rank, shuffle, seed, epoch, drop_last) -> list[int]:
-    """What torch's DistributedSampler yields for ``rank`` in ``epoch`` (the ground truth of check 10.1)."""
-    s = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                           drop_last=drop_last)
-    s.set_epoch(epoch)
-    return list(s)
-
-
-def _variant(n, world, shuffle, seed, epoch, drop_last, *, pad=True, strided=True, use_epoch=True):
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch * use_epoch)).tolist() \
-        if shuffle else list(range(n))
-    per = -(-(n - world) // world) if drop_last and n % world else -(-n // world)
-    total = per * world
-    if drop_last:
-        order = order[:total]
-    elif pad:
-        order = (order * -(-total // max(n, 1)))[:total]
-    if strided:
-        return [order[r:total:world] for r in range(world)]
-    return [order[r * per:(r + 1) * per] for r in range(world)]
-
-
-class ShardIndices(Check):
-    id, function = "10.1", "shard_indices"
-
-    def cases(self, rng):
-        fixed = [(10, 4, True, False), (10, 4, True, True), (7, 1, True, False), (3, 5, False, False),
-                 (2, 5, True, False), (12, 3, False, True), (9, 2, False, False)]
-        rnd = [(rng.randint(5, 40), rng.randint(2, 6), rng.random() < 0.8, rng.random() < 0.5) for _ in range(2)]
-        cases = [{"n": n, "world_size": w, "shuffle": sh, "drop_last": dl, "seed": rng.randrange(1000),
-                  "epoch": rng.randint(1, 5)} for n, w, sh, dl in fixed + rnd]
-        rng.shuffle(cases)
-        return cases
-
-    def describe(self, case):
-        return ", ".join(f"{k}={case[k]}" for k in ("n", "world_size", "shuffle", "drop_last", "seed", "epoch"))
-
-    def run(self, fn, case):
-        args = (case["n"], case["world_size"])
-        return [fn(*args, r, shuffle=case["shuffle"], seed=case["seed"], epoch=case["epoch"],
-                   drop_last=case["drop_last"]) for r in range(case["world_size"])]
-
-    def judge(self, case, result):
-        c = case
-        expect_type(result, list, self.function, "a list of ints per rank")
-        got = [[int(i) for i in r] if isinstance(r, (list, tuple)) else r for r in result]
-        for r in got:
-            expect_type(r, list, self.function, "a list of ints (the indices of one rank)")
-        want = [sampler_shard(c["n"], c["world_size"], r, c["shuffle"], c["seed"], c["epoch"], c["drop_last"])
-                for r in range(c["world_size"])]
-        v = lambda **kw: _variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], c["drop_last"], **kw)
-        mistakes = {"contiguous blocks per rank: DistributedSampler deals indices out round-robin "
-                    "(rank, rank + world_size, ...)": v(strided=False)}
-        if not c["drop_last"]:
-            mistakes["no padding: ranks get different numbers of samples, so they run different numbers of "
-                     "steps and the last collective hangs"] = v(pad=False)
-            mistakes["padding that repeats the index list only once (fails when n < world_size / 2)"] = [
-                (o := _shard_once(c))[r::c["world_size"]] for r in range(c["world_size"])]
-        if c["shuffle"]:
-            mistakes["shuffled with the seed alone: set_epoch forgotten, the same order every epoch"] = v(use_epoch=False)
-        if c["drop_last"] and c["n"] % c["world_size"]:
-            mistakes["drop_last ignored: padded instead of dropping the tail"] = _variant(
-                c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], False)
-        expect_equal(got, want, "the indices of every rank (rank 0 first)",
-                     mistakes={k: m for k, m in mistakes.items() if m != want},
-                     hint="Hint: order (shuffled with seed + epoch), then pad or drop to a multiple of world_size, "
-                          "then rank r takes every world_size-th index from r.")
-
-
-def _shard_once(c):
-    order = torch.randperm(c["n"], generator=torch.Generator().manual_seed(c["seed"] + c["epoch"])).tolist() \
-        if c["shuffle"] else list(range(c["n"]))
-    per = -(-c["n"] // c["world_size"])
-    return order + order[:per * c["world_size"] - c["n"]]
-
-
-check_10_1 = REGISTRY["10.1"]
 
 
 def _script(rank, world, n=10):

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mgpu_helpers.amp import (PRECISIONS, autocast_dtypes, check_6_1, check_6_2, compare_precisions, dtype_of,
+from mgpu_helpers.checks.amp import check_6_1, check_6_2
+from mgpu_helpers.amp import (PRECISIONS, autocast_dtypes, compare_precisions, dtype_of,
                               precision_table, step_memory, survival)
 from mgpu_helpers.checks.amp import LossScalerCheck, _decisions, gradscaler_run, library_step
 
@@ -127,3 +128,10 @@ def test_wrong_types_get_a_message_not_a_crash():
     assert not ok and "step() returned None" in msg
     ok, msg = check_6_2.judge_all(5, check_6_2.run_all(lambda *a: "done", seed=5))
     assert not ok and "returned a str" in msg
+
+
+def test_saved_for_backward_names_the_weight_copies():
+    from mgpu_helpers.amp import saved_for_backward
+    rows = saved_for_backward([32, 16, 16, 8], batch=4)
+    # layer 0's input needs no gradient: its weight is never needed in backward, so no bf16 copy is kept
+    assert [r["weight_copy"] for r in rows] == [0, 2 * 16 * 16, 2 * 8 * 16]

@@ -47,6 +47,11 @@ def test_validate_finds_schema_problems():
     nb = _nb()
     nb.cells.append(nbformat.from_dict(nb.cells[1]))
     assert any("duplicate exercise" in p for p in validate(nb))
+    nb = _nb()  # nbval reads a marker only as the whole comment: one with a reason after it does nothing
+    nb.cells.append(new_code_cell("# NBVAL_IGNORE_OUTPUT  (wall times)\nprint(1)"))
+    assert any("nbval ignores a marker" in p for p in validate(nb))
+    nb.cells[-1].source = "# NBVAL_IGNORE_OUTPUT\n# (wall times)\nprint(1)"
+    assert validate(nb) == []
 
 
 def test_release_check_detects_drift(tmp_path, capsys):

@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from mgpu_helpers.tools.authoring import verdict
-from mgpu_helpers.checkpointing import (OpLog, Stack, _case, _mistake_plans, check_7_1, checkpoint_every,
-                                        make_data, measure_step, no_checkpointing, plan_for, predict_peak,
-                                        run_plan, segments, selective_context, selective_vs_full)
+from mgpu_helpers.checkpointing import (OpLog, Stack, make_data, measure_step, no_checkpointing, plan_for,
+                                        predict_peak, segments, selective_context, selective_vs_full,
+                                        sequential_plan, torch_segments)
+from mgpu_helpers.checks.checkpointing import _case, _mistake_plans, check_7_1
+from mgpu_helpers.checks.references.checkpointing import checkpoint_every, run_plan
 
 
 @pytest.fixture(autouse=True)
@@ -95,9 +97,38 @@ def test_wrong_type_is_reported_not_crashed():
 
 
 def test_grading_split_round_trips_through_torch_save(tmp_path):
-    results = check_7_1.run_all(checkpoint_every, seed=11)
+    from pathlib import Path
+    from mgpu_helpers.tools.authoring import exec_cell, exercise_source
+    nb = Path(__file__).resolve().parents[1] / "solutions" / "07_activation_checkpointing.ipynb"
+    solution = exec_cell(exercise_source(nb, "7.1"))["checkpoint_segments"]   # the course's own is refused
+    results = check_7_1.run_all(solution, seed=11)
     torch.save(results, tmp_path / "r.pt")
     ok, msg = check_7_1.judge_all(11, torch.load(tmp_path / "r.pt", weights_only=True))
     assert ok, msg
     ok, msg = check_7_1.judge_all(11, [{"ok": True, "result": {"oops": 1}}] * len(results))
     assert not ok
+
+
+def test_recomputed_matmuls_counted_from_the_op_log():
+    from mgpu_helpers.checkpointing import MATMULS, Stack, make_data, no_checkpointing, recomputed_ops, segments
+    L = 5
+    model, (x, y) = Stack(L, 4, 8, 3), make_data(16, 4, 3)
+    assert recomputed_ops(model, x, y, no_checkpointing) == {}
+    for k in range(1, L + 1):  # each segment again but its last layer: 2L - (number of segments)
+        assert recomputed_ops(model, x, y, checkpoint_every, k)["addmm"] == 2 * L - len(segments(L, k))
+    assert torch.ops.aten.linear.default not in MATMULS
+
+
+def test_the_policy_sees_addmm_not_linear():
+    from mgpu_helpers.checkpointing import Block, policy_ops
+    ops = policy_ops(Block(4, 8), torch.randn(3, 4))
+    assert ops.count("addmm.default") == 2 and not any(op.startswith("linear") for op in ops)
+
+
+def test_torch_segments_is_predicted_exactly():
+    """The cells' stand-in until 7.1 is done: torch's checkpoint_sequential, its own plan, exact bytes."""
+    L, d, h, classes, batch = 9, 16, 32, 4, 256
+    model, (x, y) = Stack(L, d, h, classes), make_data(batch, d, classes)
+    for k in range(1, L + 1):
+        measured, _ = measure_step(model, x, y, torch_segments, k)
+        assert measured == predict_peak(sequential_plan(L, k), d, h, classes, batch), k

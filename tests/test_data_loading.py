@@ -5,8 +5,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from testkit import run_torchrun
-from mgpu_helpers.data_loading import (SlowDataset, _variant, check_10_1, epoch_seconds, in_flight,
-                                       pin_memory_on_this_machine, sampler_shard, worker_memory)
+from mgpu_helpers.data_loading import SlowDataset, epoch_seconds, in_flight, pin_memory_on_this_machine, worker_memory
+from mgpu_helpers.checks.data_loading import check_10_1
+from mgpu_helpers.checks.references.data_loading import _variant, sampler_shard
 
 
 def test_workers_are_other_processes_and_persistent_ones_stay():
@@ -40,7 +41,12 @@ def test_bad_input():
 
 
 def test_grading_split_round_trips_through_torch_save(tmp_path):
-    fn = lambda n, w, r, *, shuffle, seed, epoch, drop_last: sampler_shard(n, w, r, shuffle, seed, epoch, drop_last)
+    from torch.utils.data import DistributedSampler
+
+    def fn(n, w, r, *, shuffle, seed, epoch, drop_last):   # torch's own, as a learner may write it
+        s = DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        s.set_epoch(epoch)
+        return list(s)
     results = check_10_1.run_all(fn, seed=11)
     torch.save(results, tmp_path / "r.pt")
     ok, msg = check_10_1.judge_all(11, torch.load(tmp_path / "r.pt", weights_only=True))
@@ -52,3 +58,18 @@ def test_grading_split_round_trips_through_torch_save(tmp_path):
 @pytest.mark.slow
 def test_script_runs_under_torchrun():
     assert "set_epoch reshuffles" in run_torchrun("mgpu_helpers.data_loading").stdout
+
+
+def test_batches_go_to_workers_in_turn():
+    from mgpu_helpers.data_loading import batch_makers
+    assert batch_makers(0, batches=3) == [-1, -1, -1]
+    assert batch_makers(2, batches=6) == [0, 1, 0, 1, 0, 1]
+
+
+def test_throughput_separates_startup_and_reports_warnings():
+    import os
+    from mgpu_helpers.data_loading import throughput
+    w = (os.cpu_count() or 1) + 1                      # more workers than cores: torch's warning is returned
+    out = throughput(workers=(0, w), n=32, delay=0.0, batch_size=8)
+    assert [r["items"] for r in out.values()] == [32, 32]
+    assert out[0]["warnings"] == [] and any("worker processes" in m for m in out[w]["warnings"])

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mgpu_helpers.tools.authoring import mutant_fails_every_seed
-import mgpu_helpers.amp  # noqa: F401  (registers 6.1 and 6.2)
+import mgpu_helpers.checks.amp  # noqa: F401  (registers 6.1 and 6.2)
 from testkit import marked, mistake_params, solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "06_mixed_precision.ipynb"
@@ -25,6 +25,12 @@ CASES = {
         ([("not bool(torch.isfinite(p.grad).all())", "bool(torch.isinf(p.grad).any())")], "a nan was not detected"),
         ([("p.grad.div_(self.scale_value)", "p.grad")], "the gradients were not unscaled"),
         ([("            return False\n", "")], "the optimizer stepped although a gradient was inf"),
+        ([("        for group in optimizer.param_groups:\n", "        for group in optimizer.param_groups[:1]:\n")],
+         "only param_groups[0] was unscaled and checked"),
+        # steps on an overflow but says it skipped: the weights turn nan and every later step skips; named
+        # at the overflow (not as "a clean step was skipped" later)
+        ([(RESET, "            self.clean_steps = 0\n"), ("        return True", "        return not found_inf")],
+         "the optimizer stepped although a gradient was inf"),
     ]),
     "6.2": ("mixed_precision_step", [
         ([(UNSCALE + CLIP, "m.grad = p.grad.float()\n" + CLIP + "    for m in master:\n        m.grad /= loss_scale\n")],
@@ -35,6 +41,10 @@ CASES = {
         ([("            m.grad = None", "            pass")], "kept the fp32 gradient copies"),
         ([("    return loss.item()", "    return (loss * loss_scale).item()")], "returned the scaled loss"),
         ([("            m.grad = None", "            m.grad = p.grad = None")], "freed the 16-bit gradients"),
+        ([("p.grad.float() / loss_scale", "(p.grad / loss_scale).float()")], "unscaled in 16 bits"),
+        ([("model(x.to(dtype))", "model(x)")], "cast the batch to the model's dtype"),
+        ([("    with torch.no_grad():\n        for m, p", "    if True:\n        for m, p")],
+         "do it under torch.no_grad()"),
     ]),
 }
 

@@ -1,11 +1,11 @@
-"""Check 7.1 passes the solution, fails the stub, and names planted mistakes (the first three under every
-one of 20 seeds: they must not depend on the draw)."""
+"""Check 7.1 passes the solution, fails the stub, and names planted mistakes (EVERY_SEED under every one of
+20 seeds: they must not depend on the draw)."""
 from pathlib import Path
 
 import pytest
 
 from mgpu_helpers.tools.authoring import mutant_fails_every_seed, mutant_verdict
-import mgpu_helpers.checkpointing  # noqa: F401  (registers 7.1)
+import mgpu_helpers.checks.checkpointing  # noqa: F401  (registers 7.1)
 from testkit import solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "07_activation_checkpointing.ipynb"
@@ -18,8 +18,12 @@ EVERY_SEED = [
     ([(LOOP, "    for start in range(len(blocks)):\n"), ("blocks[start:start + k]", "blocks[start:start + 1]")],
      "checkpointed every block on its own, whatever k"),
     ([("use_reentrant=False", "use_reentrant=True")], "use_reentrant=True with an input that does not require grad"),
-    ([(CALL, "x = checkpoint(lambda: run_segment(blocks[start:start + k], x), use_reentrant=False)")],
+    ([(CALL, "x = checkpoint(lambda seg=blocks[start:start + k]: run_segment(seg, x), use_reentrant=False)")],
      "the segment's input was not passed to checkpoint"),
+    # the block range read from the loop's variables: at backward time it is the last segment's (with k = 1
+    # there is no CheckpointError, only wrong gradients; either way the recomputed blocks name it)
+    ([(CALL, "x = checkpoint(lambda h: run_segment(blocks[start:start + k], h), x, use_reentrant=False)")],
+     "the recomputation ran the wrong blocks"),
 ]
 ONE_SEED = [
     ([(LOOP, "    for start in range(0, len(blocks), k + 1):\n"), ("start + k]", "start + k + 1]")],
@@ -55,3 +59,14 @@ def test_planted_mistake_is_named(edits, named):
         ok, msg = mutant_verdict(NB, "7.1", FN, edits, seed=seed)
         assert not ok, f"mutant {edits!r} passed the check with seed {seed}"
         assert named in msg, msg
+
+
+@pytest.mark.ex_7_1
+def test_both_loop_variables_read_is_named_as_what_went_wrong():
+    """A closure over start and x: with several segments the wrong blocks re-run; with k = L (one segment)
+    only x is wrong. Under every seed the message names one of the two, never something else."""
+    edits = [(CALL, "x = checkpoint(lambda: run_segment(blocks[start:start + k], x), use_reentrant=False)")]
+    for seed in range(20):
+        ok, msg = mutant_verdict(NB, "7.1", FN, edits, seed=seed)
+        assert not ok and ("the recomputation ran the wrong blocks" in msg
+                           or "the segment's input was not passed to checkpoint" in msg), msg

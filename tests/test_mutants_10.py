@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.tools.authoring import mutant_fails_every_seed
-import mgpu_helpers.data_loading  # noqa: F401  (registers 10.1)
+from mgpu_helpers.tools.authoring import exercise_source, mutant_fails_every_seed
+import mgpu_helpers.checks.data_loading  # noqa: F401  (registers 10.1)
 from testkit import solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "10_data_loading.ipynb"
@@ -18,6 +18,11 @@ MUTANTS = [
     ([("    if drop_last and n % world_size:", "    if False:"), ("    if drop_last:\n", "    if False:\n")],
      "drop_last ignored"),
 ]
+# neither padded nor dropped (order[rank::world_size]): named "no padding" whichever case fails first (it
+# was unnamed when a drop_last=True case came first, under 4 of 20 seeds)
+_src = exercise_source(NB, "10.1")
+MUTANTS.append(([(_src[_src.index("    if drop_last and n % world_size:"):_src.index("    ### END SOLUTION")],
+                  "    return order[rank::world_size]\n")], "no padding"))
 
 
 @pytest.mark.ex_10_1

@@ -31,13 +31,29 @@ def _flat(tensors) -> torch.Tensor:
 
 # --- 6.1: scripted overflows --------------------------------------------------------------------------
 
+def param_groups(params) -> list[dict]:
+    """Two parameter groups (the first layer, the rest; different learning rates), as real training
+    scripts have (no weight decay on biases, a lower lr for a pretrained part): a scaler must unscale and
+    check every group, not only ``param_groups[0]``."""
+    half = len(params) // 2
+    return [{"params": params[:half]}, {"params": params[half:], "lr": 0.02}]
+
+
+def group_of(case, t) -> int:
+    """The parameter group whose gradient step ``t``'s injected inf/nan went into."""
+    n = 2 * (len(case["widths"]) - 1)  # weight and bias per Linear
+    return int(case["where"][t] % n >= n // 2)
+
+
 def scripted_run(case, scale, step, get_scale, counter) -> dict:
-    """Train a small MLP with SGD for ``case["script"]`` steps ("ok", "inf" or "nan": an overflowing
-    gradient element injected after backward, into parameter ``where``); record the scaler's decisions."""
+    """Train a small MLP with SGD (two parameter groups) for ``case["script"]`` steps ("ok", "inf" or
+    "nan": an overflowing gradient element injected after backward, into parameter ``where``); record the
+    scaler's decisions, and whether the weights moved at each step (whatever ``step`` returned)."""
     widths, g = case["widths"], torch.Generator().manual_seed(case["seed"] + 1)
     model = mlp(widths, seed=case["seed"])
-    opt, params = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), list(model.parameters())
-    rec = {"scale": [], "stepped": [], "clean_steps": []}
+    params = list(model.parameters())
+    opt = torch.optim.SGD(param_groups(params), lr=0.05, momentum=0.9)
+    rec = {"scale": [], "stepped": [], "clean_steps": [], "moved": []}
     for event, where in zip(case["script"], case["where"]):
         x, y = torch.randn(6, widths[0], generator=g), torch.randint(widths[-1], (6,), generator=g)
         opt.zero_grad(set_to_none=True)
@@ -46,7 +62,9 @@ def scripted_run(case, scale, step, get_scale, counter) -> dict:
         if event != "ok":
             p = params[where % len(params)]
             p.grad.view(-1)[where % p.numel()] = float(event)
+        before = _flat(params)
         rec["stepped"].append(_plain(step(opt)))
+        rec["moved"].append(not torch.equal(_flat(params), before))
         rec["clean_steps"].append(_plain(counter()))
     rec["final_scale"] = _plain(get_scale())
     rec["params"] = _flat(params)
@@ -55,7 +73,8 @@ def scripted_run(case, scale, step, get_scale, counter) -> dict:
 
 def gradscaler_run(case, unscale=True) -> dict:
     """The reference: ``torch.amp.GradScaler("cpu")`` on the same script. ``unscale=False`` re-multiplies
-    the unscaled gradients by the scale before stepping: what stepping without unscaling gives."""
+    the unscaled gradients by the scale before stepping: what stepping without unscaling gives;
+    ``unscale="first group"`` does so for every group but the first."""
     gs = torch.amp.GradScaler("cpu", init_scale=case["init_scale"], growth_factor=case["growth_factor"],
                               backoff_factor=case["backoff_factor"], growth_interval=case["growth_interval"])
 
@@ -63,8 +82,8 @@ def gradscaler_run(case, unscale=True) -> dict:
         used = gs.get_scale()
         gs.unscale_(opt)
         found = sum(v.item() for v in gs._found_inf_per_device(opt).values()) > 0  # what update will consume
-        if not unscale:
-            for grp in opt.param_groups:
+        if unscale is not True:
+            for grp in opt.param_groups[1 if unscale == "first group" else 0:]:
                 for p in grp["params"]:
                     p.grad.mul_(used)
         gs.step(opt)
@@ -82,6 +101,8 @@ MISTAKES_61 = {
     "no_reset_growth": "the clean-step counter was not reset to 0 after growing",
     "nan": "a nan was not detected (torch.isinf misses nan: use torch.isfinite)",
 }
+FIRST_GROUP = ("only param_groups[0] was unscaled and checked: loop over every group in optimizer.param_groups "
+               "(this optimizer has two)")
 
 
 def _decisions(case, mistake=None) -> dict:
@@ -126,7 +147,11 @@ class LossScalerCheck(Check):
         out = []
         for i, script in enumerate(scripts):
             widths = [rng.randint(3, 12), rng.randint(4, 16), rng.randint(2, 5)]
-            out.append({"script": script, "where": [rng.randrange(1000) for _ in script], "widths": widths,
+            where = [rng.randrange(1000) for _ in script]
+            if i < 4:  # fixed cases: the first overflow lands in the second group, the nan in the first, so
+                # that both "only param_groups[0]" and "nan missed" are named whatever the draw
+                where = [w - w % 4 + (2 if i == 0 else 0) + w % 2 for w in where]
+            out.append({"script": script, "where": where, "widths": widths,
                         "init_scale": float(2 ** rng.randint(2, 10)),
                         "growth_factor": 2.0 if i < 4 else rng.choice([2.0, 4.0]),
                         "backoff_factor": 0.5 if i < 4 else rng.choice([0.5, 0.25]),
@@ -149,13 +174,32 @@ class LossScalerCheck(Check):
             if not isinstance(v, bool):
                 raise CheckFailure(f"step() returned {describe_value(v)} at step {t + 1}; expected True "
                                    "(the optimizer stepped) or False (skipped)")
+        # What happened to the weights first (a step on an overflow puts nan into them, after which every
+        # later gradient is nan: judged by return values alone, that reads as clean steps skipped later).
+        for t, (got, exp) in enumerate(zip(result["moved"], want["moved"])):
+            if got != exp:
+                at = f"at step {t + 1} (script {'/'.join(script[:t + 1])})"
+                if exp:
+                    why = "a clean step was skipped: skip only when some gradient is inf or nan"
+                    raise CheckFailure(f"the weights did not change {at}, GradScaler stepped: {why}")
+                scales = result["scale"] + [result["final_scale"]]
+                numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scales[t:t + 2])
+                backed_off = numbers and scales[t + 1] < scales[t]
+                if backed_off:  # the overflow was seen (the scale backed off), and the step ran anyway
+                    why = [f"the optimizer stepped although a gradient was {script[t]}: skip optimizer.step() "
+                           "on an overflow"]
+                else:           # not even seen
+                    why = [f"the {script[t]} gradient went unnoticed (the scale did not back off)"]
+                    if group_of(case, t) > 0:
+                        why.append(f"it was in param_groups[1]: {FIRST_GROUP}")
+                    if script[t] == "nan":
+                        why.append(MISTAKES_61["nan"])
+                raise CheckFailure(f"the weights changed {at}, GradScaler skipped the step: " + "; ".join(why))
         for t, (got, exp) in enumerate(zip(result["stepped"], want["stepped"])):
             if got != exp:
-                why = ("a clean step was skipped: skip only when some gradient is inf or nan" if got is False else
-                       MISTAKES_61["nan"] if script[t] == "nan" else
-                       "the optimizer stepped although a gradient was inf: skip optimizer.step() on an overflow")
                 raise CheckFailure(f"step() returned {got} at step {t + 1} (script {'/'.join(script[:t + 1])}), "
-                                   f"GradScaler {'stepped' if exp else 'skipped'}: {why}")
+                                   f"but the optimizer {'did' if exp else 'did not'} step: return True exactly when "
+                                   "optimizer.step() ran")
         wrong = {MISTAKES_61[m]: _decisions(case, m) for m in MISTAKES_61}
         for key, what in [("scale", "get_scale() before each step"), ("clean_steps", "clean_steps after each step")]:
             if result[key] != want[key]:
@@ -168,7 +212,8 @@ class LossScalerCheck(Check):
                "with non-finite gradients (skip the step when any gradient is inf or nan)")
         expect_close(result["params"], want["params"], "the parameters after the script", rtol=1e-5, atol=1e-6,
                      mistakes={"the gradients were not unscaled (divide them by the scale) before "
-                               "optimizer.step()": gradscaler_run(case, unscale=False)["params"]},
+                               "optimizer.step()": gradscaler_run(case, unscale=False)["params"],
+                               FIRST_GROUP: gradscaler_run(case, unscale="first group")["params"]},
                      hint="Hint: unscale every gradient of the optimizer's parameters, then step.")
 
 
@@ -186,16 +231,37 @@ def _batch(case):
     return torch.randn(8, case["widths"][0], generator=g), torch.randint(case["widths"][-1], (8,), generator=g)
 
 
+def watch_steps(opt, params) -> list:
+    """The fp32 gradients ``opt.step()`` is given, one flat tensor per call (an optimizer pre-hook): what
+    the optimizer saw, compared bit for bit -- Adam's update hides a gradient's scale, this does not."""
+    seen: list = []
+    params = list(params)
+
+    def hook(optimizer, args, kwargs):
+        seen.append(None if any(p.grad is None for p in params) else _flat(p.grad for p in params))
+
+    opt.register_step_pre_hook(hook)
+    return seen
+
+
 def library_step(case, mistake=None) -> dict:
     """The library way: an fp32 model (the same weights), ``torch.autocast`` to the 16-bit type,
     ``GradScaler`` with a fixed scale, ``unscale_`` → ``clip_grad_norm_`` → ``step``. ``mistake`` plants
-    one: "clip first" (clip before unscale_), "no unscale" (scaled loss, plain step), "16-bit loss"."""
+    one: "clip first" (clip before unscale_), "no unscale" (scaled loss, plain step), "16-bit loss",
+    "16-bit unscale" (the scaled gradients divided in their 16-bit type, then made fp32)."""
     model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]]).float()
     opt, (x, y) = make_optimizer(case["optimizer"], model.parameters(), lr=case["lr"]), _batch(case)
+    seen = watch_steps(opt, model.parameters())
     with torch.autocast("cpu", dtype=DTYPES16[case["dtype"]]):
         logits = model(x)
     loss = F.cross_entropy(logits if mistake == "16-bit loss" else logits.float(), y)
-    if mistake == "no unscale":
+    if mistake == "16-bit unscale":
+        (loss * case["loss_scale"]).backward()
+        for p in model.parameters():  # the fp32 gradients hold 16-bit values here: the cast back is exact
+            p.grad = (p.grad.to(DTYPES16[case["dtype"]]) / case["loss_scale"]).float()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
+        opt.step()
+    elif mistake == "no unscale":
         (loss * case["loss_scale"]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
         opt.step()
@@ -206,8 +272,18 @@ def library_step(case, mistake=None) -> dict:
             gs.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
         gs.step(opt)  # unscales here if unscale_ was not called
-    return {"loss": loss.item(), "master": _flat(model.parameters()),
+    return {"loss": loss.item(), "master": _flat(model.parameters()), "step_grads": seen,
             "model": _flat(p.to(DTYPES16[case["dtype"]]) for p in model.parameters())}
+
+
+def _unscale16_differs(case) -> bool:
+    """Whether dividing this case's scaled 16-bit gradients in 16 bits loses bits (a value lands among
+    the subnormals), i.e. whether the check can tell unscaling in 16 bits from unscaling in fp32."""
+    model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]])
+    x, y = _batch(case)
+    (F.cross_entropy(model(x.to(DTYPES16[case["dtype"]])).float(), y) * case["loss_scale"]).backward()
+    return any(not torch.equal((p.grad / case["loss_scale"]).float(), p.grad.float() / case["loss_scale"])
+               for p in model.parameters())
 
 
 def _grad_norm(case) -> float:
@@ -231,9 +307,23 @@ class MixedStepCheck(Check):
             case = {"widths": [rng.randint(4, 16), rng.randint(8, 24), rng.randint(3, 6)], "optimizer": opt,
                     "dtype": dtype, "loss_scale": float(scale), "lr": 0.05 if opt == "momentum" else 1e-2,
                     "seed": rng.randrange(2**31)}
+            if dtype == "fp16" and opt == "adam":  # a draw where unscaling in 16 bits shows (it always does,
+                for _ in range(500):              # within a few seeds: small gradients become fp16 subnormals)
+                    if _unscale16_differs(case):
+                        break
+                    case["seed"] = rng.randrange(2**31)
             case["max_norm"] = float("inf") if clip is None else clip * _grad_norm(case)
             out.append(case)
         return out
+
+    def hint(self, error):
+        if "must have the same dtype" in error or "expected scalar type" in error or "same dtype" in error:
+            return ("the model is 16-bit and x is fp32: cast the batch to the model's dtype first "
+                    "(dtype = next(model.parameters()).dtype; model(x.to(dtype)))")
+        if "leaf Variable that requires grad" in error and "in-place" in error:
+            return ("copying the master into the model's parameters is an in-place change of leaves that require "
+                    "grad: do it under torch.no_grad() (p.copy_(m))")
+        return ""
 
     def describe(self, case):
         return (f"{case['dtype']} model {case['widths']}, {case['optimizer']}, loss_scale={case['loss_scale']:g}, "
@@ -242,36 +332,49 @@ class MixedStepCheck(Check):
     def run(self, fn, case):
         model, master, opt = _start(case)
         x, y = _batch(case)
+        seen = watch_steps(opt, master)
         with MemoryTracker(model, opt) as mt:
             loss = fn(model, master, opt, x, y, case["loss_scale"], case["max_norm"])
         b = mt.breakdown()  # the tracker files the master (the optimizer's parameters) under parameters
         counters = nbytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
         return {"loss": _plain(loss), "model": _flat(model.parameters()), "master": _flat(master),
+                "step_grads": seen,
                 "model_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                 "bytes": {"parameters": b["parameters"] - nbytes(master), "gradients": b["gradients"],
                           "optimizer_state": b["optimizer_state"] - counters + nbytes(master)}}
 
     def judge(self, case, result):
         want, s = library_step(case), case["loss_scale"]
-        wrong = {m: library_step(case, m) for m in ("clip first", "no unscale", "16-bit loss")}
+        wrong = {m: library_step(case, m) for m in ("clip first", "no unscale", "16-bit loss", "16-bit unscale")}
         names = {"clip first": "clipped the scaled gradients: unscale before clip_grad_norm_ (the norm is "
                                "loss_scale× too large, so clipping cuts too much)",
                  "no unscale": "the gradients were never divided by loss_scale: the step is loss_scale× too large",
-                 "16-bit loss": "the loss was computed from 16-bit logits: cast them to fp32 (.float()) first"}
+                 "16-bit loss": "the loss was computed from 16-bit logits: cast them to fp32 (.float()) first",
+                 "16-bit unscale": "unscaled in 16 bits: small gradients divided in fp16 become subnormals and lose "
+                                   "bits; make them fp32 first (p.grad.float() / loss_scale)"}
         expect(isinstance(result["loss"], float), f"mixed_precision_step returned {describe_value(result['loss'])}; "
                "expected the (unscaled) loss as a Python float")
         expect_close(result["loss"], want["loss"], "the returned loss", rtol=1e-5, mistakes={
             "returned the scaled loss (loss × loss_scale): return the loss itself": want["loss"] * s,
             names["16-bit loss"]: wrong["16-bit loss"]["loss"]})
+        # Bit for bit: the library way and the step by hand do the same float operations in the same order.
+        steps = result["step_grads"]
+        expect(isinstance(steps, list) and len(steps) == 1, f"optimizer.step() ran {len(steps)} times; expected once")
+        expect(steps[0] is not None, "optimizer.step() ran while a master tensor had no .grad: set every "
+               "m.grad (the model's gradient, made fp32 and unscaled) before stepping")
+        expect_close(steps[0], want["step_grads"][0], "the fp32 gradients optimizer.step() was given", rtol=0,
+                     atol=0, mistakes={names[m]: wrong[m]["step_grads"][0] for m in wrong},
+                     hint="Hint: they must equal GradScaler's bit for bit: m.grad = p.grad.float() / loss_scale, "
+                     "then torch.nn.utils.clip_grad_norm_(master, max_norm), then optimizer.step().")
         common = {names[m]: wrong[m]["master"] for m in wrong}
-        expect_close(result["master"], want["master"], "the fp32 master weights after the step", rtol=1e-5,
-                     atol=1e-7, mistakes=common, hint="Hint: fp32 gradients = 16-bit gradients / loss_scale, "
+        expect_close(result["master"], want["master"], "the fp32 master weights after the step", rtol=0,
+                     atol=0, mistakes=common, hint="Hint: fp32 gradients = 16-bit gradients / loss_scale, "
                      "then clip, then optimizer.step() (it updates the master).")
         expect_equal(result["model_dtypes"], [str(DTYPES16[case["dtype"]])], "the model's parameter dtypes",
                      hint="Hint: copy the master into the 16-bit parameters in place (p.copy_(m)).")
         start = _flat(_start(case)[0].parameters())
         expect_close(result["model"], want["model"], f"the {case['dtype']} model's weights after the step",
-                     rtol=1e-5, atol=1e-7, mistakes={
+                     rtol=0, atol=0, mistakes={
                          "the model still has its old weights: copy the master into it after optimizer.step()": start,
                          **{names[m]: wrong[m]["model"] for m in wrong}})
         from .references.memory import measured_training_state

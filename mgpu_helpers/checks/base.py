@@ -16,20 +16,30 @@ A check is split into three steps so that a grader can keep the verdict out of t
 
 In a notebook all three run in the kernel (``check_4_1(average_gradients)``). The grader runs ``run`` in
 the learner's kernel on inputs it chooses and ``judge`` in a separate process that never runs learner code.
+
+What a learner sees: "not implemented yet" only for the released stub's ``NotImplementedError("Exercise
+N.M: ...")`` (torch raises NotImplementedError too, and that one is shown with its traceback); a failing
+check shows its message alone, not the check's source lines; :meth:`Check.hint` adds a hint to an exception
+the learner's code raised; a function whose run timed out is not run again by the same check.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import random
+import re
 import traceback
+import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from ..runtime.exercises import STUB
 from .delegation import course_code_used, refusal
 
 REGISTRY: dict[str, "Check"] = {}
+_TIMED_OUT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # function -> {check id: message}
 
 
 @contextlib.contextmanager
@@ -44,8 +54,37 @@ def one_thread():
         torch.set_num_threads(before)
 
 
+# Only the released stub's ``raise NotImplementedError("Exercise 4.1: ...")`` means "not started": torch
+# raises NotImplementedError too (an nn.ModuleList called like a module, an op with no kernel), and that one
+# is a bug in the learner's code whose traceback they need to see.
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def is_stub(e: BaseException | str) -> bool:
+    """Whether an exception (or its "Type: message" text, as the grader records it) is a stub's."""
+    if isinstance(e, BaseException):
+        return isinstance(e, NotImplementedError) and bool(STUB.match(str(e)))
+    return e.startswith("NotImplementedError: ") and bool(STUB.match(e[len("NotImplementedError: "):]))
+
+
 class CheckFailure(AssertionError):
-    """A check did not pass; the message says what differed and, when it can, why."""
+    """A check did not pass; the message says what differed and, when it can, why.
+
+    In a notebook IPython shows it through :meth:`_render_traceback_`: the check's message alone -- the
+    check's own source lines would only hide it -- preceded, when the learner's code raised, by that
+    exception's traceback without the course package's frames (the learner's lines and torch's)."""
+
+    def _render_traceback_(self) -> list[str]:
+        lines: list[str] = []
+        cause = self.__cause__
+        if cause is not None:
+            frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(_PACKAGE)]
+            if frames:
+                lines += ["Traceback of the exception your code raised (most recent call last):"]
+                lines += [x.rstrip("\n") for x in traceback.format_list(frames)]
+            lines += [x.rstrip("\n") for x in traceback.format_exception_only(type(cause), cause)]
+            lines += [""]
+        return lines + [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
 class Check:
@@ -82,18 +121,51 @@ class Check:
         seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
         return self.cases(random.Random(seed))
 
+    def hint(self, error: str) -> str:
+        """A hint for an exception the learner's code raised, given as "Type: message" ("" if none):
+        subclasses name the places where learners usually stick (a dtype mismatch, an in-place copy into
+        a leaf that requires grad). Used in the notebook and by the grader alike."""
+        return ""
+
+    def _raised(self, error: str) -> str:
+        hint = self.hint(error)
+        return f"Exercise {self.id} ✗ {self.function} raised {error}" + (f"\n  Hint: {hint}" if hint else "")
+
+    # A function whose run timed out (a hung rank) is not run again by a later call of the same check (by
+    # id: the grader's hidden-case wrapper shares it) on the same function object -- a plot's `passes`, the
+    # grader's harvest: that would pay the timeout twice. Redefining the function (re-running its cell)
+    # makes a new object, which runs again.
+    def _timeout_of(self, fn: Callable) -> str | None:
+        try:
+            return _TIMED_OUT.get(fn, {}).get(self.id)
+        except TypeError:  # not weak-referenceable
+            return None
+
+    def _remember_timeout(self, fn: Callable, message: str) -> None:
+        try:
+            _TIMED_OUT.setdefault(fn, {})[self.id] = message
+        except TypeError:
+            pass
+
     def _call(self, fn: Callable, case: dict) -> Any:
+        before = self._timeout_of(fn)
+        if before is not None:
+            raise CheckFailure(before + "\n  (this function timed out in an earlier run of this check and is not "
+                               "run again; fix it and re-run its cell)")
         try:
             return self.run(fn, case)
         except NotImplementedError as e:
-            raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
+            if is_stub(e):
+                raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
+            failure = CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}")
+            raise failure from e
         except CheckFailure:
             raise
         except Exception as e:  # the learner's code raised: show it, with the traceback chained below
-            raise CheckFailure(
-                f"Exercise {self.id} ✗ {self.function} raised {type(e).__name__}: {e}\n"
-                f"  on case: {self.describe(case)}"
-            ) from e
+            failure = CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}")
+            if isinstance(e, TimeoutError):
+                self._remember_timeout(fn, str(failure))
+            raise failure from e
 
     def judge_one(self, i: int, n: int, case: dict, result: Any) -> None:
         where = f"Exercise {self.id} ✗ {self.function}, case {i + 1} of {n} ({self.describe(case)}):\n  "
@@ -144,6 +216,10 @@ class Check:
             return [{"ok": False, "course_code": used}]
         out = []
         for case in self.make_cases(seed):
+            before = self._timeout_of(fn)
+            if before is not None:  # timed out already (in the check cell, or an earlier case): not again
+                out.append({"ok": False, "error": f"TimeoutError: {before}", "traceback": ""})
+                continue
             try:
                 out.append({"ok": True, "result": self.run(fn, case)})
             except BaseException as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
@@ -151,6 +227,8 @@ class Check:
                     raise
                 out.append({"ok": False, "error": f"{type(e).__name__}: {e}",
                             "traceback": "".join(traceback.format_exception(e))[-4000:]})
+                if isinstance(e, TimeoutError):
+                    self._remember_timeout(fn, f"{type(e).__name__}: {e}")
         return out
 
     def judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:
@@ -166,10 +244,10 @@ class Check:
             return False, f"Exercise {self.id} ✗ {self.function}: no results for this check"
         for i, (case, r) in enumerate(zip(cases, results)):
             if not isinstance(r, dict) or not r.get("ok"):
-                err = r.get("error", "no result") if isinstance(r, dict) else "malformed result"
-                if "NotImplementedError" in str(err):
+                err = str(r.get("error", "no result")) if isinstance(r, dict) else "malformed result"
+                if is_stub(err):
                     return False, f"Exercise {self.id} ✗ {self.function}: not implemented yet"
-                return False, f"Exercise {self.id} ✗ {self.function} raised {err}"
+                return False, self._raised(err)
             try:
                 self.judge_one(i, len(cases), case, r["result"])
             except CheckFailure as e:
@@ -189,7 +267,9 @@ def run_learner_ranks(target: Callable, world_size: int, *args, **kwargs) -> lis
     except RankError as e:
         first = str(e).splitlines()[0]
         if "raised NotImplementedError: " in first:
-            raise NotImplementedError(first.split("NotImplementedError: ", 1)[1]) from None
+            message = first.split("NotImplementedError: ", 1)[1]
+            if STUB.match(message):  # torch's own NotImplementedError stays a crashed rank, traceback and all
+                raise NotImplementedError(message) from None
         raise
 
 
@@ -215,19 +295,19 @@ def expect_close(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
         return
     named = [name for name, wrong in (mistakes or {}).items() if _close(actual, wrong, rtol, atol)]
     if named:
-        raise CheckFailure(f"{what} is wrong: {_matches(named)}. {hint}".rstrip())
+        raise CheckFailure(f"{what}: wrong, and {_matches(named)}. {hint}".rstrip())
     try:
         ta, tb = _as_tensor(actual), _as_tensor(expected)
     except Exception:
         raise CheckFailure(f"{what}: expected a number or tensor, got {type(actual).__name__}. {hint}".rstrip()) from None
     if ta.shape != tb.shape:
-        raise CheckFailure(f"{what} has shape {tuple(ta.shape)}, expected {tuple(tb.shape)}. {hint}".rstrip())
+        raise CheckFailure(f"{what}: shape {tuple(ta.shape)}, expected {tuple(tb.shape)}. {hint}".rstrip())
     diff = (ta - tb).abs().max().item()
     if ta.numel() == 1:
         detail = f"got {ta.item():.6g}, expected {tb.item():.6g}"
     else:
         detail = f"max |difference| = {diff:.3g} (tolerance {atol:g} + {rtol:g}·|expected|)"
-    raise CheckFailure(f"{what} differs: {detail}. {hint}".rstrip())
+    raise CheckFailure(f"{what}: wrong, {detail}. {hint}".rstrip())
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -293,8 +373,8 @@ def expect_equal(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
         return
     named = [name for name, wrong in (mistakes or {}).items() if _equal(actual, wrong)]
     if named:
-        raise CheckFailure(f"{what} is {actual!r}, expected {expected!r}: {_matches(named)}. {hint}".rstrip())
-    raise CheckFailure(f"{what} is {actual!r}, expected {expected!r}. {hint}".rstrip())
+        raise CheckFailure(f"{what}: got {actual!r}, expected {expected!r}; {_matches(named)}. {hint}".rstrip())
+    raise CheckFailure(f"{what}: got {actual!r}, expected {expected!r}. {hint}".rstrip())
 
 
 def expect(cond: bool, message: str) -> None:

@@ -82,6 +82,10 @@ def validate(nb, name: str = "notebook") -> list[str]:
                 problems.append(f"{name} cell {i}: exercise {ex} needs 'function' and 'task'")
         elif BEGIN in src:
             problems.append(f"{name} cell {i}: solution block outside an exercise cell")
+        for line in src.splitlines():  # nbval takes a marker only as the whole comment: "# NBVAL_X  (why)" is ignored
+            if re.match(r"\s*#+\s*NBVAL_[A-Z_]+\s*\S", line) and not re.fullmatch(r"\s*#+\s*NBVAL_[A-Z_]+\s*", line):
+                problems.append(f"{name} cell {i}: {line.strip()!r}: nbval ignores a marker with text after it "
+                                "(put the reason on the next line)")
         if "check" in m:
             ck = m["check"]
             if ck in seen_check:
