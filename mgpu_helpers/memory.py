@@ -15,8 +15,9 @@ bf16       bf16 (2)             bf16 (2)    states in bf16 (2 each)          2+2
 mixed      bf16 (2)             bf16 (2)    fp32 master (4) + states (4 each) 2+2+4+8 = 16
 =========  ===================  ==========  ===============================  ====================
 
-"mixed" with fp32 gradients (as torch.autocast training keeps them, or when gradients are accumulated
-in fp32) is 18 bytes/param, and 20 when a separate fp32 accumulation buffer is kept: the numbers
+torch.autocast training is the fp32 row (fp32 weights and gradients, no master copy; its bf16 weight
+copies are activations). "mixed" with fp32 gradients (Megatron-LM's bf16 setting) is 2+4+4+8 = 18
+bytes/param, and 20 when 16-bit gradients are kept beside an fp32 copy (its fp16 setting): the numbers
 learners meet in different sources differ by what they count, not by mistake.
 """
 from __future__ import annotations
