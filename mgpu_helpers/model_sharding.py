@@ -139,12 +139,22 @@ class PipelineStep(Check):
         ref = [q.grad for q in model.parameters()]
         owned = [[i for i in range(n) if res["grads"][2 * i] is not None] for res in result]
         _expect_stages(owned, case)
-        for r, res in enumerate(result):
+        for r in reversed(range(p)):  # from the loss backwards: the first rank that differs is where it went wrong
+            res = result[r]
             got = torch.cat([res["grads"][k].flatten() for i in owned[r] for k in (2 * i, 2 * i + 1)])
             want = torch.cat([ref[k].flatten() for i in owned[r] for k in (2 * i, 2 * i + 1)])
-            expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]})", rtol=1e-4, atol=1e-6, mistakes={
-                "loss not divided by n_micro: the micro-batch losses add up to n_micro × the batch's mean": m * want},
-                hint="Hint: the last stage backwards cross_entropy(out, y) / n_micro for each micro-batch.")
+            if r == p - 1:
+                expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]}, the last stage)", rtol=1e-4,
+                             atol=1e-6, mistakes={"loss not divided by n_micro: the micro-batch losses add up to "
+                                                  "n_micro × the batch's mean": m * want},
+                             hint="Hint: the last stage backwards cross_entropy(out, y) / n_micro for each micro-batch.")
+            else:
+                expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]})", rtol=1e-4, atol=1e-6,
+                             hint=f"The later stages' gradients are right, so what reached rank {r}'s backward is "
+                             "off: each saved output must be backwarded with the gradient of *that* micro-batch's "
+                             f"output, received from rank {r + 1} -- both ranks must run the micro-batches' backwards "
+                             "in the same order -- and the gradient sent back must be x.grad of the same "
+                             "micro-batch's input.")
         last = result[-1]["loss"]
         expect_type(last, (float, int), "the last rank", "the batch's mean loss (a float)")
         expect_close(last, loss, "the loss returned by the last rank", rtol=1e-4, mistakes={
