@@ -38,7 +38,8 @@ from .sharding import model_state_bytes  # noqa: F401  notebook 08's closed form
 from .planner_models import SIZES, Decoder, decoder, lm_loss, token_batch  # noqa: F401
 from .planner_trace import (PRECISIONS, OPTIMIZERS, Trace, apply_checkpointing, make_optimizer, trace_step,  # noqa: F401
                             train_step, warm_up)
-from .checks import REGISTRY, Check, describe_value, expect, expect_equal
+from .check_memory import RemembersVerdict
+from .checks import REGISTRY, describe_value, expect, expect_equal
 from .tracker import CATEGORIES, MemoryTracker
 
 __all__ = ["plan", "Plan", "model_state_bytes", "trace_step", "train_step", "decoder", "step_cost",
@@ -201,7 +202,7 @@ def _summary(p):
                                                             "micro_batches")}
 
 
-class Check11_1(Check):
+class Check11_1(RemembersVerdict):
     id, function, points = "11.1", "choose_plan", 3
 
     def cases(self, rng):

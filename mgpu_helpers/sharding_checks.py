@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from .accumulation import CollectiveCounter
-from .checks import REGISTRY, Check, expect, expect_close, expect_equal, expect_type, run_learner_ranks
+from .check_memory import RemembersVerdict
+from .checks import REGISTRY, expect, expect_close, expect_equal, expect_type, run_learner_ranks
 from .sharding import Zero2, _ceil_div, all_gather_flat, linears, make_batch, make_model, unique
 
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
@@ -145,7 +146,7 @@ def _train_case(rng, world, optimizer, **over):
     return {**case, **over}
 
 
-class ShardedOptimizerCheck(Check):
+class ShardedOptimizerCheck(RemembersVerdict):
     id, function, points = "8.1", "ShardedOptimizer", 3
 
     def cases(self, rng):
@@ -323,7 +324,7 @@ def _baseline_82(case):
     return grads, [p.detach().clone() for p in model.parameters()]
 
 
-class ReduceScatterCheck(Check):
+class ReduceScatterCheck(RemembersVerdict):
     id, function, points = "8.2", "reduce_scatter_gradients", 3
 
     def cases(self, rng):

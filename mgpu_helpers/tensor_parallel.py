@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional as F
 
-from .checks import REGISTRY, Check, CheckFailure, expect, expect_close, expect_equal, run_learner_ranks
+from .check_memory import RemembersVerdict
+from .checks import REGISTRY, CheckFailure, expect, expect_close, expect_equal, run_learner_ranks
 from .tracker import MemoryTracker
 
 
@@ -198,7 +199,7 @@ def _partial(dense, x, gy, rank, world):
     return out.detach(), xr.grad
 
 
-class ParallelMLPCheck(Check):
+class ParallelMLPCheck(RemembersVerdict):
     id, function, points = "9.2", "parallel_mlp", 3
 
     def cases(self, rng):
