@@ -15,10 +15,11 @@ bf16       bf16 (2)             bf16 (2)    states in bf16 (2 each)          2+2
 mixed      bf16 (2)             bf16 (2)    fp32 master (4) + states (4 each) 2+2+4+8 = 16
 =========  ===================  ==========  ===============================  ====================
 
-Other figures learners meet count other layouts, not mistakes: ``torch.autocast`` over fp32 parameters keeps
-fp32 weights and gradients and no master, 4 + 4 + 8 = 16 bytes/param with Adam; 16-bit parameters with
-fp32 gradients, an fp32 master and Adam make 18 (Megatron's distributed-optimizer table), and keeping the
-16-bit gradients as well makes 20. The checks of 1.1 and 1.2 are in ``checks.memory``.
+torch.autocast training is the fp32 row (fp32 weights and gradients, no master copy; its bf16 weight
+copies are activations). "mixed" with fp32 gradients (Megatron-LM's bf16 setting) is 2+4+4+8 = 18
+bytes/param, and 20 when 16-bit gradients are kept beside an fp32 copy (its fp16 setting): the numbers
+learners meet in different sources differ by what they count, not by mistake. The checks of 1.1 and 1.2
+are in ``checks.memory``.
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .checks import REGISTRY, Check, CheckFailure, expect, expect_close, expect_equal, expect_type, run_learner_ranks
+from .checks import REGISTRY, CheckFailure, expect, expect_close, expect_equal, expect_type, run_learner_ranks
+from .checks.remember import RemembersVerdict
 from .runtime.launch import rank_device, run_ranks, torchrun_main
 from .pipeline import (StepRecorder, Stuck, as_intervals, bubble_fraction, gpipe_step, make_batch, make_model,
                        plot_timeline, single_process_step, stage_bounds, step_timeline, wall_timeline)
@@ -30,7 +31,10 @@ __all__ = ["check_9_1", "check_9_2", "StepRecorder", "Stuck", "as_intervals", "b
 
 
 def passes(check, fn) -> bool:
-    """Whether ``fn`` passes ``check`` (quietly: for the titles of plots drawn with a learner's function)."""
+    """Whether ``fn`` passes ``check`` (quietly): the check cell's verdict on this very function when it has one
+    (no second run, no second timeout), else a quiet run."""
+    if isinstance(check, RemembersVerdict):
+        return check.passed(fn)
     import contextlib
     import io
     try:
@@ -101,7 +105,7 @@ def _deadlock(result):
                        "send to rank+1), then all backwards (recv from rank+1, backward, send to rank-1).")
 
 
-class PipelineStep(Check):
+class PipelineStep(RemembersVerdict):
     id, function, points = "9.1", "pipeline_step", 3
 
     def cases(self, rng):
@@ -139,12 +143,22 @@ class PipelineStep(Check):
         ref = [q.grad for q in model.parameters()]
         owned = [[i for i in range(n) if res["grads"][2 * i] is not None] for res in result]
         _expect_stages(owned, case)
-        for r, res in enumerate(result):
+        for r in reversed(range(p)):  # from the loss backwards: the first rank that differs is where it went wrong
+            res = result[r]
             got = torch.cat([res["grads"][k].flatten() for i in owned[r] for k in (2 * i, 2 * i + 1)])
             want = torch.cat([ref[k].flatten() for i in owned[r] for k in (2 * i, 2 * i + 1)])
-            expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]})", rtol=1e-4, atol=1e-6, mistakes={
-                "loss not divided by n_micro: the micro-batch losses add up to n_micro × the batch's mean": m * want},
-                hint="Hint: the last stage backwards cross_entropy(out, y) / n_micro for each micro-batch.")
+            if r == p - 1:
+                expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]}, the last stage)", rtol=1e-4,
+                             atol=1e-6, mistakes={"loss not divided by n_micro: the micro-batch losses add up to "
+                                                  "n_micro × the batch's mean": m * want},
+                             hint="Hint: the last stage backwards cross_entropy(out, y) / n_micro for each micro-batch.")
+            else:
+                expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]})", rtol=1e-4, atol=1e-6,
+                             hint=f"The later stages' gradients are right, so what reached rank {r}'s backward is "
+                             "off: each saved output must be backwarded with the gradient of *that* micro-batch's "
+                             f"output, received from rank {r + 1} -- both ranks must run the micro-batches' backwards "
+                             "in the same order -- and the gradient sent back must be x.grad of the same "
+                             "micro-batch's input.")
         last = result[-1]["loss"]
         expect_type(last, (float, int), "the last rank", "the batch's mean loss (a float)")
         expect_close(last, loss, "the loss returned by the last rank", rtol=1e-4, mistakes={

@@ -133,6 +133,11 @@ class StepRecorder:
     def _send(self, tensor, *args, **kw):
         dst = kw.get("dst", args[0] if args else None)
         what = f"dist.send(dst={dst})"
+        if not isinstance(tensor, torch.Tensor):  # torch would say only "Invalid function argument"
+            raise TypeError(f"{what} was given {type(tensor).__name__}, not a tensor" + (
+                ": x.grad is None when autograd never tracked x. A tensor filled by dist.recv is a new leaf that "
+                "does not require grad: call x.requires_grad_() on it before the stage uses it, so that backward "
+                "leaves d(loss)/dx in x.grad to send back" if tensor is None else ""))
         self._wait(self._isend(tensor, *args, **kw), what)
         self._wait(self._isend(torch.tensor([self.clock]), *args, **kw), what)  # the step it is ready at
         self.calls.append(what)

@@ -38,7 +38,8 @@ from .sharding import model_state_bytes  # noqa: F401  notebook 08's closed form
 from .planner_models import SIZES, Decoder, decoder, lm_loss, token_batch  # noqa: F401
 from .planner_trace import (PRECISIONS, OPTIMIZERS, Trace, apply_checkpointing, make_optimizer, trace_step,  # noqa: F401
                             train_step, warm_up)
-from .checks import REGISTRY, Check, describe_value, expect, expect_equal
+from .checks import REGISTRY, describe_value, expect, expect_equal
+from .checks.remember import RemembersVerdict
 from .runtime.tracker import CATEGORIES, MemoryTracker
 
 __all__ = ["plan", "Plan", "model_state_bytes", "trace_step", "train_step", "decoder", "step_cost",
@@ -201,13 +202,14 @@ def _summary(p):
                                                             "micro_batches")}
 
 
-class Check11_1(Check):
+class Check11_1(RemembersVerdict):
     id, function, points = "11.1", "choose_plan", 3
 
     def cases(self, rng):
         peaks = sorted({p.peak_bytes for p in candidate_plans()})
         lo, hi = peaks[0], peaks[-1]
         cases = [{"budget": lo - 1, "what": "below every plan's peak"},            # nothing fits
+                 *self._separating(rng),
                  {"budget": lo, "what": "exactly the smallest peak"},              # fits exactly
                  {"budget": hi, "what": "exactly the largest peak, costliest listed first", "worst_first": 1},
                  {"budget": rng.choice(peaks[1:-1]), "what": "exactly one plan's peak"}]
@@ -215,6 +217,23 @@ class Check11_1(Check):
         for c in cases:
             c["order"] = rng.randrange(2**31)
         return cases
+
+    @staticmethod
+    def _separating(rng):
+        """Two budgets on which "peak < budget" and "peak x world size <= budget" give different wrong answers,
+        each before any case where they coincide, so that each mistake is named alone: a one-rank plan's exact
+        peak (only `<` goes wrong there), and a budget between two peaks whose answer needs several ranks (only
+        the x world size mistake goes wrong)."""
+        plans = candidate_plans()
+        peaks = sorted({p.peak_bytes for p in plans})
+        at_peak = [p.peak_bytes for p in plans if p.config["world_size"] == 1 and
+                   _summary(cheapest_plan(plans, p.peak_bytes)) == _summary(p)]
+        between = [a + 1 for a, b in zip(peaks, peaks[1:]) if b > a + 1 and
+                   cheapest_plan(plans, a + 1).config["world_size"] > 1 and
+                   _summary(cheapest_plan([p for p in plans if p.peak_bytes * p.config["world_size"] <= a + 1], a + 1))
+                   != _summary(cheapest_plan(plans, a + 1))]
+        return [{"budget": rng.choice(sorted(at_peak)), "what": "exactly a one-rank plan's peak"},
+                {"budget": rng.choice(between), "what": "between two peaks, more than one rank needed"}]
 
     def describe(self, case):
         return f"budget {case['budget']:,} B ({case['what']})"

@@ -52,9 +52,11 @@ def model_state_bytes(n_params: int, *, zero_stage: int = 0, world_size: int = 1
     elements. That is why the sum over ranks may exceed the unsharded figure by under ``world_size``
     elements' worth of bytes per category.
 
-    Notebook 01's table counts the same 16 bytes/param for mixed-precision Adam; the 18 or 20 met
-    elsewhere keep fp32 gradients (autocast) or an extra fp32 accumulation buffer (see
-    ``mgpu_helpers.memory``), which this model -- the paper's -- does not.
+    Notebook 01's table counts the same 16 bytes/param for mixed-precision Adam. ``torch.autocast`` is the
+    fp32 row (fp32 weights and gradients, no master copy: 4 + 4 + 8 = 16; its bf16 weight copies are
+    activations). The 18 and 20 met elsewhere are Megatron-LM's mixed precision: 16-bit weights + fp32
+    master + Adam with fp32 gradients (2 + 4 + 12 = 18), or with 16-bit gradients and an fp32 copy of them
+    (2 + 2 + 4 + 12 = 20); this model -- the paper's -- has neither.
 
     The ZeRO paper's example, 7.5B parameters on 64 GPUs, in decimal GB: 120 / 31.4 / 16.6 / 1.88.
     """

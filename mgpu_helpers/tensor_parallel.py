@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional as F
 
-from .checks import REGISTRY, Check, CheckFailure, expect, expect_close, expect_equal, run_learner_ranks
+from .checks import REGISTRY, CheckFailure, expect, expect_close, expect_equal, run_learner_ranks
+from .checks.remember import RemembersVerdict
 from .runtime.tracker import MemoryTracker
 
 
@@ -136,12 +137,30 @@ class AllReduceCounter:
 
 # --- check 9.2: the tensor-parallel MLP --------------------------------------------------------------
 
+# torch's words for the two places learners stick, and what to do (added to the error the rank raised)
+_HINTS = {"a leaf Variable that requires grad is being used in an in-place operation":
+          "copying the shards into the new module's parameters (param.copy_(...)) is an in-place op on a leaf "
+          "that requires grad: do it under `with torch.no_grad():`",
+          "modified by an inplace operation":
+          "dist.all_reduce works in place: inside the autograd.Function, all-reduce a clone (total = "
+          "partial.clone(); dist.all_reduce(total)), never a tensor autograd saved"}
+
+
+def _hinted(e: Exception) -> str:
+    text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return text + "".join(f" -- Hint: {h}" for k, h in _HINTS.items() if k in str(e))
+
+
 def _tp_rank(rank, world, fn, case):
     dense = make_mlp(case["d"], case["h"], case["seed"])
     try:
         mod = fn(dense, rank, world)
     except ValueError as e:
         return {"raised": f"ValueError: {e}"}
+    except RuntimeError as e:
+        if any(k in str(e) for k in _HINTS):
+            raise RuntimeError(_hinted(e).split(": ", 1)[1]) from e
+        raise
     del dense  # what the rank's module keeps alive is what it costs
     shapes = {name: tuple(q.shape) for name, q in mod.named_parameters()}
     out = {"shapes": shapes, "param_bytes": param_bytes(mod)}
@@ -154,7 +173,7 @@ def _tp_rank(rank, world, fn, case):
         with AllReduceCounter() as backward:
             (y * gy).sum().backward()
     except RuntimeError as e:
-        return {**out, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        return {**out, "error": _hinted(e)}
     return {**out, "y": y.detach(), "x_grad": x.grad, "forward_calls": forward.calls, "backward_calls": backward.calls,
             "grads": {name: q.grad for name, q in mod.named_parameters()}}
 
@@ -180,7 +199,7 @@ def _partial(dense, x, gy, rank, world):
     return out.detach(), xr.grad
 
 
-class ParallelMLPCheck(Check):
+class ParallelMLPCheck(RemembersVerdict):
     id, function, points = "9.2", "parallel_mlp", 3
 
     def cases(self, rng):

@@ -27,6 +27,13 @@ CASES = {
         ([("            self.local.add_param_group(mine)", "            pass")], "has optimizer state on no rank", False),
         ([("            raise TypeError(", "            print(")], "does not mention 'optimizer_cls'", False),
         ([("                raise ValueError(", "                print(")], "expected 'ValueError'", False),
+        # Adam is nearly blind to a gradient's scale (2.9e-06 apart): the SGD case names it
+        ([("        loss = self.local.step(closure)",
+           "        [p.grad.div_(self.world) for p in self.owner if p.grad is not None]\n"
+           "        loss = self.local.step(closure)")], "divided by the world size", True),
+        ([("        loss = self.local.step(closure)",
+           "        [dist.all_reduce(p.grad) for p in self.owner if p.grad is not None]\n"
+           "        loss = self.local.step(closure)")], "summed over the", False),
     ]),
     "8.2": ("reduce_scatter_gradients", [
         ([("    return shard / world", "    return shard")], "summed over the ranks but not divided", True),
@@ -37,6 +44,11 @@ CASES = {
          "was not padded", True),
         ([(RS, "    dist.all_reduce(flat); shard = flat[rank * shard_len:(rank + 1) * shard_len] #")],
          "all_reduce of the whole gradient, then a slice", False),
+        # unequal shards (tensor_split, no padding): gloo alone ends in "Connection reset by peer"
+        ([("    flat = torch.nn.functional.pad(flat, (0, shard_len * world - flat.numel()))",
+           "    chunks = list(flat.tensor_split(world))"),
+          (RS, "    shard = torch.empty_like(chunks[rank]); dist.reduce_scatter(shard, chunks) #")],
+         "sizes that do not pair up: rank 0: output", True),
         ([(RS, "    shard.copy_(flat[rank * shard_len:(rank + 1) * shard_len]) #"),
           ("    return shard / world", "    return shard")], "never reduced across ranks", False),
     ]),

@@ -41,6 +41,10 @@ CASES = {
         ([("zip(inputs.chunk(n_micro), targets.chunk(n_micro))", "[(inputs, targets)]"), (LOSS, "out = F.cross_entropy(out, y) ")],
          "one forward over the whole batch"),
         ([(CHECK_M, "")], "every rank must raise ValueError"),
+        # the two places learners stick: the received activation untracked; neighbours' backward orders differ
+        ([("            x.requires_grad_() ", "            pass ")], "call x.requires_grad_() on it"),
+        ([("    for x, out in saved: ", "    for x, out in (saved[::-1] if last else saved): ")],
+         "must run the micro-batches' backwards in the same order"),
     ]),
     "9.2": ("parallel_mlp", [
         ([("dist.all_reduce(grad)", "pass")], "no all_reduce in backward (f)"),
@@ -56,6 +60,8 @@ CASES = {
         ([(W1, "self.fc1.weight = nn.Parameter(dense.fc1.weight[rows])"),
           (W2, "self.fc2.weight = nn.Parameter(dense.fc2.weight[:, rows])")], "views of the dense weights"),
         ([(CHECK_H, "")], "every rank must raise ValueError"),
+        ([("            with torch.no_grad():                    # copies", "            if True:  # copies")],
+         "under `with torch.no_grad():`"),
     ]),
 }
 

@@ -33,3 +33,21 @@ def test_solution_passes_and_stub_fails():
 @pytest.mark.parametrize("edits,named", MUTANTS, ids=[m[1][:30] for m in MUTANTS])
 def test_planted_mistake_is_named_under_every_seed(edits, named):
     mutant_fails_every_seed(NB, "11.1", "choose_plan", edits, named)
+
+
+LT = "a plan whose peak equals the budget fits"
+TIMES_WORLD = "the budget is per device"
+
+
+@pytest.mark.ex_11_1
+@pytest.mark.parametrize("edits,named,other", [
+    ([(FIT, FIT.replace("<=", "<"))], LT, TIMES_WORLD),
+    ([(FIT, 'fitting = [p for p in plans if p.peak_bytes * p.config["world_size"] <= budget]')], TIMES_WORLD, LT)],
+    ids=["lt-alone", "times-world-alone"])
+def test_lt_and_times_world_size_are_told_apart(edits, named, other):
+    """`<` and "peak x world size" give the same wrong answer on many budgets (the message then lists both);
+    the check's first cases separate them, so each is named alone under every seed."""
+    from mgpu_helpers.tools.authoring import mutant_verdict
+    for seed in range(20):
+        ok, msg = mutant_verdict(NB, "11.1", "choose_plan", [tuple(e) for e in edits], seed=seed)
+        assert not ok and named in msg and other not in msg, f"seed {seed}: {msg}"

@@ -2,6 +2,7 @@
 ``reduce_scatter_gradients``): every rank against one process training the same model unsharded."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -9,8 +10,9 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ..accumulation import CollectiveCounter
-from .base import REGISTRY, Check, expect, expect_close, expect_equal, expect_type, run_learner_ranks
 from ..sharding import Zero2, _ceil_div, all_gather_flat, linears, make_batch, make_model, unique
+from .base import REGISTRY, expect, expect_close, expect_equal, expect_type, run_learner_ranks
+from .remember import RemembersVerdict
 
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -31,8 +33,9 @@ def _extra_group(model, case):
     return {"params": list(linears(model)[-1].parameters()), "lr": case["kwargs"]["lr"] * 2}
 
 
-def _train(case, make_opt, model, hparams=True, schedule=True):
-    """``steps`` steps on the full batch (every rank computes the same gradient, as after DDP's all-reduce)."""
+def _train(case, make_opt, model, hparams=True, schedule=True, grad_scale=1.0):
+    """``steps`` steps on the full batch (every rank computes the same gradient, as after DDP's all-reduce).
+    ``grad_scale``: a baseline's gradients multiplied before each step (a mistake's value, never the learner's)."""
     groups = _groups(model, case)
     if not hparams:
         groups = [{"params": g["params"]} for g in groups]
@@ -47,6 +50,10 @@ def _train(case, make_opt, model, hparams=True, schedule=True):
         if step == 1 and schedule:  # what an lr scheduler does: write the new lr into param_groups
             for g in opt.param_groups:
                 g["lr"] *= 0.5
+        if grad_scale != 1.0:
+            for p in unique(model.parameters()):
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         opt.step()
         if step == 0:  # a rank that never receives the others' updates is plainest after one step
             opt.after_first = [p.detach().clone() for p in unique(model.parameters())]
@@ -139,14 +146,16 @@ def _train_case(rng, world, optimizer, **over):
     return {**case, **over}
 
 
-class ShardedOptimizerCheck(Check):
+class ShardedOptimizerCheck(RemembersVerdict):
     id, function, points = "8.1", "ShardedOptimizer", 3
 
     def cases(self, rng):
+        # SGD first: Adam divides by the gradient's own scale, so a rescaled gradient changes an Adam step by
+        # ~1e-6 (eps) -- too little to name; under SGD with momentum it changes the update N-fold.
         return [{"kind": "bad input", "world_size": 1},
-                _train_case(rng, 2, "AdamW"),                            # groups, tie across them, frozen, add_param_group
                 _train_case(rng, 4, "SGD", widths=[3, 4, 2], tie=None,   # 4 ranks, 3 trainable tensors: one rank empty
                             freeze=[], groups="one", add_group=False),
+                _train_case(rng, 2, "AdamW"),                            # groups, tie across them, frozen, add_param_group
                 _train_case(rng, 1, "Adam", groups="one"),               # world size 1; the tie twice in ONE group
                 _train_case(rng, 3, rng.choice(["Adam", "AdamW", "SGD"]), tie=None,  # uneven sizes
                             widths=[rng.randint(2, 30) for _ in range(4)])]
@@ -190,7 +199,14 @@ class ShardedOptimizerCheck(Check):
                     "the wrapped optimizer": dict(schedule=False),
                     "the wrapped optimizer kept the constructor's hyperparameters: neither the groups' own nor "
                     "later changes to param_groups reached it": dict(hparams=False, schedule=False),
-                    "the tied tensor was stepped twice (it appears twice in a group: keep it once)": dict(dedupe=False)}
+                    "the tied tensor was stepped twice (it appears twice in a group: keep it once)": dict(dedupe=False),
+                    f"the gradients were divided by the world size ({world}) before the step: every rank already "
+                    "holds the averaged gradient (as after DDP's all-reduce), so the update shrank": dict(
+                        grad_scale=1 / world),
+                    f"the gradients were summed over the {world} ranks before the step: every rank already holds "
+                    "the averaged gradient (as after DDP's all-reduce), so the update grew": dict(grad_scale=world)}
+        if world == 1:  # the scaled variants equal the right answer at one rank
+            variants = {k: v for k, v in variants.items() if "grad_scale" not in v}
         variants = {k: _baseline(case, **v) for k, v in variants.items()}
         hint = "Expected: exactly what the wrapped optimizer gives in one process."
         for r, res in enumerate(result):
@@ -215,6 +231,52 @@ class ShardedOptimizerCheck(Check):
 
 # --- 8.2: ZeRO-2 ----------------------------------------------------------------------------------------
 
+class _ShardSizes(Exception):
+    """The ranks called a reduce-scatter or all-gather with sizes that cannot pair up (raised on every rank)."""
+
+
+_SIZED = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_gather_single",
+          "all_gather_into_tensor")
+
+
+@contextlib.contextmanager
+def _same_sizes():
+    """Before each sized collective the learner makes, the ranks exchange (output, input) element counts and
+    all raise :class:`_ShardSizes` naming them when they cannot pair up -- else gloo fails with "Connection
+    reset by peer" (or waits) and nothing says why."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    real, gather = {n: getattr(dist, n) for n in _SIZED if hasattr(dist, n)}, dist.all_gather
+
+    def guard(name, fn):
+        def sized(output, input, *args, **kwargs):
+            outs = output if isinstance(output, (list, tuple)) else [output]
+            ins = input if isinstance(input, (list, tuple)) else [input]
+            mine = torch.tensor([sum(t.numel() for t in outs), sum(t.numel() for t in ins)])
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            with _disable_current_modes():  # not one of the learner's collectives: keep it out of the counts
+                gather(every, mine)
+            sizes, n = [tuple(e.tolist()) for e in every], len(every)
+            scatter = name.startswith("reduce_scatter")
+            pairs = len(set(sizes)) == 1 and (sizes[0][1] == n * sizes[0][0] if scatter else sizes[0][0] == n * sizes[0][1])
+            if not pairs:
+                raise _ShardSizes(f"dist.{name} was called with sizes that do not pair up: " + "; ".join(
+                    f"rank {r}: output {o} element(s), input {i}" for r, (o, i) in enumerate(sizes)) + ". A "
+                    + ("reduce-scatter needs the same sizes on every rank and an input of N × the output: "
+                       if scatter else "an all-gather needs the same sizes on every rank and an output of N × the "
+                       "input: ") + "pad the flat gradient with zeros to ceil(n / N) · N elements, so that every "
+                    "shard has the same length")
+            return fn(output, input, *args, **kwargs)
+        return sized
+
+    for name, fn in real.items():
+        setattr(dist, name, guard(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
 def _rank_82(rank, world, fn, case):
     model = make_model(case["widths"], case["seed"], freeze=case["freeze"])
     x, y = (t.tensor_split(world)[rank] for t in _batch82(case, world))
@@ -223,8 +285,11 @@ def _rank_82(rank, world, fn, case):
     for _ in range(case["steps"]):
         F.cross_entropy(model(x), y).backward()
         local = torch.cat([p.grad.flatten() for p in zero.params])
-        with CollectiveCounter() as count:
-            shard = fn(zero.params)
+        try:
+            with CollectiveCounter() as count, _same_sizes():
+                shard = fn(zero.params)
+        except _ShardSizes as e:
+            return {"sizes": str(e)}
         out["local"].append(local)
         out["shards"].append(shard.detach().clone() if isinstance(shard, torch.Tensor) else repr(shard)[:80])
         out["grads_left"].append(sum(p.grad.numel() for p in zero.params if p.grad is not None))
@@ -259,7 +324,7 @@ def _baseline_82(case):
     return grads, [p.detach().clone() for p in model.parameters()]
 
 
-class ReduceScatterCheck(Check):
+class ReduceScatterCheck(RemembersVerdict):
     id, function, points = "8.2", "reduce_scatter_gradients", 3
 
     def cases(self, rng):
@@ -289,6 +354,8 @@ class ReduceScatterCheck(Check):
         grads, final = _baseline_82(case)
         pad = lambda g: F.pad(g, (0, L * world - n))  # noqa: E731
         expect(isinstance(result, list) and len(result) == world, "expected one result per rank")
+        sizes = next((res["sizes"] for res in result if "sizes" in res), None)
+        expect(sizes is None, f"{sizes} ({n} gradient elements, {world} ranks: L = {L}).")
         for r, res in enumerate(result):
             for step, shard in enumerate(res["shards"]):
                 what = f"rank {r}, step {step + 1}: the returned shard"

@@ -29,11 +29,13 @@ def fmt_bytes(n: float) -> str:
     return f"{n / div:.2f} {unit}" if unit != "KiB" or n >= 1024 else f"{int(n)} B"
 
 
-def stacked_bars(bars: Mapping[str, Mapping[str, int]], title: str = "", ax=None, xlabel: str = ""):
-    """One stacked bar per entry of ``bars`` (label → {category: bytes}), totals written on top."""
+def stacked_bars(bars: Mapping[str, Mapping[str, int]], title: str = "", ax=None, xlabel: str = "",
+                 unit: tuple[float, str] | None = None):
+    """One stacked bar per entry of ``bars`` (label → {category: bytes}), totals written on top.
+    ``unit``: (divisor, name), e.g. ``(1e9, "GB")`` to match a table in decimal GB; default binary units."""
     ax = ax or plt.subplots(figsize=(1.6 + 1.3 * len(bars), 4))[1]
     totals = [sum(b.values()) for b in bars.values()]
-    div, unit = unit_for(max(totals + [1]))
+    div, unit = unit or unit_for(max(totals + [1]))
     cats = [c for c in COLORS if any(b.get(c, 0) for b in bars.values())]
     bottoms = [0.0] * len(bars)
     for c in cats:
