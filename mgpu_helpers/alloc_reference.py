@@ -1,0 +1,127 @@
+"""A CPU reference that sees every allocation: ``memory_allocated`` semantics in exact bytes.
+
+    with AllocationReference() as ref:           # start it before the model is built
+        model = build(); opt = make_opt(model)
+        ref.mark("step0")                        # or any torch.profiler.record_function range
+        loss = model(x).sum(); loss.backward(); opt.step()
+    ref.at("step0"), ref.peak_bytes, ref.peak_in("step0"), ref.final_bytes
+
+Why a second way of counting: a TorchDispatchMode (``MemoryTracker``) sees the storages that tensor ops
+make. It cannot see what C++ allocates behind no tensor of Python's -- DDP's gradient buckets, oneDNN's
+convolution scratch -- and it learns of a storage only when an op makes it (FSDP2 frees and re-grows its
+unsharded parameters with ``UntypedStorage.resize_``, which no op announces). ``torch.profiler.profile(
+activities=[CPU], profile_memory=True)`` records every allocation (+nbytes) and free (-nbytes) of the c10
+allocator of the device as a ``[memory]`` event with a nanosecond timestamp. Summed in time order from the
+start of the profile they give the bytes live at any instant: what ``torch.cuda.memory_allocated()`` would
+read on a GPU (without its 512-byte rounding) -- counted from the ``with``'s entry, so start it before
+anything you want counted exists (FACTS.md, "Memory on CPU": a decoder's step at one rank matched the
+planner to 8 bytes).
+
+Figures are known only after the ``with`` exits (the profiler hands its events over when it stops).
+Marks are ``record_function`` ranges: ``mark(label)`` makes a zero-length one; ``at(label)`` is the live
+bytes when the range with that name first opened (``occurrence=k``: the k-th, ``-1`` the last);
+``peak_in(label)`` is the highest live figure while it was open. Allocations of every thread count (the
+allocator is per process): gloo's and autograd's threads included. Costs: the profiler slows small ops
+down ~2x; nothing here runs on a GPU unless ``device="cuda"`` (then CUDA's ``[memory]`` events are summed).
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+__all__ = ["AllocationReference"]
+
+
+class AllocationReference:
+    """Live bytes of the device's allocator from entry on, from the profiler's ``[memory]`` events.
+
+    After the ``with``: ``peak_bytes`` (highest live figure), ``final_bytes`` (live at exit), ``at(label)``
+    (live when the mark/range ``label`` opened), ``peak_in(label)`` (highest while it was open),
+    ``marks`` (labels in the order they opened), ``timeline`` ((t_ns, live bytes) after each event)."""
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"AllocationReference(device={device!r}): the profiler's memory events "
+                             "cover 'cpu' and 'cuda' only")
+        self._kind = {"cpu": torch._C._autograd.DeviceType.CPU,
+                      "cuda": torch._C._autograd.DeviceType.CUDA}[self.device.type]
+        self._prof, self._done = None, False
+
+    def __enter__(self):
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._prof = profile(activities=acts, profile_memory=True, record_shapes=False)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        events = self._prof.profiler.kineto_results.events()
+        mem = sorted((e.start_ns(), e.nbytes()) for e in events
+                     if e.name() == "[memory]" and e.device_type() == self._kind)
+        self._ranges = {}  # name -> [(start_ns, end_ns)] in order of opening
+        for e in sorted((e for e in events if e.name() != "[memory]"), key=lambda e: e.start_ns()):
+            self._ranges.setdefault(e.name(), []).append((e.start_ns(), e.end_ns()))
+        live, self.timeline = 0, []
+        for t, n in mem:
+            live += n
+            self.timeline.append((t, live))
+        self._times = [t for t, _ in self.timeline]
+        self._done = True
+        return False
+
+    def mark(self, label: str) -> None:
+        """A zero-length range named ``label``: ``at(label)`` is the live bytes at this instant."""
+        with record_function(label):
+            pass
+
+    # ---- the figures (after exit) -----------------------------------------------------------------
+    def _need(self):
+        if not self._done:
+            raise RuntimeError("AllocationReference: figures exist once the `with` has exited "
+                               "(the profiler hands its events over when it stops)")
+
+    def _live_before(self, t_ns):
+        i = bisect.bisect_left(self._times, t_ns)  # events strictly before t_ns
+        return self.timeline[i - 1][1] if i else 0
+
+    def _range(self, label, occurrence):
+        self._need()
+        if label not in self._ranges:
+            known = [m for m in self.marks if not m.startswith(("aten::", "autograd::", "torch::"))][:20]
+            raise KeyError(f"AllocationReference: no mark or range named {label!r}; user marks seen: {known}")
+        return self._ranges[label][occurrence]
+
+    @property
+    def peak_bytes(self) -> int:
+        self._need()
+        return max([0] + [b for _, b in self.timeline])
+
+    @property
+    def final_bytes(self) -> int:
+        self._need()
+        return self.timeline[-1][1] if self.timeline else 0
+
+    @property
+    def marks(self) -> list:
+        self._need()
+        return sorted(self._ranges, key=lambda k: self._ranges[k][0][0])
+
+    def at(self, label: str, occurrence: int = 0) -> int:
+        """Live bytes when the ``occurrence``-th range named ``label`` opened."""
+        return self._live_before(self._range(label, occurrence)[0])
+
+    def peak_in(self, label: str, occurrence: int = 0) -> int:
+        """Highest live bytes while the ``occurrence``-th range named ``label`` was open (its entry included)."""
+        start, end = self._range(label, occurrence)
+        i, j = bisect.bisect_left(self._times, start), bisect.bisect_right(self._times, end)
+        return max([self._live_before(start)] + [b for _, b in self.timeline[i:j]])
+
+    def peak_between(self, start_label: str, end_label: str | None = None) -> int:
+        """Highest live bytes from the opening of ``start_label`` to that of ``end_label`` (or the end)."""
+        start = self._range(start_label, 0)[0]
+        end = self._range(end_label, 0)[0] if end_label is not None else float("inf")
+        i, j = bisect.bisect_left(self._times, start), bisect.bisect_left(self._times, end)
+        return max([self._live_before(start)] + [b for _, b in self.timeline[i:j]])
