@@ -10,24 +10,26 @@ Why a second way of counting: a TorchDispatchMode (``MemoryTracker``) sees the s
 make. It cannot see what C++ allocates behind no tensor of Python's -- DDP's gradient buckets, oneDNN's
 convolution scratch -- and it learns of a storage only when an op makes it (FSDP2 frees and re-grows its
 unsharded parameters with ``UntypedStorage.resize_``, which no op announces). ``torch.profiler.profile(
-activities=[CPU], profile_memory=True)`` records every allocation (+nbytes) and free (-nbytes) of the c10
-allocator of the device as a ``[memory]`` event with a nanosecond timestamp. Summed in time order from the
-start of the profile they give the bytes live at any instant: what ``torch.cuda.memory_allocated()`` would
-read on a GPU (without its 512-byte rounding) -- counted from the ``with``'s entry, so start it before
-anything you want counted exists (FACTS.md, "Memory on CPU": a decoder's step at one rank matched the
-planner to 8 bytes).
+activities=[CPU], profile_memory=True)`` records each allocation and free of the c10 allocator as an event
+with a nanosecond timestamp and the allocator's running total (``total_allocated``; on the CPU kept over
+every thread once c10's ``caffe2_report_cpu_memory_usage`` flag is on, which entry sets -- gloo's threads
+free tensors where the profiler records nothing). That total, less its value at entry, is the bytes live
+at any recorded instant: what ``torch.cuda.memory_allocated()`` would read on a GPU (without its 512-byte
+rounding) counted from the ``with``'s entry, so start it before anything you want counted exists
+(FACTS.md, "Memory on CPU": a decoder's step at one rank matched the planner to 8 bytes). A change made
+on another thread shows at the next recorded event of a profiled thread.
 
 Figures are known only after the ``with`` exits (the profiler hands its events over when it stops).
 Marks are ``record_function`` ranges: ``mark(label)`` makes a zero-length one; ``at(label)`` is the live
 bytes when the range with that name first opened (``occurrence=k``: the k-th, ``-1`` the last);
-``peak_in(label)`` is the highest live figure while it was open. Allocations of every thread count (the
-allocator is per process): gloo's and autograd's threads included. Costs: the profiler slows small ops
-down ~2x; nothing here runs on a GPU unless ``device="cuda"`` (then CUDA's ``[memory]`` events are summed).
+``peak_in(label)`` is the highest live figure while it was open. Costs: the profiler slows small ops down
+~2x. ``device="cuda"`` reads CUDA's events (the caching allocator's total) instead.
 """
 from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import os
 
 import torch
@@ -39,6 +41,48 @@ __all__ = ["AllocationReference", "profiler_running"]
 def profiler_running() -> bool:
     """True while a torch profiler is on in this process (a second one cannot start then)."""
     return torch._C._autograd._profiler_enabled()
+
+
+def _count_every_thread():
+    # The profiler records an allocation or a free only on threads where it is on; gloo's worker threads
+    # drop the last reference to some tensors (FSDP2's all-gather outputs), so a sum of the recorded
+    # events drifts. With c10's flag `caffe2_report_cpu_memory_usage`, ProfiledCPUMemoryReporter keeps one
+    # running total of every thread's allocations and frees (from when the flag is set), which each
+    # recorded event carries as `total_allocated` (found on branch issue18p). The flag stays on for the
+    # process: a mutex and a hash-map update per CPU allocation, and an INFO log line nobody prints.
+    flag = ctypes.c_bool.in_dll(_c10(), "FLAGS_caffe2_report_cpu_memory_usage")
+    if not flag.value:
+        # From now on each 1000th free of a block allocated before this line logs "Memory block of unknown
+        # size was allocated before the profiling started" on fd 2 (in a rank or a notebook: a line in the
+        # output, which nbval compares). Spend the first of those here, silenced.
+        block = torch.empty(1)
+        flag.value = True
+        with _quiet_stderr():
+            del block
+
+
+def _c10():
+    return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+
+
+@contextlib.contextmanager
+def _no_c10_warnings():
+    # While profiling, each 1000th free of a block allocated before the flag was set logs "Memory block of
+    # unknown size was allocated before the profiling started" (c10 LOG(WARNING), to fd 2: in a notebook,
+    # a line nbval would compare). Those frees are what memory_allocated-since-entry semantics ignore, so
+    # c10's warnings are raised to errors for the reference's lifetime only.
+    level = ctypes.c_int.in_dll(_c10(), "FLAGS_caffe2_log_level")
+    old, level.value = level.value, max(level.value, 2)
+    try:
+        yield
+    finally:
+        level.value = old
+
+
+def _walk(events):
+    for e in events:
+        yield e
+        yield from _walk(e.children)
 
 
 @contextlib.contextmanager
@@ -71,8 +115,6 @@ class AllocationReference:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"AllocationReference(device={device!r}): the profiler's memory events "
                              "cover 'cpu' and 'cuda' only")
-        self._kind = {"cpu": torch._C._autograd.DeviceType.CPU,
-                      "cuda": torch._C._autograd.DeviceType.CUDA}[self.device.type]
         self._prof, self._done = None, False
 
     def __enter__(self):
@@ -80,7 +122,11 @@ class AllocationReference:
         if profiler_running():
             raise RuntimeError("AllocationReference: a torch profiler is already running in this process; "
                                "only one can record at a time -- exit it first")
+        if self.device.type == "cpu":
+            _count_every_thread()
         self._prof = profile(activities=acts, profile_memory=True, record_shapes=False)
+        self._quiet = _no_c10_warnings()
+        self._quiet.__enter__()
         with _quiet_stderr():
             self._prof.__enter__()
         AllocationReference.running = self
@@ -90,16 +136,21 @@ class AllocationReference:
         AllocationReference.running = None
         with _quiet_stderr():
             self._prof.__exit__(*exc)
-        events = self._prof.profiler.kineto_results.events()
-        mem = sorted((e.start_ns(), e.nbytes()) for e in events
-                     if e.name() == "[memory]" and e.device_type() == self._kind)
-        self._ranges = {}  # name -> [(start_ns, end_ns)] in order of opening
-        for e in sorted((e for e in events if e.name() != "[memory]"), key=lambda e: e.start_ns()):
-            self._ranges.setdefault(e.name(), []).append((e.start_ns(), e.end_ns()))
-        live, self.timeline = 0, []
-        for t, n in mem:
-            live += n
-            self.timeline.append((t, live))
+        self._quiet.__exit__(None, None, None)
+        allocs, self._ranges = [], {}  # name -> [(start_ns, end_ns)] in order of opening
+        for e in _walk(self._prof.profiler.kineto_results.experimental_event_tree()):
+            f = e.extra_fields
+            if type(f).__name__ == "_ExtraFields_Allocation":
+                if f.device.type == self.device.type:
+                    allocs.append((e.start_time_ns, f.alloc_size, f.total_allocated))
+            else:
+                self._ranges.setdefault(e.name, []).append((e.start_time_ns, e.end_time_ns))
+        for spans in self._ranges.values():
+            spans.sort()
+        allocs.sort(key=lambda a: a[0])
+        # The allocator's running total of every thread, less its value just before the first event
+        zero = allocs[0][2] - allocs[0][1] if allocs else 0
+        self.timeline = [(t, total - zero) for t, _, total in allocs]
         self._times = [t for t, _ in self.timeline]
         self._done = True
         return False

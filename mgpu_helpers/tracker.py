@@ -113,6 +113,7 @@ class MemoryTracker(TorchDispatchMode):
         self._recs, self._cats, self._total = {}, dict.fromkeys(CATEGORIES, 0), 0
         self._phase, self._phase_peaks, self._timeline = "forward", {}, []
         self.exact, self._exact, self._sampling, self._reset_idx, self._ex_current = exact, None, False, 0, None
+        self._s_end = None  # timeline samples taken inside the `with` (set at exit)
         self._acc_peak = None  # the accounting's own peak, once the allocator's replaced it (CPU, exact)
         self._peak, self._peak_cats, self._peak_idx = 0, dict(self._cats), -1
         self._active, self._fwd_depth, self._in_opt, self._handles = False, 0, False, []
@@ -285,6 +286,7 @@ class MemoryTracker(TorchDispatchMode):
             self._frozen = (self.current_bytes, self.peak_bytes)
             self._active = self._sampling = False
             self._recs.clear()
+            self._s_end = len(self._timeline)
         if self._exact is not None and self._exact.on:
             self._exact.exit()
         torch.UntypedStorage.resize_ = self._orig_resize

@@ -21,6 +21,8 @@ something allocated before entry beyond the model and optimizer (an input batch)
 """
 from __future__ import annotations
 
+import threading
+
 from .alloc_reference import AllocationReference, profiler_running
 
 
@@ -28,7 +30,7 @@ class ExactCPU:
     """The profiler side of one MemoryTracker: start (or join) a reference, sample, and reconcile."""
 
     def __init__(self, tracker, required: bool):
-        self.tracker, self.n_samples, self.done = tracker, 0, False
+        self.tracker, self.idx, self.done = tracker, [], False
         self.name = f"mgpu.tracker.{id(tracker)}"
         self.ref, self.own = AllocationReference.running, False
         if self.ref is None:
@@ -40,15 +42,18 @@ class ExactCPU:
                 return
             self.ref, self.own = AllocationReference(tracker.device), True
             self.ref.__enter__()
-        self.n_samples, self.done, self.s0 = 0, False, len(tracker._timeline)
+        self.idx, self.thread = [], threading.get_ident()
 
     @property
     def on(self) -> bool:
         return self.ref is not None
 
     def sample(self) -> None:
-        self.n_samples += 1
-        self.ref.sample(self.name)
+        # Only the thread that entered is profiled: a sample taken on another (a free run by gloo's worker
+        # thread) gets no time of its own and carries the offset of the sample before it.
+        if threading.get_ident() == self.thread:
+            self.idx.append(len(self.tracker._timeline) - 1)
+            self.ref.sample(self.name)
 
     def exit(self) -> None:
         self.ref.sample(self.name + ".exit")
@@ -65,23 +70,24 @@ class ExactCPU:
         self.done = True
         mt, ref = self.tracker, self.ref
         times, end = ref.times(self.name), ref.times(self.name + ".exit")
-        if len(times) != self.n_samples or len(end) != 1:
-            raise RuntimeError(f"MemoryTracker: {len(times)} profiler samples for {self.n_samples} timeline "
-                               "samples -- the profile lost events; figures are the accounting alone")
-        s0 = self.s0
-        base = mt._timeline[s0][1] - ref.live_at(times[0])
+        if len(times) != len(self.idx) or len(end) != 1:
+            raise RuntimeError(f"MemoryTracker: {len(times)} profiler samples for {len(self.idx)} timeline "
+                               "samples -- the profile lost events")
+        base = mt._timeline[self.idx[0]][1] - ref.live_at(times[0])  # accounted at entry = allocator there
         segs = ref.segment_peaks(times, end=end[0])
+        bounds = self.idx[1:] + [len(mt._timeline) if mt._s_end is None else mt._s_end]
         phase_peaks, peak = {}, None
-        for k, (t, (pk, _)) in enumerate(zip(times, segs)):
-            i = s0 + k
-            phase, acc, cats = mt._timeline[i]
-            total = base + ref.live_at(t)
-            cats = dict(cats)
-            cats["other"] += total - acc
-            mt._timeline[i] = (phase, total, cats)
-            phase_peaks[phase] = max(phase_peaks.get(phase, pk + base), pk + base)
-            if i >= mt._reset_idx and (peak is None or pk + base > peak[0]):
-                peak = (pk + base, i)
+        for i, j, t, (pk, _) in zip(self.idx, bounds, times, segs):
+            offset = base + ref.live_at(t) - mt._timeline[i][1]  # allocator - accounted at sample i
+            for k in range(i, j):  # sample i and the unprofiled ones up to the next profiled one
+                phase, acc, cats = mt._timeline[k]
+                mt._timeline[k] = (phase, acc + offset, {**cats, "other": cats["other"] + offset})
+            phase = mt._timeline[i][0]
+            top = max([pk + base] + [mt._timeline[k][1] for k in range(i, j)])
+            phase_peaks[phase] = max(phase_peaks.get(phase, top), top)
+            if i >= mt._reset_idx and (peak is None or top > peak[0]):
+                at = i if top == pk + base else max(range(i, j), key=lambda k: mt._timeline[k][1])
+                peak = (top, at)
         for ph, v in mt._phase_peaks.items():  # phases marked after the exit keep their accounted figure
             phase_peaks.setdefault(ph, v)
         mt._phase_peaks = {ph: phase_peaks[ph] for ph in mt._phase_peaks}
