@@ -103,7 +103,35 @@ def _quiet_stderr():
         os.close(fd)
 
 
-class AllocationReference:
+class _Series:
+    """Live bytes after each allocator event: ``timeline`` [(t_ns, live)], read at any instant."""
+
+    def __init__(self, times, timeline):
+        self._times, self.timeline = times, timeline
+
+    def live_at(self, t_ns) -> int:
+        """Live bytes just after time ``t_ns`` (events at ``t_ns`` included: a sample follows its event)."""
+        i = bisect.bisect_right(self._times, t_ns)
+        return self.timeline[i - 1][1] if i else 0
+
+    def segment_peaks(self, starts, end=None):
+        """For sorted times ``starts``: [(peak, t_of_peak)] over [starts[k], starts[k+1]) (the last: to
+        ``end`` or the end of the profile), the live figure at each start included -- what happens between two samples (a kernel's
+        scratch, allocated and freed inside one op) belongs to the first."""
+        out = []
+        for k, t0 in enumerate(starts):  # events in (t0, next start): live_at(t0) already holds those at t0
+            best = (self.live_at(t0), t0)
+            j = bisect.bisect_right(self._times, t0)
+            nxt = starts[k + 1] if k + 1 < len(starts) else end
+            end_i = bisect.bisect_left(self._times, nxt) if nxt is not None else len(self._times)
+            for i in range(j, end_i):
+                if self.timeline[i][1] > best[0]:
+                    best = (self.timeline[i][1], self._times[i])
+            out.append(best)
+        return out
+
+
+class AllocationReference(_Series):
     """Live bytes of the device's allocator from entry on, from the profiler's ``[memory]`` events.
 
     After the ``with``: ``peak_bytes`` (highest live figure), ``final_bytes`` (live at exit), ``at(label)``
@@ -116,6 +144,7 @@ class AllocationReference:
             raise ValueError(f"AllocationReference(device={device!r}): the profiler's memory events "
                              "cover 'cpu' and 'cuda' only")
         self._prof, self._done = None, False
+        super().__init__([], [])
 
     def __enter__(self):
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -142,7 +171,7 @@ class AllocationReference:
             f = e.extra_fields
             if type(f).__name__ == "_ExtraFields_Allocation":
                 if f.device.type == self.device.type:
-                    allocs.append((e.start_time_ns, f.alloc_size, f.total_allocated))
+                    allocs.append((e.start_time_ns, f.alloc_size, f.total_allocated, f.ptr))
             else:
                 self._ranges.setdefault(e.name, []).append((e.start_time_ns, e.end_time_ns))
         for spans in self._ranges.values():
@@ -150,8 +179,9 @@ class AllocationReference:
         allocs.sort(key=lambda a: a[0])
         # The allocator's running total of every thread, less its value just before the first event
         zero = allocs[0][2] - allocs[0][1] if allocs else 0
-        self.timeline = [(t, total - zero) for t, _, total in allocs]
+        self.timeline = [(t, total - zero) for t, _, total, _ in allocs]
         self._times = [t for t, _ in self.timeline]
+        self._blocks = [(n, ptr) for _, n, _, ptr in allocs]
         self._done = True
         return False
 
@@ -180,26 +210,24 @@ class AllocationReference:
             raise RuntimeError("AllocationReference: figures exist once the `with` has exited "
                                "(the profiler hands its events over when it stops)")
 
-    def live_at(self, t_ns) -> int:
-        """Live bytes just after time ``t_ns`` (events at ``t_ns`` included: a sample follows its event)."""
-        i = bisect.bisect_right(self._times, t_ns)
-        return self.timeline[i - 1][1] if i else 0
-
-    def segment_peaks(self, starts, end=None):
-        """For sorted times ``starts``: [(peak, t_of_peak)] over [starts[k], starts[k+1]) (the last: to
-        ``end`` or the end of the profile), the live figure at each start included -- what happens between two samples (a kernel's
-        scratch, allocated and freed inside one op) belongs to the first."""
-        out = []
-        for k, t0 in enumerate(starts):  # events in (t0, next start): live_at(t0) already holds those at t0
-            best = (self.live_at(t0), t0)
-            j = bisect.bisect_right(self._times, t0)
-            nxt = starts[k + 1] if k + 1 < len(starts) else end
-            end_i = bisect.bisect_left(self._times, nxt) if nxt is not None else len(self._times)
-            for i in range(j, end_i):
-                if self.timeline[i][1] > best[0]:
-                    best = (self.timeline[i][1], self._times[i])
-            out.append(best)
-        return out
+    def since(self, t0, keep=()) -> "_Series":
+        """The live figure from ``t0`` on as the tracker counts it: a free of a block allocated before ``t0``
+        (by address) does not lower it, unless the address is in ``keep`` (blocks it counted at ``t0``: the
+        model's and optimizer's). Without this, memory that merely became garbage earlier -- a previous
+        model collected by ``gc`` during the step -- would make the figure drop below what the step holds."""
+        made, keep, back, lives = set(), set(keep), 0, []
+        for (t, live), (n, ptr) in zip(self.timeline, self._blocks):
+            if t > t0:  # events at t0 are in live_at(t0) already
+                if n > 0:
+                    made.add(ptr)
+                elif ptr in made:
+                    made.discard(ptr)
+                elif ptr in keep:
+                    keep.discard(ptr)
+                else:
+                    back -= n
+            lives.append(live + back)
+        return _Series(self._times, list(zip(self._times, lives)))
 
     def _live_before(self, t_ns):
         i = bisect.bisect_left(self._times, t_ns)  # events strictly before t_ns
@@ -243,3 +271,8 @@ class AllocationReference:
         end = self._range(end_label, 0)[0] if end_label is not None else float("inf")
         i, j = bisect.bisect_left(self._times, start), bisect.bisect_left(self._times, end)
         return max([self._live_before(start)] + [b for _, b in self.timeline[i:j]])
+
+
+# As early as the package is imported: blocks allocated before the flag is set have no size on record, and
+# their frees (a model built before the first reference, freed inside it) would go uncounted.
+_count_every_thread()

@@ -25,6 +25,16 @@ on an H200) and allocator slack. bench/tracker_vs_cuda.py: within 14 KiB, but fp
 On CUDA, ``current_bytes``/``peak_bytes`` read the allocator, minus what was allocated at entry beyond the
 model and optimizer (a batch, cuBLAS workspace; entry resets the peak stats); the breakdowns are the
 accounting with ``other`` absorbing the difference (``accounted_bytes``/``accounted_peak_bytes``: alone).
+On the CPU (exact bytes, ``exact=None`` or ``True``) the same, with the profiler's record of the c10
+allocator standing in for ``memory_allocated`` (tracker_exact.py, alloc_reference.py): what no tensor op
+announces -- DDP's gradient buckets, oneDNN's convolution scratch, foreach's wrapped scalars -- lands in
+``other``, and the peak includes what lives between two samples. These figures exist once the ``with``
+has exited (inside it, ``current_bytes`` is the accounting), or once an enclosing ``AllocationReference``
+exits, which the tracker joins rather than start a second profiler. ``exact=False``, another profiler
+running, ``round_to`` > 1 or a fake mode: the accounting alone. tests/test_tracker_ranks.py: equal to the
+allocator at every mark and peak under DDP, ZeRO-1 and FSDP2 on 2 and 4 gloo ranks.
+Storages re-grown with ``UntypedStorage.resize_`` count from the ``with`` on, wherever they were made
+(FSDP2 frees its unsharded parameters with ``resize_(0)`` after each use and re-grows them before the next).
 
 What torch has: ``torch.distributed._tools.mem_tracker.MemTracker``, a TorchDispatchMode keeping a weakref
 per ``UntypedStorage``, patching ``UntypedStorage.resize_`` (unseen by dispatch; FSDP2 frees with it),
@@ -87,7 +97,9 @@ class MemoryTracker(TorchDispatchMode):
     inputs, the loss, backward and optimizer temporaries), ``mark(label)`` starts a phase,
     ``phase_peaks()`` the peak within each, ``timeline`` the total after every allocation and free.
 
-    On a CPU the tracker follows allocations and frees through the dispatcher. On CUDA, ``current_bytes``
+    On a CPU the tracker follows allocations and frees through the dispatcher, and (``exact``, the default
+    for exact bytes) reads the c10 allocator's own record through the profiler once the ``with`` exits, so
+    that what no tensor owns is counted too, in ``other``. On CUDA, ``current_bytes``
     and ``peak_bytes`` read the caching allocator (minus what was allocated at entry beyond the model and
     optimizer); ``accounted_bytes`` / ``accounted_peak_bytes`` are always the tracker's own count of tensors,
     which the breakdowns add up to (on CUDA ``other`` absorbs any difference from the allocator's figure).
@@ -109,6 +121,9 @@ class MemoryTracker(TorchDispatchMode):
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self._cuda = device, device.type == "cuda"
         self.round_to = round_to or (CUDA_BLOCK if self._cuda else 1)
+        if exact and (self.device.type != "cpu" or self.round_to != 1):
+            raise ValueError(f"MemoryTracker(exact=True) reads the CPU allocator's exact bytes: device "
+                             f"{self.device}, round_to={self.round_to} cannot be (use exact=None)")
         self._lock = threading.RLock()  # frees can arrive from autograd's device threads
         self._recs, self._cats, self._total = {}, dict.fromkeys(CATEGORIES, 0), 0
         self._phase, self._phase_peaks, self._timeline = "forward", {}, []
@@ -241,13 +256,16 @@ class MemoryTracker(TorchDispatchMode):
 
     def __enter__(self):
         self._fake_on_entry = active_fake_mode()
-        if self.device.type == "cpu" and self.exact is not False and self._fake_on_entry is None:
+        if (self.device.type == "cpu" and self.round_to == 1 and self.exact is not False
+                and self._fake_on_entry is None):
             self._exact = ExactCPU(self, required=bool(self.exact))  # starts (or joins) the profiler
             self._sampling = self._exact.on
         with self._lock:
             buffers = list(self.model.buffers()) if self.model is not None else []
             self._claim(buffers + self._params(), "parameters", add=True)
             self._scan(state=True)
+            if self._sampling:
+                self._exact.seeded()
             self._sample()
         h = self._handles
         for m in self.model.modules() if self.model is not None else ():

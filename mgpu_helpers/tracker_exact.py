@@ -48,6 +48,11 @@ class ExactCPU:
     def on(self) -> bool:
         return self.ref is not None
 
+    def seeded(self) -> None:
+        """After the tracker counted its seeds: their addresses, whose frees the allocator must count."""
+        self.seed_ptrs = {st.data_ptr() for st in (r.ref() for r in self.tracker._recs.values())
+                          if st is not None and st.nbytes()}
+
     def sample(self) -> None:
         # Only the thread that entered is profiled: a sample taken on another (a free run by gloo's worker
         # thread) gets no time of its own and carries the offset of the sample before it.
@@ -73,6 +78,8 @@ class ExactCPU:
         if len(times) != len(self.idx) or len(end) != 1:
             raise RuntimeError(f"MemoryTracker: {len(times)} profiler samples for {len(self.idx)} timeline "
                                "samples -- the profile lost events")
+        # From the entry on, blocks that were live then count only if the tracker counted them (its seeds)
+        ref = ref.since(times[0], self.seed_ptrs)
         base = mt._timeline[self.idx[0]][1] - ref.live_at(times[0])  # accounted at entry = allocator there
         segs = ref.segment_peaks(times, end=end[0])
         bounds = self.idx[1:] + [len(mt._timeline) if mt._s_end is None else mt._s_end]
