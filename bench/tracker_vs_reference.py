@@ -85,7 +85,7 @@ def measure(rank, world, kind, method):
         step()
         step()
         ref.mark("entry")
-        with MemoryTracker(model, opt) as mt:
+        with MemoryTracker(model, opt, exact=True) as mt:
             def marks(label):
                 ref.mark(label)
                 if label != "forward":

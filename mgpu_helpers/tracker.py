@@ -25,14 +25,16 @@ on an H200) and allocator slack. bench/tracker_vs_cuda.py: within 14 KiB, but fp
 On CUDA, ``current_bytes``/``peak_bytes`` read the allocator, minus what was allocated at entry beyond the
 model and optimizer (a batch, cuBLAS workspace; entry resets the peak stats); the breakdowns are the
 accounting with ``other`` absorbing the difference (``accounted_bytes``/``accounted_peak_bytes``: alone).
-On the CPU (exact bytes, ``exact=None`` or ``True``) the same, with the profiler's record of the c10
-allocator standing in for ``memory_allocated`` (tracker_exact.py, alloc_reference.py): what no tensor op
-announces -- DDP's gradient buckets, oneDNN's convolution scratch, foreach's wrapped scalars -- lands in
-``other``, and the peak includes what lives between two samples. These figures exist once the ``with``
-has exited (inside it, ``current_bytes`` is the accounting), or once an enclosing ``AllocationReference``
-exits, which the tracker joins rather than start a second profiler. ``exact=False``, another profiler
-running, ``round_to`` > 1 or a fake mode: the accounting alone. tests/test_tracker_ranks.py: equal to the
-allocator at every mark and peak under DDP, ZeRO-1 and FSDP2 on 2 and 4 gloo ranks.
+On the CPU with ``exact=True`` -- the default inside ranks (a process group initialised) -- the same, with
+the profiler's record of the c10 allocator standing in for ``memory_allocated`` (tracker_exact.py,
+alloc_reference.py): what no tensor op announces -- DDP's gradient buckets, oneDNN's convolution scratch,
+foreach's wrapped scalars, checkpoint's saved RNG states -- lands in ``other``, and the peak includes what
+lives between two samples. These figures exist once the ``with`` has exited (inside it, ``current_bytes``
+is the accounting), or once an enclosing ``AllocationReference`` exits, which the tracker joins rather than
+start a second profiler. ``exact=False``, one process without ``exact=True`` (the single-process notebooks'
+figures and checks are the accounting's; issue 18), another profiler running, ``round_to`` > 1 or a fake
+mode: the accounting alone. tests/test_tracker_ranks.py: equal to the allocator at every mark and peak
+under DDP, ZeRO-1 and FSDP2 on 2 and 4 gloo ranks, and for a conv net in one process.
 Storages re-grown with ``UntypedStorage.resize_`` count from the ``with`` on, wherever they were made
 (FSDP2 frees its unsharded parameters with ``resize_(0)`` after each use and re-grows them before the next).
 
@@ -56,6 +58,7 @@ import threading
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrapper_subclass,
                                           is_traceable_wrapper_subclass_type)
@@ -97,9 +100,9 @@ class MemoryTracker(TorchDispatchMode):
     inputs, the loss, backward and optimizer temporaries), ``mark(label)`` starts a phase,
     ``phase_peaks()`` the peak within each, ``timeline`` the total after every allocation and free.
 
-    On a CPU the tracker follows allocations and frees through the dispatcher, and (``exact``, the default
-    for exact bytes) reads the c10 allocator's own record through the profiler once the ``with`` exits, so
-    that what no tensor owns is counted too, in ``other``. On CUDA, ``current_bytes``
+    On a CPU the tracker follows allocations and frees through the dispatcher, and with ``exact`` (the
+    default inside ranks) reads the c10 allocator's own record through the profiler once the ``with``
+    exits, so that what no tensor owns is counted too, in ``other``. On CUDA, ``current_bytes``
     and ``peak_bytes`` read the caching allocator (minus what was allocated at entry beyond the model and
     optimizer); ``accounted_bytes`` / ``accounted_peak_bytes`` are always the tracker's own count of tensors,
     which the breakdowns add up to (on CUDA ``other`` absorbs any difference from the allocator's figure).
@@ -256,8 +259,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def __enter__(self):
         self._fake_on_entry = active_fake_mode()
-        if (self.device.type == "cpu" and self.round_to == 1 and self.exact is not False
-                and self._fake_on_entry is None):
+        # exact=None: inside ranks (a process group is up: DDP's buckets, FSDP2's re-grown parameters, gloo's
+        # threads); in one process the accounting of tensors is the course's figure (see the docstring)
+        want = self.exact if self.exact is not None else dist.is_available() and dist.is_initialized()
+        if want and self.device.type == "cpu" and self.round_to == 1 and self._fake_on_entry is None:
             self._exact = ExactCPU(self, required=bool(self.exact))  # starts (or joins) the profiler
             self._sampling = self._exact.on
         with self._lock:
