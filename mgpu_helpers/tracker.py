@@ -25,16 +25,9 @@ on an H200) and allocator slack. bench/tracker_vs_cuda.py: within 14 KiB, but fp
 On CUDA, ``current_bytes``/``peak_bytes`` read the allocator, minus what was allocated at entry beyond the
 model and optimizer (a batch, cuBLAS workspace; entry resets the peak stats); the breakdowns are the
 accounting with ``other`` absorbing the difference (``accounted_bytes``/``accounted_peak_bytes``: alone).
-On the CPU with ``exact=True`` -- the default inside ranks (a process group initialised) -- the same, with
-the profiler's record of the c10 allocator standing in for ``memory_allocated`` (tracker_exact.py,
-alloc_reference.py): what no tensor op announces -- DDP's gradient buckets, oneDNN's convolution scratch,
-foreach's wrapped scalars, checkpoint's saved RNG states -- lands in ``other``, and the peak includes what
-lives between two samples. These figures exist once the ``with`` has exited (inside it, ``current_bytes``
-is the accounting), or once an enclosing ``AllocationReference`` exits, which the tracker joins rather than
-start a second profiler. ``exact=False``, one process without ``exact=True`` (the single-process notebooks'
-figures and checks are the accounting's; issue 18), another profiler running, ``round_to`` > 1 or a fake
-mode: the accounting alone. tests/test_tracker_ranks.py: equal to the allocator at every mark and peak
-under DDP, ZeRO-1 and FSDP2 on 2 and 4 gloo ranks, and for a conv net in one process.
+On the CPU, ``exact=True`` (the default inside ranks: a process group is up) does the same with the c10
+allocator's record from the profiler (tracker_exact.py says how and when; ``exact=False`` or one process:
+the accounting alone, the single-process notebooks' figures and checks).
 Storages re-grown with ``UntypedStorage.resize_`` count from the ``with`` on, wherever they were made
 (FSDP2 frees its unsharded parameters with ``resize_(0)`` after each use and re-grows them before the next).
 
@@ -100,16 +93,12 @@ class MemoryTracker(TorchDispatchMode):
     inputs, the loss, backward and optimizer temporaries), ``mark(label)`` starts a phase,
     ``phase_peaks()`` the peak within each, ``timeline`` the total after every allocation and free.
 
-    On a CPU the tracker follows allocations and frees through the dispatcher, and with ``exact`` (the
-    default inside ranks) reads the c10 allocator's own record through the profiler once the ``with``
-    exits, so that what no tensor owns is counted too, in ``other``. On CUDA, ``current_bytes``
-    and ``peak_bytes`` read the caching allocator (minus what was allocated at entry beyond the model and
-    optimizer); ``accounted_bytes`` / ``accounted_peak_bytes`` are always the tracker's own count of tensors,
-    which the breakdowns add up to (on CUDA ``other`` absorbs any difference from the allocator's figure).
-    What the counting never sees: memory that libraries take through the allocator without a tensor of
-    yours -- cuBLAS's workspaces (made by the first matrix multiply of a process and kept; notebooks 01 and
-    02 measure them), kernels' scratch buffers -- and, like memory_allocated itself, the allocator's cache,
-    the CUDA context and NCCL's buffers.
+    On CUDA, ``current_bytes`` and ``peak_bytes`` read the caching allocator (minus what was allocated at
+    entry beyond the model and optimizer), and so on a CPU with ``exact`` (default inside ranks) the c10
+    allocator's record, once the ``with`` exits; ``accounted_bytes`` / ``accounted_peak_bytes`` are the
+    count of tensors alone, and ``other`` absorbs the difference (cuBLAS's workspaces, kernels' scratch,
+    DDP's buckets). Never seen, as by memory_allocated: the allocator's cache, the CUDA context, NCCL's
+    buffers.
 
     ``round_to``: ``memory_allocated`` counts 512-byte allocator blocks. ``None`` counts exact bytes on the
     CPU and 512-byte blocks on CUDA; ``round_to=512`` on the CPU rounds each storage up as a GPU would.

@@ -15,6 +15,15 @@ So on the CPU the tracker plays the same game with the profiler's ``[memory]`` e
 * the peak and each phase's peak take the highest allocator figure *between* samples too (a scratch
   buffer allocated and freed inside one op), with the categories of the sample before it.
 
+What no tensor op announces lands in ``other``: DDP's gradient buckets, oneDNN's convolution scratch,
+foreach's wrapped scalars, checkpoint's saved RNG states. The figures exist once the tracker's ``with`` has
+exited (inside it ``current_bytes`` is the accounting) -- or, when the tracker joined an enclosing
+``AllocationReference`` rather than start a second profiler, once that one exits. Off (the accounting
+alone): ``exact=False``; by default in one process, whose notebooks and checks use the accounting (turning
+it on there changes their figures by those bytes: a follow-up); another profiler running; ``round_to`` >
+1; a fake mode. tests/test_tracker_ranks.py: equal to the allocator at every mark, phase peak and peak
+under DDP, ZeRO-1 + DDP and FSDP2 on 2 and 4 gloo ranks, and for a conv net in one process.
+
 ``other`` = allocator - accounted, at every sample and at the peak. It can be negative only when
 something allocated before entry beyond the model and optimizer (an input batch) is freed inside the
 ``with`` -- as on CUDA, where the same free lowers ``memory_allocated``.
