@@ -37,12 +37,12 @@ class ConvNet(nn.Module):
 
 
 def make(kind, rank):
-    torch.manual_seed(0)
+    """(model factory, batch, loss): the batch is made before the reference starts, the model inside it."""
     g = torch.Generator().manual_seed(rank)
     if kind == "decoder":
-        return Decoder(512, 64, 2, 4, 172), token_batch(2, 16, 512, seed=rank), lm_loss
+        return lambda: Decoder(512, 64, 2, 4, 172), token_batch(2, 16, 512, seed=rank), lm_loss
     x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
-    return ConvNet(), (x, y), F.cross_entropy
+    return ConvNet, (x, y), F.cross_entropy
 
 
 def wrap(model, method):
@@ -68,9 +68,10 @@ def wrap(model, method):
 
 
 def measure(rank, world, kind, method):
-    model, (x, y), loss_fn = make(kind, rank)
+    factory, (x, y), loss_fn = make(kind, rank)
     with AllocationReference() as ref:
-        model, opt, stepper = wrap(model, method)
+        torch.manual_seed(0)
+        model, opt, stepper = wrap(factory(), method)
 
         def step(marks=lambda label: None):
             marks("forward")
