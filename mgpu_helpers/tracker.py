@@ -235,13 +235,14 @@ class MemoryTracker(TorchDispatchMode):
 
     def _resize_hook(self, orig):
         def resize_(st, size):  # the dispatcher never sees UntypedStorage.resize_ (FSDP2 frees with it)
+            before = st.nbytes()
             r = orig(st, size)
             if self._active and st.device == self.device:
                 with self._lock:  # FSDP2 re-grows storages it made before the `with`: new bytes, counted
                     rec = self._recs.get(st._cdata)
                     if rec is not None:
                         self._resized(rec, st)
-                    else:  # "other" until a forward claims it as a parameter (FSDP2's unsharded ones)
+                    elif st.nbytes() != before:  # a new block ("other" until a forward claims it)
                         self._add(st, "other")
             return r
         return resize_

@@ -24,7 +24,9 @@ it on there changes their figures by those bytes: a follow-up); another profiler
 1; a fake mode. tests/test_tracker_ranks.py: equal to the allocator at every mark, phase peak and peak
 under DDP, ZeRO-1 + DDP and FSDP2 on 2 and 4 gloo ranks, and for a conv net in one process.
 
-``other`` = allocator - accounted, at every sample and at the peak. It can be negative only when
+``other`` = allocator - accounted, at every sample and at the peak. One blind spot: a block from before the
+entry that gloo's worker thread frees (the profiler records nothing on that thread, only the running
+total shows it) lowers the figure, as it would lower ``memory_allocated``: a few KB at most, seen once. It can be negative only when
 something allocated before entry beyond the model and optimizer (an input batch) is freed inside the
 ``with`` -- as on CUDA, where the same free lowers ``memory_allocated``.
 """

@@ -105,10 +105,11 @@ def test_tracker_equals_allocator_on_ranks(method, world):
     results = run_ranks(measure, world, method, backend="gloo", timeout=300)
     for rank, r in enumerate(results):
         assert_matches(r, f"{method} rank {rank}/{world}")
-        if "ddp" in method:  # DDP's buckets: one copy of every gradient, made before the tracker's entry
-            assert r["gap"] == r["grad_bytes"], (method, rank, r["gap"], r["grad_bytes"])
-        else:  # FSDP2's DeviceMesh keeps its ranks as an int32 tensor, made before the entry
-            assert r["gap"] == 4 * world, (method, rank, r["gap"])
+        # Live at entry beyond the model and optimizer: DDP's buckets (one copy of every gradient) or FSDP2's
+        # DeviceMesh (its ranks as an int32 tensor); plus, in some runs, a buffer of the warm-up's last
+        # collective that gloo's worker thread has not let go of yet (1.6 KB seen; notebook 04 explains).
+        expected = r["grad_bytes"] if "ddp" in method else 4 * world
+        assert expected <= r["gap"] <= expected + 4096, (method, rank, r["gap"], expected)
 
 
 class ConvNet(nn.Module):
