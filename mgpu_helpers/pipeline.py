@@ -4,15 +4,15 @@ Rank r keeps a contiguous share of the layers (its *stage*), receives activation
 ``dist.recv``, sends its output to rank r+1 with ``dist.send``, and in backward passes gradients the other
 way. GPipe cuts the batch into m micro-batches and runs all their forwards, then all their backwards, so
 that stages work at the same time; the ramp-up and ramp-down leave each rank idle a fraction
-(p-1)/(m+p-1) of the step: the *bubble*. ``gpipe_step`` is the reference; ``StepRecorder`` watches a
+(p-1)/(m+p-1) of the step: the *bubble*. ``StepRecorder`` watches a
 rank's sends, receives and stage (a step clock carried along with every message, a timeout on every
 wait) so that a check can tell a right answer from a deadlock, and a timeline can be drawn.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import time
+import warnings
 
 import matplotlib.pyplot as plt
 import torch
@@ -50,48 +50,6 @@ def single_process_step(model: nn.Module, inputs, targets) -> float:
     loss = F.cross_entropy(model(inputs), targets)
     loss.backward()
     return loss.item()
-
-
-@contextlib.contextmanager
-def _busy(timeline, kind, j):
-    t0 = time.perf_counter()  # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
-    yield
-    if timeline is not None:
-        timeline.append((kind, j, t0, time.perf_counter()))
-
-
-def gpipe_step(model: nn.Sequential, inputs, targets, n_micro: int, timeline: list | None = None):
-    """Reference GPipe forward + backward of ``model`` split over the ranks (every rank passes the same model
-    and batch; each uses its own stage). Leaves each stage's gradients in its parameters; returns the batch's
-    mean loss on the last rank, None elsewhere. ``timeline`` collects (kind, micro-batch, t0, t1)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if len(inputs) % n_micro:
-        raise ValueError(f"n_micro={n_micro} does not divide the batch of {len(inputs)} samples")
-    start, end = stage_bounds(len(model), world)[rank]
-    stage, first, last = model[start:end], rank == 0, rank == world - 1
-    saved, loss = [], 0.0
-    for j, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):  # all forwards...
-        if not first:
-            x = torch.empty_like(x)
-            dist.recv(x, src=rank - 1)
-            x.requires_grad_()  # its gradient is what we send back
-        with _busy(timeline, "F", j):
-            out = stage(x)
-            out = F.cross_entropy(out, y) / n_micro if last else out  # the micro-batch's share of the mean
-        if not last:
-            dist.send(out.detach(), dst=rank + 1)
-        saved.append((x, out))
-    for j, (x, out) in enumerate(saved):  # ...then all backwards
-        grad = None
-        if not last:
-            grad = torch.empty_like(out)
-            dist.recv(grad, src=rank + 1)
-        with _busy(timeline, "B", j):
-            out.backward(grad)
-        loss += out.item() if last else 0.0
-        if not first:
-            dist.send(x.grad, dst=rank - 1)
-    return loss if last else None
 
 
 # --- watching a rank: its sends/recvs (with a timeout and a step clock) and its stage ---------------
@@ -181,17 +139,32 @@ def step_timeline(rank: int, world_size: int, fn, n_layers: int, n_micro: int, w
     return {"steps": rec.steps, "clock": rec.clock}
 
 
-def wall_timeline(rank: int, world_size: int, n_micro: int, n_layers: int = 8, width: int = 384,
+def wall_timeline(rank: int, world_size: int, fn, n_micro: int, n_layers: int = 8, width: int = 384,
                   batch: int = 384, repeats: int = 3) -> list:
-    """In a rank: ``gpipe_step``'s busy intervals (kind, micro-batch, t0, t1) in seconds, best of ``repeats``."""
+    """In a rank: the busy intervals (kind, micro-batch, t0, t1), in seconds, of one step of ``fn``
+    (pipeline_step's signature), best of ``repeats``. Hooks on this rank's stage time them: a forward from its
+    first block's start to its last block's end, a backward from its last block's start to its first's end."""
     model, (x, y), best = make_model(n_layers, width), make_batch(batch, width), None
+    start, end = stage_bounds(n_layers, world_size)[rank]
+    first, last, timeline, began = model[start], model[end - 1], [], {}
+    now = time.perf_counter  # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
+
+    def done(kind):
+        timeline.append((kind, sum(k == kind for k, *_ in timeline), began[kind], now()))
+    first.register_forward_pre_hook(lambda m, a: began.update(F=now()))
+    last.register_forward_hook(lambda m, a, out: done("F"))
+    last.register_full_backward_pre_hook(lambda m, g: began.update(B=now()))
+    first.register_full_backward_hook(lambda m, gi, go: done("B"))
     for _ in range(repeats):
         dist.barrier()  # start together
-        timeline = []
-        gpipe_step(model, x, y, n_micro, timeline)
+        timeline.clear()
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # rank 0's first block has no input gradient: torch says so, once
+            warnings.simplefilter("ignore", UserWarning)
+            fn(model, x, y, n_micro)
         span = torch.tensor([timeline[-1][3] - timeline[0][2]])
         dist.all_reduce(span, op=dist.ReduceOp.MAX)  # keep the repeat that was fastest on every rank
-        best = (span.item(), timeline) if best is None or span.item() < best[0] else best
+        best = (span.item(), list(timeline)) if best is None or span.item() < best[0] else best
     return best[1]
 
 

@@ -180,19 +180,6 @@ def plot_peaks(rows: dict, world_sizes, title: str, ax=None):
     return ax
 
 
-def reference_reduce_scatter(params):
-    """A correct ZeRO-2 gradient reduce-scatter for the script and the tests (exercise 8.2 writes its own)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    n = -(-flat.numel() // world)
-    flat = F.pad(flat, (0, n * world - flat.numel()))
-    for p in params:
-        p.grad = None
-    shard = flat.new_empty(n)
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, flat)
-    return shard / world
-
-
 def _demo(rank, world_size):
     """The script: FSDP2 and ZeroRedundancyOptimizer train like one process; rank 0's bytes vs the formula."""
     widths, lines = [32, 128, 128, 128, 10], []
@@ -208,7 +195,7 @@ def _demo(rank, world_size):
 
 
 __all__ = ["STAGE", "build", "measure", "sweep", "fake_world", "trains_like_one_process", "formula",
-           "plot_per_rank", "plot_peaks", "reference_reduce_scatter", "all_gather_flat"]
+           "plot_per_rank", "plot_peaks", "all_gather_flat"]
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m mgpu_helpers.sharding_fsdp

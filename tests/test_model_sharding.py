@@ -6,10 +6,12 @@ import torch.distributed as dist
 
 from testkit import run_torchrun
 from mgpu_helpers.runtime.launch import run_ranks
-from mgpu_helpers.model_sharding import (StepRecorder, Stuck, TensorParallelMLP, as_intervals, bubble_fraction,
-                                         check_9_1, check_9_2, gpipe_step, make_batch, make_mlp, make_model,
-                                         param_bytes, parameter_bytes_formula, single_process_step, stage_bounds,
-                                         step_timeline, torch_tensor_parallel)
+from mgpu_helpers.model_sharding import (StepRecorder, Stuck, as_intervals, bubble_fraction, make_batch, make_mlp,
+                                         make_model, param_bytes, parameter_bytes_formula, single_process_step,
+                                         stage_bounds, step_timeline, torch_tensor_parallel)
+from mgpu_helpers.checks.model_sharding import check_9_1, check_9_2
+from mgpu_helpers.checks.references.pipeline import gpipe_step
+from mgpu_helpers.checks.references.tensor_parallel import TensorParallelMLP
 
 
 def test_stage_bounds_uneven_and_bad_input():

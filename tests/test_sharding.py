@@ -69,8 +69,8 @@ from testkit import run_torchrun  # noqa: E402
 from mgpu_helpers.runtime.launch import run_ranks  # noqa: E402
 from mgpu_helpers.sharding import linears, make_model, unique  # noqa: E402
 from mgpu_helpers.checks.sharding import check_8_2  # noqa: E402
-from mgpu_helpers.sharding_fsdp import (fake_world, formula, measure, reference_reduce_scatter, sweep,  # noqa: E402
-                                        trains_like_one_process)
+from mgpu_helpers.sharding_fsdp import fake_world, formula, measure, sweep, trains_like_one_process  # noqa: E402
+from mgpu_helpers.checks.references.sharding import reference_reduce_scatter  # noqa: E402
 
 WIDTHS = [16, 64, 64, 64, 10]
 
@@ -82,7 +82,11 @@ def test_make_model_ties_and_freezes():
     assert len(unique([p for lin in lins for p in lin.parameters()])) == len(list(m.parameters())) == 7
 
 
-def test_reference_reduce_scatter_passes_check_8_2(capsys):
+def test_reference_reduce_scatter_passes_check_8_2(capsys, monkeypatch):
+    import mgpu_helpers.checks.base as base
+    with pytest.raises(AssertionError, match="the course's own implementation"):   # as a learner's answer: refused
+        check_8_2(reference_reduce_scatter, seed=3)
+    monkeypatch.setattr(base, "course_code_used", lambda fn, may_use=(): None)   # on its merits: right
     check_8_2(reference_reduce_scatter, seed=3)
     assert "Exercise 8.2 ✓" in capsys.readouterr().out
 
