@@ -1,0 +1,317 @@
+"""Notebook 12 -- FSDP2 in practice: the knobs of ``fully_shard`` and what each costs, measured per rank.
+
+Notebook 08 showed what ZeRO-3 shards. Here one model (residual MLP blocks, each its own ``fully_shard``
+unit, the root holding the embedding and head) is trained under each knob of FSDP2, and each rank's
+memory and communication for one steady training step are measured:
+
+* ``reshard_after_forward`` True / False / an int: peak bytes against bytes all-gathered;
+* explicit prefetch (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``);
+* ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` against ``torch.autocast`` over FSDP2;
+* ``CPUOffloadPolicy`` and ``torch.autograd.graph.save_on_cpu``; foreach vs fused Adam; meta-device init.
+
+Memory is counted two ways in the same step. :class:`~mgpu_helpers.tracker.MemoryTracker` gives the split
+by category but learns a storage only when it is made, so it misses the unsharded parameters FSDP2 frees
+with ``resize_(0)`` and re-grows every step (issue 18). ``torch.profiler`` with ``profile_memory=True``
+sees every allocation of the CPU allocator (FACTS.md: matched the tracker and the planner to 8 bytes), so
+the **peak** is the profiler's; the gap between the two is reported as its own row, never hidden. On a GPU
+the peak is ``torch.cuda.max_memory_allocated`` (the same semantics). Collectives are counted at the
+dispatcher (:class:`CommLog`): op, dtype, bytes in and out, on every rank.
+
+Sweeps run one rank of a world of N inside this process (torch's fake process group, ``sharding_fsdp.
+fake_world``): allocations are real, collectives move no data -- right for bytes, useless for values.
+The timeline and overlap figures are in ``fsdp_practice_timeline``.
+
+Run as a script (every knob on 2 ranks, one table per rank)::
+
+    torchrun --nproc-per-node 2 -m mgpu_helpers.fsdp_practice
+    python -m mgpu_helpers.fsdp_practice                       # no torchrun: 2 ranks via run_ranks
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn import functional as F
+from torch.profiler import record_function
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._pytree import tree_leaves
+
+from .launch import rank_device
+from .sharding import make_batch
+from .sharding_fsdp import fake_world
+from .tracker import MemoryTracker
+
+MODEL = {"d": 128, "blocks": 4, "d_in": 32, "classes": 10}  # the notebook's model: 4 units of 131,712 bytes
+STATE = ("parameters", "gradients", "optimizer_state")
+
+
+class Block(nn.Module):
+    """A residual MLP block: one ``fully_shard`` unit."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def make_model(d=128, blocks=4, d_in=32, classes=10, seed=0, device=None) -> nn.Sequential:
+    """``Linear(d_in, d)``, ``blocks`` × :class:`Block` (hidden 2d), ``Linear(d, classes)``; seeded."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(d_in, d), *[Block(d, 2 * d) for _ in range(blocks)],
+                             nn.Linear(d, classes)).to(device or rank_device())
+
+
+def blocks(model) -> list[nn.Module]:
+    return [m for m in model if isinstance(m, Block)]
+
+
+def shard(model, mesh=None, *, reshard_after_forward=True, prefetch=0, mp_policy=None, offload_policy=None):
+    """``fully_shard`` each block with the knobs, then the root (which FSDP2 never reshards after forward:
+    backward needs its head at once). ``prefetch=k`` > 0 asks each block to all-gather the next k blocks
+    in forward and the previous k in backward (explicit prefetch); 0 leaves FSDP2's implicit order."""
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}: the number of units to all-gather ahead, an int >= 0")
+    mesh = mesh or init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if offload_policy is not None:
+        kw["offload_policy"] = offload_policy
+    units = blocks(model)
+    for b in units:
+        fully_shard(b, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, **kw)
+    if prefetch:
+        for i, b in enumerate(units):
+            if units[i + 1:i + 1 + prefetch]:
+                b.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
+            if units[max(0, i - prefetch):i]:
+                b.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
+    return model
+
+
+class CommLog(TorchDispatchMode):
+    """``with CommLog() as c:`` records each c10d collective this rank makes: ``c.calls`` holds
+    ``(op, dtype, bytes in, bytes out)``. FSDP2's all-gathers and reduce-scatters are called from Python
+    and pass the dispatcher as ``c10d`` ops (``_allgather_base_``: in = this rank's shard, out = the whole
+    unit; ``_reduce_scatter_base_``: in = the whole gradient, out = this rank's shard)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, str, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # let DTensor unwrap; its collectives come back here on plain tensors
+        if func.namespace == "c10d" and not func._opname.startswith(("barrier", "monitored")):
+            ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            nb = [t.numel() * t.element_size() for t in ts]
+            # (output, input) for _allgather_base_ and _reduce_scatter_base_; in place for all-reduce
+            out, inp = (nb[0], nb[1]) if len(nb) > 1 else (sum(nb), sum(nb))
+            self.calls.append((_kind(func._opname), str(ts[0].dtype).replace("torch.", "") if ts else "-",
+                               inp, out))
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> dict[str, dict]:
+        """``{"all_gather bfloat16": {"calls", "bytes_in", "bytes_out"}, ...}``."""
+        out: dict[str, dict] = {}
+        for op, dtype, i, o in self.calls:
+            s = out.setdefault(f"{op} {dtype}", {"calls": 0, "bytes_in": 0, "bytes_out": 0})
+            s["calls"], s["bytes_in"], s["bytes_out"] = s["calls"] + 1, s["bytes_in"] + i, s["bytes_out"] + o
+        return out
+
+    @property
+    def gathered(self) -> int:
+        """Bytes this rank received from other ranks in all-gathers (the unit minus its own shard)."""
+        return sum(o - i for op, _, i, o in self.calls if op == "all_gather")
+
+
+def _kind(name: str) -> str:
+    n = name.replace("_", "")
+    return next((k for k, w in [("all_gather", "allgather"), ("reduce_scatter", "reducescatter"),
+                                ("all_reduce", "allreduce"), ("broadcast", "broadcast")] if w in n), name)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: this rank's local shard)."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(model, opt=None) -> dict[str, int]:
+    """This rank's parameters, gradients and optimizer state, by the tensors themselves."""
+    ps = list(model.parameters())
+    return {"parameters": storage_bytes(ps), "gradients": storage_bytes(p.grad for p in ps),
+            "optimizer_state": storage_bytes(v for s in (opt.state.values() if opt else []) for v in s.values())}
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Some builds' profiler writes ``USDT: ... profiler_start`` / ``profiler_stop`` and a once-per-process
+    "Memory block of unknown size was allocated before the profiling started" from C++ straight to file
+    descriptor 2 (no Python warning to filter), which nbval would compare. Silence fd 2 while profiling."""
+    import os
+    import sys
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+@contextlib.contextmanager
+def profiled_peak(baseline: int = 0):
+    """``with profiled_peak(b) as r: ...`` then ``r["peak"]``, ``r["end"]``: live bytes as
+    ``memory_allocated`` would say, counting ``baseline`` bytes alive at entry plus every allocation and
+    free inside (the profiler's ``[memory]`` events in time order; on CUDA the allocator itself), and
+    ``r["phases"]``: the peak inside each ``record_function("## name ##")`` range, ``r["compute"]``: per
+    phase, the most held when a matrix multiply starts (CPU only)."""
+    r = {"peak": baseline, "end": baseline, "phases": {}, "compute": {}}
+    dev = rank_device()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        at = torch.cuda.memory_allocated()
+        yield r
+        torch.cuda.synchronize()
+        r["peak"] = baseline + torch.cuda.max_memory_allocated() - at
+        r["end"] = baseline + torch.cuda.memory_allocated() - at
+        return
+    from torch.profiler import ProfilerActivity, profile
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield r
+    events = list(prof.profiler.kineto_results.events())
+    ev = sorted((e.start_ns(), e.nbytes()) for e in events
+                if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    spans = [(e.name()[3:-3], e.start_ns(), e.end_ns()) for e in events if e.name().startswith("## ")]
+    # the live total when each matrix multiply starts: what is held *while computing*, as opposed to the
+    # transient peak of an all-gather's copy-out (which needs the gather buffer and the unit at once)
+    mms = sorted(e.start_ns() for e in events if e.name() in ("aten::addmm", "aten::mm"))
+    cur, peak, i = baseline, baseline, 0
+    for t, n in ev:
+        while i < len(mms) and mms[i] < t:
+            for name, a, b in spans:
+                if a <= mms[i] <= b:
+                    r["compute"][name] = max(r["compute"].get(name, 0), cur)
+            i += 1
+        cur += n
+        peak = max(peak, cur)
+        for name, a, b in spans:  # a phase's peak: the highest live total inside its record_function
+            if a <= t <= b:
+                r["phases"][name] = max(r["phases"].get(name, 0), cur)
+    r["peak"], r["end"] = peak, cur
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def build(knobs: dict, model_kw=None, seed=0):
+    """(model, optimizer, step) on this rank for ``knobs`` (see :func:`measure`)."""
+    k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False,
+         "optimizer": "foreach", "save_on_cpu": False, **knobs}
+    bad = set(knobs) - {"reshard_after_forward", "prefetch", "precision", "offload", "optimizer", "save_on_cpu"}
+    if bad or k["precision"] not in ("fp32", "mp_policy", "autocast") or k["optimizer"] not in ("foreach", "fused"):
+        raise ValueError(f"knobs {knobs}: known are reshard_after_forward, prefetch, precision (fp32, mp_policy, "
+                         "autocast), offload (bool), optimizer (foreach, fused), save_on_cpu (bool)")
+    mkw = {**MODEL, **(model_kw or {})}
+    model = make_model(**mkw, seed=seed)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if k["precision"] == "mp_policy" else None
+    shard(model, reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"], mp_policy=mp,
+          offload_policy=CPUOffloadPolicy(pin_memory=False) if k["offload"] else None)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **{k["optimizer"]: True})
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = make_batch(seed + 1, 8 * world, mkw["d_in"], mkw["classes"])
+    x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
+    cast = torch.autocast(rank_device().type, torch.bfloat16) if k["precision"] == "autocast" \
+        else contextlib.nullcontext()
+    hooks = torch.autograd.graph.save_on_cpu(pin_memory=False) if k["save_on_cpu"] else contextlib.nullcontext()
+
+    def step():
+        with record_function("## forward ##"), cast, hooks:
+            loss = F.cross_entropy(model(x), y)
+        with record_function("## backward ##"):
+            loss.backward()
+        with record_function("## optimizer ##"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return model, opt, step
+
+
+def measure(rank, world_size, knobs=None, model_kw=None, categories=True):
+    """This rank's figures for one steady training step (after a warm-up step) under ``knobs``
+    (``reshard_after_forward``, ``prefetch``, ``precision`` = fp32 | mp_policy | autocast, ``offload``,
+    ``optimizer`` = foreach | fused, ``save_on_cpu``): ``{"state"`` (bytes held after the step, by
+    category), ``"peak"`` and ``"phases"`` (the profiler's: every allocation; peak per phase),
+    ``"comm"`` (:meth:`CommLog.summary`), ``"gathered"`` (bytes received in all-gathers), ``"unit_bytes"``
+    (each block's unsharded fp32 parameter bytes)}; with ``categories``, also the tracker's
+    ``"tracker_peak"`` and ``"tracker_peak_breakdown"`` (it costs a second pass over every op)."""
+    model, opt, step = build(knobs or {}, model_kw)
+    step()  # warm-up: Adam makes its state, FSDP2 its buffers
+    base = sum(state_bytes(model, opt).values())
+    out = {}
+    with CommLog() as comm, profiled_peak(base) as prof:
+        if categories:
+            with MemoryTracker(model, opt) as mt:
+                step()
+            out = {"tracker_peak": mt.peak_bytes, "tracker_peak_breakdown": mt.peak_breakdown()}
+        else:
+            step()
+    return {"state": state_bytes(model, opt), "peak": prof["peak"], "phases": prof["phases"],
+            "compute": prof["compute"], **out,
+            "comm": comm.summary(), "gathered": comm.gathered,
+            "unit_bytes": [sum(p.numel() for p in b.parameters()) * 4 for b in blocks(model)]}
+
+
+def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
+    """:func:`measure` for each knob dict in ``options``, as rank 0 of ``world_size`` (fake process group:
+    no process started; bytes as real ranks give, tested), each row ``{**knobs, "peak", "forward_compute"``
+    (held while the forward computes), ``"gathered"}``."""
+    rows = []
+    with fake_world(world_size):
+        for o in options:
+            m = measure(0, world_size, o, model_kw, categories=False)
+            rows.append({**o, "peak": m["peak"], "forward_compute": m["compute"]["forward"],
+                         "gathered": m["gathered"]})
+    return rows
+
+
+KNOB_GRID = [{"reshard_after_forward": r, "prefetch": p} for r in (True, 2, False) for p in (0, 1)]
+
+
+def _demo(rank, world_size):
+    lines = [f"rank {rank} of {world_size}: knobs -> peak bytes, bytes all-gathered"]
+    for knobs in KNOB_GRID + [{"precision": "mp_policy"}, {"precision": "autocast"}, {"offload": True},
+                              {"optimizer": "fused"}]:
+        if knobs.get("reshard_after_forward") == 2 and world_size % 2:
+            continue
+        m = measure(rank, world_size, knobs)
+        lines.append(f"  {knobs}: peak {m['peak']}, gathered {m['gathered']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import os
+
+    from mgpu_helpers.launch import run_ranks, torchrun_main
+    if "LOCAL_RANK" in os.environ:
+        torchrun_main(_demo)
+    else:
+        print("\n".join(run_ranks(_demo, 2)))
+
+__all__ = ["MODEL", "Block", "make_model", "blocks", "shard", "CommLog", "storage_bytes", "state_bytes",
+           "profiled_peak", "build", "measure", "sweep", "KNOB_GRID"]
