@@ -47,6 +47,7 @@ from .tracker import MemoryTracker
 
 MODEL = {"d": 128, "blocks": 4, "d_in": 32, "classes": 10}  # the notebook's model: 4 units of 131,712 bytes
 STATE = ("parameters", "gradients", "optimizer_state")
+KNOBS = ("reshard_after_forward", "prefetch", "precision", "offload", "optimizer", "save_on_cpu", "rows", "async_unshard")
 
 
 class Block(nn.Module):
@@ -221,20 +222,26 @@ PHASES = ("forward", "backward", "optimizer")
 def build(knobs: dict, model_kw=None, seed=0):
     """(model, optimizer, step) on this rank for ``knobs`` (see :func:`measure`)."""
     k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False,
-         "optimizer": "foreach", "save_on_cpu": False, **knobs}
-    bad = set(knobs) - {"reshard_after_forward", "prefetch", "precision", "offload", "optimizer", "save_on_cpu"}
+         "optimizer": "foreach", "save_on_cpu": False, "rows": 8, "async_unshard": False, **knobs}
+    bad = set(knobs) - set(KNOBS)
     if bad or k["precision"] not in ("fp32", "mp_policy", "autocast") or k["optimizer"] not in ("foreach", "fused"):
         raise ValueError(f"knobs {knobs}: known are reshard_after_forward, prefetch, precision (fp32, mp_policy, "
-                         "autocast), offload (bool), optimizer (foreach, fused), save_on_cpu (bool)")
+                         "autocast), offload (bool), optimizer (foreach, fused), save_on_cpu (bool), rows (per rank), "
+                         "async_unshard (bool)")
     mkw = {**MODEL, **(model_kw or {})}
     model = make_model(**mkw, seed=seed)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if k["precision"] == "mp_policy" else None
     shard(model, reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"], mp_policy=mp,
           offload_policy=CPUOffloadPolicy(pin_memory=False) if k["offload"] else None)
+    if k["async_unshard"]:
+        # FSDP2 waits for each all-gather where it is issued unless unshard is async (a private switch,
+        # ``_set_unshard_async_op``). On a GPU that wait only orders streams and the CPU runs ahead, so
+        # all-gathers overlap compute anyway; on a CPU (gloo) it blocks the one thread that computes.
+        model._set_unshard_async_op(True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, **{k["optimizer"]: True})
     world, rank = dist.get_world_size(), dist.get_rank()
-    x, y = make_batch(seed + 1, 8 * world, mkw["d_in"], mkw["classes"])
+    x, y = make_batch(seed + 1, k["rows"] * world, mkw["d_in"], mkw["classes"])
     x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
     cast = torch.autocast(rank_device().type, torch.bfloat16) if k["precision"] == "autocast" \
         else contextlib.nullcontext()
