@@ -29,6 +29,7 @@ Run as a script (every knob on 2 ranks, one table per rank)::
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -297,15 +298,28 @@ def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
     return rows
 
 
-KNOB_GRID = [{"reshard_after_forward": r, "prefetch": p} for r in (True, 2, False) for p in (0, 1)]
+def knob_grid(world_size: int) -> list[dict]:
+    """reshard_after_forward True / 2 (a smaller group, where 2 divides a world above 2) / False, each
+    with prefetch 0 and 1."""
+    ints = [2] if world_size > 2 and world_size % 2 == 0 else []
+    return [{"reshard_after_forward": r, "prefetch": p} for r in [True, *ints, False] for p in (0, 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def _knob_sweep(world_size: int, blocks: int) -> tuple:
+    return tuple(sweep(world_size, knob_grid(world_size), {"blocks": blocks}))
+
+
+def knob_sweep(world_size: int = 4, blocks: int = 4) -> list[dict]:
+    """:func:`sweep` over :func:`knob_grid` for the notebook's model with ``blocks`` blocks, measured once
+    per process (the bytes do not change) and handed out as fresh copies."""
+    return [dict(r) for r in _knob_sweep(world_size, blocks)]
 
 
 def _demo(rank, world_size):
     lines = [f"rank {rank} of {world_size}: knobs -> peak bytes, bytes all-gathered"]
-    for knobs in KNOB_GRID + [{"precision": "mp_policy"}, {"precision": "autocast"}, {"offload": True},
+    for knobs in knob_grid(world_size) + [{"precision": "mp_policy"}, {"precision": "autocast"}, {"offload": True},
                               {"optimizer": "fused"}]:
-        if knobs.get("reshard_after_forward") == 2 and world_size % 2:
-            continue
         m = measure(rank, world_size, knobs)
         lines.append(f"  {knobs}: peak {m['peak']}, gathered {m['gathered']}")
     return "\n".join(lines)
@@ -321,4 +335,4 @@ if __name__ == "__main__":
         print("\n".join(run_ranks(_demo, 2)))
 
 __all__ = ["MODEL", "Block", "make_model", "blocks", "shard", "CommLog", "storage_bytes", "state_bytes",
-           "profiled_peak", "build", "measure", "sweep", "KNOB_GRID"]
+           "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "KNOBS", "PHASES"]
