@@ -29,6 +29,7 @@ Run as a script (every knob on 2 ranks, one table per rank)::
 from __future__ import annotations
 
 import contextlib
+import gc
 import functools
 
 import torch
@@ -182,6 +183,22 @@ def profiled_peak(baseline: int = 0):
     ``r["phases"]``: the peak inside each ``record_function("## name ##")`` range, ``r["compute"]``: per
     phase, the most held when a matrix multiply starts (CPU only)."""
     r = {"peak": baseline, "end": baseline, "phases": {}, "compute": {}}
+    # Collect earlier garbage now (FSDP2 modules sit in reference cycles): freed inside the window, a
+    # tensor the profiler saw allocated in an earlier window would count as a free, at gc's whim. And no
+    # collection inside the window, so that the same code gives the same bytes on every run.
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with _measured(r, baseline):
+            yield r
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _measured(r, baseline):
     dev = rank_device()
     if dev.type == "cuda":
         torch.cuda.synchronize()
