@@ -310,7 +310,7 @@ def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
     with fake_world(world_size):
         for o in options:
             m = measure(0, world_size, o, model_kw, categories=False)
-            rows.append({**o, "peak": m["peak"], "forward_compute": m["compute"]["forward"],
+            rows.append({**o, "peak": m["peak"], "forward_compute": m["compute"].get("forward", 0),
                          "gathered": m["gathered"]})
     return rows
 

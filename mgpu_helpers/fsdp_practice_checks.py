@@ -1,9 +1,8 @@
 """Notebook 12 -- the checks of exercises 12.1 (choose ``reshard_after_forward`` and prefetch for a memory
 and a communication budget, from measured rows) and 12.2 (a resumable sharded checkpoint: saved on N
 ranks, loaded on M, training continues as one process would). The judges compute their references
-themselves: 12.1 from the same measurement (``fsdp_practice.sweep``: bytes are deterministic) and the rule
-in ``fsdp_practice_reference`` (imported inside ``judge`` only); 12.2 from one process training the same
-model on the whole batch."""
+themselves: 12.1 from the same measurement (``fsdp_practice.knob_sweep``: bytes are deterministic) and the
+rule, which only the judge imports; 12.2 from one process training the same model on the whole batch."""
 from __future__ import annotations
 
 import copy
@@ -12,10 +11,12 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 
 from .checks import REGISTRY, Check, expect, expect_close, expect_equal, plain, run_learner_ranks
 from .fsdp_practice import knob_sweep, make_model, shard
+from .launch import rank_device
 from .sharding import make_batch
 
 
@@ -88,15 +89,16 @@ def _sharded(seed):
 
 def _train(model, opt, case, steps, first):
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    world, rank = (1, 0) if not isinstance(model, FSDPModule) else (world, rank)  # the judge's one process
     for s in range(first, first + steps):
-        x, y = (t.tensor_split(world)[rank] for t in _batch(case, s))
+        x, y = (t.tensor_split(world)[rank].to(rank_device()) for t in _batch(case, s))
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
 
 def _full(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
 def _rank_save(rank, world, cls, case, path):
