@@ -56,9 +56,9 @@ def test_mixed_precision_policy_gathers_bf16_and_reduces_fp32():
 
 
 def test_reshard_after_forward_trades_memory_for_all_gathers():
+    rows = {r["reshard_after_forward"]: r for r in fp.sweep(2, [{"reshard_after_forward": True},
+                                                                {"reshard_after_forward": False}], SMALL)}
     with fake_world(2):
-        rows = {r["reshard_after_forward"]: r for r in fp.sweep(2, [{"reshard_after_forward": True},
-                                                                    {"reshard_after_forward": False}], SMALL)}
         calls = {rf: fp.measure(0, 2, {"reshard_after_forward": rf}, SMALL, categories=False)["comm"]
                  ["all_gather float32"]["calls"] for rf in (True, False)}
     blocks = SMALL["blocks"]
