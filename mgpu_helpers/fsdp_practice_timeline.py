@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .fsdp_practice import _quiet_stderr, build, make_model, MODEL
+from .fsdp_practice import MODEL, build, make_model
+from .fsdp_practice_measure import _quiet_stderr
 from .launch import rank_device
 from .sharding import make_batch
 
