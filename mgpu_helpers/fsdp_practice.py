@@ -74,12 +74,25 @@ def blocks(model) -> list[nn.Module]:
     return [m for m in model if isinstance(m, Block)]
 
 
+def forget_cached_meshes():
+    """Clear DTensor's sharding-propagation caches (Python's and the C++ fast path's). Their entries hold
+    the DeviceMesh of the process that filled them, which compares equal to a new mesh of the same shape:
+    a rank forked from a kernel that had run a fake world (as rank 0 of 2) got rank 0's mesh back from an
+    op on its DTensors, so as rank 1 it wrote its shard at rank 0's offset in a checkpoint (DCP: "invalid
+    fill"). Seen with torch 2.13; ``shard`` calls this first."""
+    from torch.distributed.tensor import DTensor
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ fast path's own cache
+        torch._C._clear_DTensor_sharding_propagator_cache()
+
+
 def shard(model, mesh=None, *, reshard_after_forward=True, prefetch=0, mp_policy=None, offload_policy=None):
     """``fully_shard`` each block with the knobs, then the root (which FSDP2 never reshards after forward:
     backward needs its head at once). ``prefetch=k`` > 0 asks each block to all-gather the next k blocks
     in forward and the previous k in backward (explicit prefetch); 0 leaves FSDP2's implicit order."""
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: the number of units to all-gather ahead, an int >= 0")
+    forget_cached_meshes()
     mesh = mesh or init_device_mesh(rank_device().type, (dist.get_world_size(),))
     kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     if offload_policy is not None:
@@ -214,5 +227,5 @@ if __name__ == "__main__":
     else:
         print("\n".join(run_ranks(_demo, 2)))
 
-__all__ = ["MODEL", "Block", "make_model", "blocks", "shard", "CommLog", "storage_bytes", "state_bytes",
+__all__ = ["MODEL", "Block", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes", "state_bytes",
            "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "KNOBS", "PHASES"]
