@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
 
-PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")
+PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16", "fsdp-mixed")
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 OPTIMIZERS = ("adam", "sgd", "momentum")
 
@@ -190,8 +190,25 @@ def _units(model, params):
 
 
 def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", micro_batches=1,
-               checkpointing=False, device=None, round_to=None) -> Trace:
-    """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors."""
+               checkpointing=False, device=None, round_to=None, fsdp=None) -> Trace:
+    """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors.
+    ``fsdp``: ``dict(world_size=, rank=, **planner_fsdp.apply_fsdp options)`` traces that rank's step of
+    the model wrapped by FSDP2 in a fake process group instead (``planner_fsdp``): three steps, the last
+    counted (the first two make Adam's state and FSDP2's unsharded storages, as on a real run)."""
+    if fsdp is not None:
+        from .planner_fsdp import fake_group
+        with fake_group(fsdp["world_size"], fsdp["rank"]):
+            return _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkpointing,
+                          device, round_to, fsdp)
+    return _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkpointing, device,
+                  round_to, None)
+
+
+def _local(t):
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+
+
+def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkpointing, device, round_to, fsdp):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if optimizer not in OPTIMIZERS:
@@ -202,6 +219,12 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
         raise TypeError(f"{'model_fn' if not callable(model_fn) else 'loss_fn'} must be callable")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     round_to = round_to or (CUDA_BLOCK if device.type == "cuda" else 1)
+    if fsdp is not None:  # the mesh is made outside the fake mode (it reads real rank tensors)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .planner_fsdp import FSDPFakeTracker, apply_fsdp
+        mesh = init_device_mesh(device.type, (fsdp["world_size"],))
+        fsdp_options = {k: v for k, v in fsdp.items() if k not in ("world_size", "rank")}
     with FakeTensorMode(allow_non_fake_inputs=False):
         x, y = _fake_batch(batch, device)
         if len(x) % micro_batches:
@@ -216,18 +239,30 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
             x = x.to(torch.bfloat16)
         if checkpointing:
             apply_checkpointing(model)
+        step_precision, tracker = precision, FakeTracker
+        if fsdp is not None:
+            apply_fsdp(model, mesh, precision=precision, **fsdp_options)
+            step_precision = "fp32" if precision == "fsdp-mixed" else precision  # the policy casts, not autocast
+            tracker = FSDPFakeTracker
         opt = make_optimizer(model, optimizer)
-        warm_up(model, opt)
+        if fsdp is None:
+            warm_up(model, opt)
+        else:  # FSDP2's lazy init, its unsharded storages and Adam's state come from real steps
+            for _ in range(2):
+                train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches)
         params = [p for g in opt.param_groups for p in g["params"]]
-        with FakeTracker(model, opt, device, round_to) as mt:
-            train_step(model, opt, (x, y), loss_fn, precision=precision, micro_batches=micro_batches,
+        n_params = sum(p.numel() for p in params)  # the global count, also for DTensor parameters
+        with tracker(model, opt, device, round_to) as mt:
+            train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches,
                        mark=mt.mark)
-        states = [v for s in opt.state.values() for v in s.values()
+        unit_numel = _units(model, params)
+        params = [_local(p) for p in params]
+        states = [_local(v) for s in opt.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.device.type == device.type]
         sizes = dict(param_sizes=[(p.numel(), p.element_size()) for p in params],
                      state_sizes=[(v.numel(), v.element_size()) for v in states],
                      grad_bytes_per_elem=params[0].element_size() if params else 4,
-                     unit_numel=_units(model, params), n_params=sum(p.numel() for p in params))
+                     unit_numel=unit_numel, n_params=n_params)
     trace = Trace(  # outside the fake mode: a real tensor
         timeline=torch.tensor([[s[2][c] for c in CATEGORIES] for s in mt.timeline], dtype=torch.int64),
         phases=[s[0] for s in mt.timeline], round_to=round_to, **sizes,
