@@ -38,16 +38,19 @@ def fsdp_blocks(model: nn.Module) -> list:
 
 
 def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_after_forward=None, prefetch=1,
-               offload=False):
+               offload=False, mp_policy=None):
     """``fully_shard`` ``model`` as the plan says (shared by the planner and the real runs):
     each block then the root (``fsdp_units="blocks"``) or the root alone (``"root"``);
     ``reshard_after_forward=None`` is FSDP2's default (True for blocks, False for the root);
     ``prefetch``: units all-gathered ahead (1 = FSDP2's default; k > 1 sets k explicitly both ways);
     ``precision="fsdp-mixed"``: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
+    ``mp_policy``: a ``MixedPrecisionPolicy`` (overrides ``precision``'s);
     ``offload``: ``CPUOffloadPolicy(pin_memory=False)``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    if precision in PRECISION_POLICY:
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    elif precision in PRECISION_POLICY:
         kw["mp_policy"] = MixedPrecisionPolicy(**PRECISION_POLICY[precision])
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
@@ -113,11 +116,16 @@ def shard_rows(sizes, world_size, rank):
     return tuple(out)
 
 
-def rank_groups(model_fn, world_size):
-    """Ranks grouped by identical shard sizes: ``[[ranks...], ...]`` (one trace per group)."""
+def rank_groups(model_fn, world_size, fsdp_units="blocks"):
+    """Ranks grouped by identical shard sizes: ``[[ranks...], ...]`` (one trace per group). Builds the
+    model (fake) first, so a model that cannot be wrapped as asked fails before anything is traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+        if fsdp_units == "blocks":
+            fsdp_blocks(model)
         rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
     groups = {}
     for r in range(world_size):

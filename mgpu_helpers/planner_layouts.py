@@ -1,0 +1,122 @@
+"""What the planner plans: the memory layouts (precisions) and the methods torch runs at each ZeRO stage.
+
+**Layouts** -- every ``Plan`` names one (``plan.layout``); :data:`LAYOUTS` says what each keeps:
+
+=================  ==========================================================================================
+``fp32``           fp32 parameters, gradients, Adam moments; fp32 compute.
+``bf16-autocast``  autocast over fp32 parameters: the same fp32 state (16 B/param with Adam), bf16 compute;
+                   autocast saves bf16 copies of the weights for backward. ``fp16-autocast``: same, fp16.
+``bf16``           pure bf16: parameters, gradients and Adam's moments all bf16 (8 B/param), no master copy.
+``fsdp-mixed``     FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 sharded
+                   parameters: each unit all-gathers bf16 compute copies; gradients reduced in fp32 into
+                   fp32 shards; fp32 Adam on the shards. ZeRO stage 3 only (it is FSDP2's policy).
+``zero-mixed``     the ZeRO paper's mixed precision: bf16 parameters and gradients (2 + 2 B/param), an fp32
+                   master copy and fp32 moments (12 B/param) that stage >= 1 shards. Torch has no optimizer
+                   that runs it (DeepSpeed does), so it is planned from the pure-bf16 trace by rule
+                   (:func:`zero_mixed`), not held against a real step.
+=================  ==========================================================================================
+
+Why figures differ from DeepSpeed's: DeepSpeed's "ZeRO-1 on 8 ranks" is ``zero-mixed`` (16-bit
+parameters and gradients kept whole, only the 12 B/param of fp32 state sharded); under autocast the fp32
+parameters *are* the master, so ZeRO-1 shards only Adam's 8 B/param and each rank keeps 4 + 4 whole.
+
+**Methods** (:data:`METHOD`), one per stage, as torch runs them, with torch's defaults:
+stage 0 ``DistributedDataParallel`` (its gradient buckets: with the default
+``gradient_as_bucket_view=False`` a second copy of every gradient, held from construction; ``True``:
+the gradients are views into the buckets, alive all step); stage 1 ``ZeroRedundancyOptimizer`` over DDP
+(whole parameters per rank, greedily: biggest first to the rank with the fewest elements so far, so the
+ranks differ -- every rank is planned, the worst reported); stage 2 the course's ZeRO-2 (notebook 08's
+``Zero2``: gradients reduce-scattered as each unit finishes, then sharded, by rule); stage 3 FSDP2
+``fully_shard`` per block + root (``planner_fsdp``: run, not ruled). ``world_size=1`` plans the
+unwrapped step at stages 0-2 (no one wraps one device in DDP); stage 3 runs FSDP2 even at one rank.
+"""
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = {
+    "fp32": "fp32 parameters, gradients and Adam state; fp32 compute",
+    "bf16-autocast": "autocast(bf16) over fp32 parameters, gradients and Adam state (fp32 = master)",
+    "fp16-autocast": "autocast(fp16) over fp32 parameters, gradients and Adam state (fp32 = master)",
+    "bf16": "pure bf16: bf16 parameters, gradients and Adam state, no master copy",
+    "fsdp-mixed": "FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 sharded "
+                  "parameters, gradients and Adam state; bf16 compute copies gathered per unit",
+    "zero-mixed": "ZeRO paper: bf16 parameters and gradients, fp32 master + Adam moments (12 B/param, "
+                  "sharded from stage 1); planned by rule from the bf16 trace",
+}
+TRACED_AS = {"zero-mixed": "bf16"}  # the layout whose step is traced for it
+METHOD = {0: "DDP", 1: "ZeroRedundancyOptimizer + DDP", 2: "course ZeRO-2 (rules)",
+          3: "FSDP2 fully_shard"}
+_P, _G, _O, _A, _X = range(5)  # the tracker's CATEGORIES, in order
+
+
+def zero_partition(numels, world_size):
+    """``ZeroRedundancyOptimizer``'s partition of one parameter group: parameter indices per rank
+    (its ``_partition_parameters``: sorted by size, biggest first, stable; each to the first rank holding
+    the fewest elements so far)."""
+    ranks, sizes = [[] for _ in range(world_size)], [0] * world_size
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        r = sizes.index(min(sizes))
+        ranks[r].append(i)
+        sizes[r] += numels[i]
+    return ranks
+
+
+def _bytes(sizes, n, block):
+    return sum(-(-(-(-numel // n) * e) // block) * block for numel, e in sizes)
+
+
+def zero_mixed(trace):
+    """The ZeRO paper's layout from a pure-bf16 trace (a copy of the timeline): Adam's state becomes an
+    fp32 master + two fp32 moments, 12 B/param instead of bf16's 2 + 2 (+8 B/param from start to end);
+    foreach Adam's temporaries in the step run in fp32 (x2), beside an fp32 copy of each gradient
+    (+4 B/param in the step). A rule: torch runs no such optimizer to trace."""
+    t = trace.timeline.to(torch.float64).clone()
+    numel = sum(n for n, _ in trace.param_sizes)
+    in_step = torch.tensor([ph == "step" for ph in trace.phases])
+    t[:, _O] += 8 * numel
+    t[in_step, _X] = 2 * t[in_step, _X] + 4 * numel
+    state = [(n, 12) for n, _ in trace.param_sizes]  # master + moments per parameter (step counters aside)
+    return t, state
+
+
+def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=False):
+    """One rank's timeline (float64 [samples, categories]) and model state at ZeRO ``zero_stage`` (0-2)
+    over ``world_size`` ranks, by rule from the unsharded ``trace`` (module docs)."""
+    layout = trace.config.get("layout", trace.config.get("precision"))
+    if layout == "zero-mixed":
+        t, state_sizes = zero_mixed(trace)
+    else:
+        t, state_sizes = trace.timeline.to(torch.float64).clone(), trace.state_sizes
+    n, block, s = world_size, trace.round_to, zero_stage if world_size > 1 else -1
+    grads = [(numel, trace.grad_bytes_per_elem) for numel, _ in trace.param_sizes]
+    full = {"p": _bytes(trace.param_sizes, 1, block), "g": _bytes(grads, 1, block), "o": _bytes(state_sizes, 1, block)}
+    state = {"parameters": full["p"], "gradients": full["g"], "optimizer": full["o"]}
+    in_step = torch.tensor([ph == "step" for ph in trace.phases])
+    bwd = torch.tensor([ph.startswith("backward") for ph in trace.phases])
+    if s in (0, 1):  # DDP's buckets: a flat copy of every gradient, from construction on
+        buckets = _bytes([(sum(g for g, _ in grads), trace.grad_bytes_per_elem)], 1, block)
+        if gradient_as_bucket_view:  # the gradients live in the buckets: all of them, all step
+            t[:, _G] = buckets
+        else:
+            t[:, _G] += buckets
+            state["gradients"] += buckets
+    if s == 1:  # ZeroRedundancyOptimizer: this rank's whole parameters' state, and its step
+        mine = zero_partition([numel for numel, _ in trace.param_sizes], n)[rank]
+        per_param = trace.param_state_sizes if layout != "zero-mixed" else [[sz] for sz in state_sizes]
+        own = sum(_bytes(per_param[i], 1, block) for i in mine)
+        own_p = _bytes([trace.param_sizes[i] for i in mine], 1, block)
+        t[:, _O] -= full["o"] - own
+        t[in_step, _X] *= own_p / full["p"] if full["p"] else 1.0
+        state["optimizer"] = own
+    if s == 2:  # the course's ZeRO-2: state and gradients in equal flat shards
+        part = {"g": _bytes(grads, n, block), "o": _bytes(state_sizes, n, block), "p": _bytes(trace.param_sizes, n, block)}
+        t[:, _O] *= part["o"] / full["o"] if full["o"] else 1.0
+        t[in_step, _X] *= part["p"] / full["p"] if full["p"] else 1.0
+        g, r = t[:, _G].clone(), part["g"] / full["g"] if full["g"] else 1.0
+        unit = -(-trace.unit_numel * trace.grad_bytes_per_elem // block) * block
+        t[:, _G] = g * r  # in backward the unit being reduced is still whole (never more than made so far)
+        t[bwd, _G] += torch.clamp(g[bwd] * (1 - r), max=unit)
+        state["optimizer"], state["gradients"] = part["o"], part["g"]
+    state["total"] = sum(state.values())
+    return t, state
