@@ -36,30 +36,24 @@ METHODS = {  # method: plan() options
 STEPS = 3  # the measured step is the last
 
 
-def wrap(model, method, precision="fp32", gradient_as_bucket_view=False, reshard_after_forward=True):
-    """``(model, optimizer)`` as ``method`` wraps them on this rank (the process group is up)."""
+def wrap(model, method, precision="fp32", **options):
+    """``(model, optimizer)`` as ``method`` wraps them on this rank (the process group is up); ``options``:
+    plan()'s (``gradient_as_bucket_view`` for DDP, ``fsdp_units`` set by the method, the FSDP2 ones)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     trainable = [p for p in model.parameters() if p.requires_grad]
     if method in ("ddp", "zero1"):
-        model = DDP(model, gradient_as_bucket_view=gradient_as_bucket_view)
+        model = DDP(model, gradient_as_bucket_view=options.get("gradient_as_bucket_view", False))
         if method == "ddp":
             return model, torch.optim.Adam(trainable, lr=1e-3, foreach=True)
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return model, ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.Adam, lr=1e-3, foreach=True)
     if method in ("fsdp2", "fsdp2-root"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from .planner_fsdp import fsdp_blocks
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-        if precision == "fsdp-mixed":
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if method == "fsdp2":
-            for block in fsdp_blocks(model):
-                fully_shard(block, **kw)
-        fully_shard(model, **{**kw, "reshard_after_forward": False if reshard_after_forward is True else
-                              reshard_after_forward})  # FSDP2's default for the root, as in plan()
+        from .planner_fsdp import apply_fsdp  # the very code plan() runs on fake tensors
+        fsdp = {k: v for k, v in options.items() if k in ("reshard_after_forward", "prefetch", "offload", "mp_policy")}
+        apply_fsdp(model, init_device_mesh("cpu", (dist.get_world_size(),)), precision=precision,
+                   fsdp_units=METHODS[method]["fsdp_units"], **fsdp)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=True)
     raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
 
@@ -146,6 +140,8 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
                               precision=precision, **options)
                 p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, world_size=n, device="cpu",
                          **METHODS[method], **options)
+                if p.rank_peaks and len(p.rank_peaks) != n:
+                    raise AssertionError(f"plan gave {len(p.rank_peaks)} rank peaks for {n} ranks")
                 for r, m in enumerate(got):
                     planned = p.rank_peaks[r]
                     rows.append(dict(model=model, method=method, world=n, precision=precision, rank=r,
