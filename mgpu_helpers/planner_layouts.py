@@ -98,6 +98,7 @@ def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=F
         buckets = _bytes([(sum(g for g, _ in grads), trace.grad_bytes_per_elem)], 1, block)
         if gradient_as_bucket_view:  # the gradients live in the buckets: all of them, all step
             t[:, _G] = buckets
+            state["gradients"] = buckets
         else:
             t[:, _G] += buckets
             state["gradients"] += buckets
