@@ -32,6 +32,7 @@ from .tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (planner_layouts: all layouts)
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 OPTIMIZERS = ("adam", "sgd", "momentum")
+FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the byte (tests/test_planner_fsdp.py)
 
 
 # --- the step, real or fake ------------------------------------------------------------------------
@@ -159,7 +160,8 @@ def conv_scratch(func, args) -> int:
     line, because no tensor owns them (the profiler sees them: ``planner_validate``). Measured with
     torch 2.13's CPU build on 2-D convolutions, groups 1 (tests/test_planner_ranks.py re-measures them):
     fp32, kernel > 1: forward the output's bytes (+ the weight's when in and out channels are equal:
-    a reordered copy), backward the output's + the input's; 1x1 kernels: nothing; 16-bit (autocast):
+    a reordered copy), backward the output's + the input's (twice the input's when the in-channels are
+    not a multiple of 8, as an RGB stem: 0.73x seen); 1x1 kernels: nothing; 16-bit (autocast):
     an im2col buffer, batch x in-channels x kernel area x output positions, forward and backward.
     Other convolutions (grouped, 1-D/3-D, transposed) get the fp32 rule: a documented guess."""
     if func is torch.ops.aten.convolution.default:
@@ -179,7 +181,7 @@ def conv_scratch(func, args) -> int:
         return x.shape[0] * w.shape[1] * area * math.prod(out_shape[2:]) * e
     if func is torch.ops.aten.convolution.default:
         return out_b + (w_b if w.shape[0] == w.shape[1] else 0)
-    return out_b + in_b
+    return out_b + in_b * (2 if w.shape[1] % 8 else 1)  # in-channels off oneDNN's blocks: a padded input copy
 
 
 # --- the trace -----------------------------------------------------------------------------------------
@@ -235,8 +237,8 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
                checkpointing=False, device=None, round_to=None, fsdp=None) -> Trace:
     """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors.
     ``fsdp``: ``dict(world_size=, rank=, **planner_fsdp.apply_fsdp options)`` traces that rank's step of
-    the model wrapped by FSDP2 in a fake process group instead (``planner_fsdp``): three steps, the last
-    counted (the first two make Adam's state and FSDP2's unsharded storages, as on a real run)."""
+    the model wrapped by FSDP2 in a fake process group instead (``planner_fsdp``): two steps, the second
+    counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run)."""
     source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                   micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to)
     traced = {"zero-mixed": "bf16"}.get(precision, precision)  # planner_layouts.zero_mixed: rules over bf16
@@ -297,8 +299,8 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
         opt = make_optimizer(model, optimizer)
         if fsdp is None:
             warm_up(model, opt)
-        else:  # FSDP2's lazy init, its unsharded storages and Adam's state come from real steps
-            for _ in range(2):
+        else:  # FSDP2's lazy init, its unsharded storages and Adam's state come from a real step
+            for _ in range(FSDP_WARM_UP_STEPS):
                 train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches)
         params = [p for g in opt.param_groups for p in g["params"]]
         n_params = sum(p.numel() for p in params)  # the global count, also for DTensor parameters
