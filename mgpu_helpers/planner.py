@@ -2,29 +2,29 @@
 
     plan(model_fn, batch, loss_fn=..., precision="bf16-autocast", zero_stage=3, world_size=8)
 
-traces one steady-state step of ``model_fn()`` under fake tensors (``planner_trace``: the course's
-tracker over fake storages, so at world size 1 it *is* the tracker's figure for that step) and derives
-the ZeRO-sharded figures from that one unsharded trace (:meth:`Trace.shard`). ``model_state_bytes`` is
-notebook 08's closed form, re-exported; ``decoder`` builds Llama-shaped models; check 11.1.
+plans what torch runs, in a named memory layout (``planner_layouts``: ``LAYOUTS``; ``plan.layout``):
+stage 0 DDP with its gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP (per rank: its
+partition is uneven), stage 2 the course's ZeRO-2, stage 3 FSDP2 ``fully_shard`` per block + root with
+FSDP2's defaults; options (``OPTIONS``) set what torch lets one set. ``model_state_bytes`` is notebook
+08's closed form, re-exported; ``decoder`` builds Llama-shaped models; check 11.1.
 
 **The step** (``planner_trace.train_step``): optimizer state already made, gradients None; per
 micro-batch ``loss_fn(model(x), y) / micro_batches`` and backward; ``opt.step()``; ``zero_grad``.
 Counted from before the model was built: parameters, gradients, optimizer state, activations,
-temporaries; not the batch (it exists before the model), not kernels' scratch (cuBLAS workspace).
-``batch`` is one rank's batch. Optimizers: foreach ``Adam(lr=1e-3)``, ``SGD`` with or without momentum.
+temporaries, oneDNN's convolution scratch on a CPU (a calibrated line: ``planner_trace.conv_scratch``);
+not the batch (it exists before the model), not cuBLAS/cuDNN workspaces on a GPU. ``batch`` is one
+rank's batch. Optimizers: foreach ``Adam(lr=1e-3)``, ``SGD`` with or without momentum.
 
-**Sharding** (ZeRO stage s over N ranks), applied to every sample of the traced timeline, then the peak
-taken again (it moves: unsharded, a 7B step peaks in Adam's step; sharded, in backward):
-  * s >= 1: optimizer state, and the step's temporaries (foreach Adam makes them per parameter), 1/N;
-  * s >= 2: gradients 1/N, plus during backward one unit's full gradients (before its reduce-scatter;
-    at most the gradients made so far);
-  * s == 3: parameters 1/N, plus one unit's full parameters during forward and backward (all-gathered).
-Each tensor is split into N equal flat shards (``ceil(numel / N)`` elements, padded as ZeRO does), each
-rounded to the allocator's block. A *unit* is what FSDP2 gathers at once, assumed to be one block of the
-model's largest ``nn.ModuleList`` or, when larger, everything outside the blocks (embeddings, head):
-one unit at a time (no prefetch: FSDP2's default prefetches one more unit, add one unit for it).
-Not modelled: communication buffers beyond one unit, DDP's gradient buckets at stage 0 (as with
-``gradient_as_bucket_view=True``), fragmentation. At world size 1 every stage equals the trace.
+**How.** Stages 0-2: one unsharded step traced under fake tensors (``planner_trace``: the course's
+tracker over fake storages, so at one rank it *is* the tracker's figure), then each rank's timeline by
+rule (``planner_layouts.rank_timeline``): DDP's buckets added (a flat copy of the gradients; with
+``gradient_as_bucket_view=True`` the gradients live in them all step), ZeroRedundancyOptimizer's
+rank keeping its parameters' state and stepping only them, ZeRO-2's state and gradients in equal shards
+plus one unit's whole gradients in backward; the peak taken again (it moves: unsharded a 7B step peaks in
+Adam's step, sharded in backward). Stage 3: FSDP2 itself, run on the fake model in a fake process group
+(``planner_fsdp``), one trace per group of ranks with equal shards. Held against real steps on 2 and 4
+gloo ranks with a reference that sees every allocation (``planner_validate``, bench/planner_ranks.py):
+within 2% per rank, in practice to a few bytes. Not modelled: fragmentation, NCCL's buffers.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ import torch
 
 from .sharding import model_state_bytes  # noqa: F401  notebook 08's closed form, the planner's reference
 from .planner_models import SIZES, Decoder, decoder, lm_loss, token_batch  # noqa: F401
-from .planner_layouts import LAYOUTS, METHOD, _bytes, rank_timeline
+from .planner_layouts import (LAYOUTS, METHOD, OPTIONS, ZERO_STAGES, _bytes, _check_args,  # noqa: F401
+                              _check_trace_args, rank_timeline)
 from .planner_trace import (PRECISIONS, OPTIMIZERS, Trace, apply_checkpointing, make_optimizer, trace_step,  # noqa: F401
                             train_step, warm_up)
 from .checks import REGISTRY, Check, describe_value, expect, expect_equal
@@ -45,7 +46,6 @@ from .tracker import CATEGORIES, MemoryTracker
 
 __all__ = ["plan", "Plan", "model_state_bytes", "trace_step", "train_step", "decoder", "step_cost",
            "PRECISIONS", "LAYOUTS", "OPTIONS", "ZERO_STAGES"]
-ZERO_STAGES = (0, 1, 2, 3)
 CLOSED_FORM_PRECISION = {"fp32": "fp32", "bf16-autocast": "fp32", "fp16-autocast": "fp32", "bf16": "bf16"}
 
 
@@ -90,51 +90,6 @@ def step_cost(*, world_size: int, zero_stage: int, checkpointing: bool, micro_ba
     if world_size > 1:
         cost += 0.02 * zero_stage + 0.5 * (zero_stage == 3)
     return round(cost, 6)
-
-
-OPTIONS = dict(gradient_as_bucket_view=False, fsdp_units="blocks", reshard_after_forward=None, prefetch=1,
-               offload=False, mp_policy=None)  # torch's defaults (module docs)
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_args(zero_stage, world_size, precision, options):
-    """Every argument checked before anything is traced: one clear error naming the argument."""
-    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
-        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if precision not in LAYOUTS:
-        raise ValueError(f"precision must be one of {tuple(LAYOUTS)}, got {precision!r}")
-    unknown = set(options) - set(OPTIONS)
-    if unknown:
-        raise TypeError(f"plan() got unknown option(s) {sorted(unknown)}; options: {sorted(OPTIONS)}")
-    o = {**OPTIONS, **options}
-    fsdp_only = [k for k in ("mp_policy", "offload") if o[k] not in (None, False)]
-    if precision == "fsdp-mixed":
-        fsdp_only.append("precision='fsdp-mixed'")
-    if zero_stage != 3 and fsdp_only:
-        raise ValueError(f"{', '.join(fsdp_only)}: FSDP2's, so zero_stage must be 3, got {zero_stage}")
-    if zero_stage == 3 and precision == "zero-mixed":
-        raise ValueError("precision='zero-mixed' is planned by rule for stages 0-2; at zero_stage=3 plan FSDP2's "
-                         "layouts ('fsdp-mixed', 'bf16', 'fp32', ...)")
-    if o["fsdp_units"] not in ("blocks", "root"):
-        raise ValueError(f"fsdp_units must be 'blocks' (each block of the largest nn.ModuleList, then the root) "
-                         f"or 'root', got {o['fsdp_units']!r}")
-    if o["reshard_after_forward"] not in (None, True, False):
-        raise ValueError(f"reshard_after_forward must be None (FSDP2's default), True or False, "
-                         f"got {o['reshard_after_forward']!r}")
-    if isinstance(o["prefetch"], bool) or not isinstance(o["prefetch"], int) or o["prefetch"] < 1:
-        raise ValueError(f"prefetch must be an int >= 1 (1 = FSDP2's default), got {o['prefetch']!r}")
-    mp = o["mp_policy"]
-    if mp is not None:
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-            dt = mp.get(name) if isinstance(mp, dict) else getattr(mp, name, None)
-            if dt is not None and dt not in _FLOATS:
-                raise ValueError(f"mp_policy.{name} must be None or one of {_FLOATS}, got {dt!r}")
-        if isinstance(mp, dict):
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-            o["mp_policy"] = MixedPrecisionPolicy(**mp)
-    return o
 
 
 def _from_timeline(t, phases, state, config, n_params, layout, method):
@@ -232,17 +187,6 @@ def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_s
         return trace.shard(zero_stage, world_size, **o)
     trace = trace_step(**trace_kw)
     return trace.shard(zero_stage, world_size, **o)
-
-
-def _check_trace_args(kw):
-    from .planner_trace import OPTIMIZERS
-    if kw["optimizer"] not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kw['optimizer']!r}")
-    k = kw["micro_batches"]
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {k!r}")
-    if not callable(kw["model_fn"]) or not callable(kw["loss_fn"]):
-        raise TypeError(f"{'model_fn' if not callable(kw['model_fn']) else 'loss_fn'} must be callable")
 
 
 def measure_step(model_fn, batch, *, loss_fn, precision="fp32", checkpointing=False, micro_batches=1,

@@ -48,6 +48,63 @@ TRACED_AS = {"zero-mixed": "bf16"}  # the layout whose step is traced for it
 METHOD = {0: "DDP", 1: "ZeroRedundancyOptimizer + DDP", 2: "course ZeRO-2 (rules)",
           3: "FSDP2 fully_shard"}
 _P, _G, _O, _A, _X = range(5)  # the tracker's CATEGORIES, in order
+ZERO_STAGES = (0, 1, 2, 3)
+OPTIONS = dict(gradient_as_bucket_view=False, fsdp_units="blocks", reshard_after_forward=None, prefetch=1,
+               offload=False, mp_policy=None)  # torch's defaults (module docs)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_args(zero_stage, world_size, precision, options):
+    """plan()'s arguments, every one checked before anything is traced: one clear error naming the argument."""
+    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if precision not in LAYOUTS:
+        raise ValueError(f"precision must be one of {tuple(LAYOUTS)}, got {precision!r}")
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise TypeError(f"plan() got unknown option(s) {sorted(unknown)}; options: {sorted(OPTIONS)}")
+    o = {**OPTIONS, **options}
+    fsdp_only = [k for k in ("mp_policy", "offload") if o[k] not in (None, False)]
+    if precision == "fsdp-mixed":
+        fsdp_only.append("precision='fsdp-mixed'")
+    if zero_stage != 3 and fsdp_only:
+        raise ValueError(f"{', '.join(fsdp_only)}: FSDP2's, so zero_stage must be 3, got {zero_stage}")
+    if zero_stage == 3 and precision == "zero-mixed":
+        raise ValueError("precision='zero-mixed' is planned by rule for stages 0-2; at zero_stage=3 plan FSDP2's "
+                         "layouts ('fsdp-mixed', 'bf16', 'fp32', ...)")
+    if o["fsdp_units"] not in ("blocks", "root"):
+        raise ValueError(f"fsdp_units must be 'blocks' (each block of the largest nn.ModuleList, then the root) "
+                         f"or 'root', got {o['fsdp_units']!r}")
+    if o["reshard_after_forward"] not in (None, True, False):
+        raise ValueError(f"reshard_after_forward must be None (FSDP2's default), True or False, "
+                         f"got {o['reshard_after_forward']!r}")
+    if isinstance(o["prefetch"], bool) or not isinstance(o["prefetch"], int) or o["prefetch"] < 1:
+        raise ValueError(f"prefetch must be an int >= 1 (1 = FSDP2's default), got {o['prefetch']!r}")
+    mp = o["mp_policy"]
+    if mp is not None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dt = mp.get(name) if isinstance(mp, dict) else getattr(mp, name, None)
+            if dt is not None and dt not in _FLOATS:
+                raise ValueError(f"mp_policy.{name} must be None or one of {_FLOATS}, got {dt!r}")
+        if isinstance(mp, dict):
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+            o["mp_policy"] = MixedPrecisionPolicy(**mp)
+    return o
+
+
+def _check_trace_args(kw):
+    from .planner_trace import OPTIMIZERS
+    if kw["optimizer"] not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kw['optimizer']!r}")
+    k = kw["micro_batches"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {k!r}")
+    if not callable(kw["model_fn"]) or not callable(kw["loss_fn"]):
+        raise TypeError(f"{'model_fn' if not callable(kw['model_fn']) else 'loss_fn'} must be callable")
+
+
 
 
 def zero_partition(numels, world_size):

@@ -20,6 +20,10 @@ When ``mgpu_helpers.alloc_reference`` (issue 18, the tracker's part) lands, it r
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -66,9 +70,24 @@ def _report_all_threads():
     ``caffe2_report_cpu_memory_usage`` on, ``ProfiledCPUMemoryReporter`` counts every allocation and free
     of every thread in one total, which each recorded event carries (``total_allocated``)."""
     import ctypes
-    import os
     lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
     ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    # Frees of blocks made before the flag was set would each warn "Memory block of unknown size": ours
+    # to expect (they were never counted), so c10's log level goes to errors in this rank process.
+    ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level").value = 2
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def _walk(events):
@@ -82,8 +101,14 @@ def _profiled(run):
     (live bytes of every thread, counted from just before ``run``) and ``{record_function name: (start_ns,
     end_ns)}``."""
     _report_all_threads()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # kineto prints a line to fd 2 as it starts and stops, whatever its log level
+        prof.start()
+    try:
         run()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     allocs, ranges = [], {}
     for e in _walk(prof.profiler.kineto_results.experimental_event_tree()):
         if type(e.extra_fields).__name__ == "_ExtraFields_Allocation":

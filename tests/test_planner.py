@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mgpu_helpers import sharding
-from mgpu_helpers.planner import (SIZES, Plan, cached_trace, decoder, lm_loss, model_state_bytes, plan,
+from mgpu_helpers.planner import (SIZES, cached_trace, decoder, lm_loss, model_state_bytes, plan,
                                   step_cost, token_batch)
 from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, train_step, warm_up
 from mgpu_helpers.tracker import CATEGORIES, MemoryTracker
