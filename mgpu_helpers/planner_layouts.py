@@ -153,8 +153,14 @@ def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=F
     bwd = torch.tensor([ph.startswith("backward") for ph in trace.phases])
     if s in (0, 1):  # DDP's buckets: a flat copy of every gradient, from construction on
         buckets = _bytes([(sum(g for g, _ in grads), trace.grad_bytes_per_elem)], 1, block)
-        if gradient_as_bucket_view:  # the gradients live in the buckets: all of them, all step
-            t[:, _G] = buckets
+        if gradient_as_bucket_view:  # the gradients live in the buckets: all of them, all step. Each new
+            # gradient autograd makes lives beside its bucket view until added into it and freed; counted
+            # until the next one is made (an upper bound: the trace does not mark the add)
+            made = torch.clamp(torch.diff(t[:, _G], prepend=t[:1, _G]), min=0) * bwd
+            held = torch.zeros_like(made)
+            for i in range(1, len(made)):
+                held[i] = made[i] if made[i] > 0 else (held[i - 1] if bwd[i] else 0)
+            t[:, _G] = buckets + held
             state["gradients"] = buckets
         else:
             t[:, _G] += buckets
