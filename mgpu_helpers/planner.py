@@ -77,7 +77,7 @@ class Plan:
 
     @property
     def layout_description(self) -> str:
-        return LAYOUTS[self.layout]
+        return LAYOUTS.get(self.layout, "FSDP2 MixedPrecisionPolicy over fp32 sharded parameters: " + self.layout)
 
 
 def step_cost(*, world_size: int, zero_stage: int, checkpointing: bool, micro_batches: int) -> float:
@@ -133,6 +133,10 @@ def shard(trace: Trace, zero_stage: int = 0, world_size: int = 1, **options) -> 
     ``options``: :data:`OPTIONS` (plan()'s docs)."""
     layout = trace.config.get("layout", trace.config["precision"])
     o = _check_args(zero_stage, world_size, layout, options)
+    mp = o["mp_policy"]
+    if mp is not None:  # a policy names the layout: FSDP2's mixed precision, or its own dtypes
+        layout = ("fsdp-mixed" if (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32) else
+                  f"fsdp-mp(param={mp.param_dtype}, reduce={mp.reduce_dtype})".replace("torch.", ""))
     config = dict(trace.config, zero_stage=zero_stage, world_size=world_size,
                   **{k: v for k, v in o.items() if k != "mp_policy"})
     if zero_stage == 3:

@@ -61,3 +61,11 @@ def test_inside_a_process_group_it_says_so():
                 pass
     finally:
         dist.destroy_process_group()
+
+
+def test_a_policy_names_the_layout():
+    import torch
+    same = fsdp_plan(world_size=2, mp_policy=dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert same.layout == "fsdp-mixed" and same.peak_bytes == fsdp_plan(world_size=2, precision="fsdp-mixed").peak_bytes
+    own = fsdp_plan(world_size=2, mp_policy=dict(param_dtype=torch.bfloat16))
+    assert own.layout == "fsdp-mp(param=bfloat16, reduce=None)" and "MixedPrecisionPolicy" in own.layout_description
