@@ -35,17 +35,9 @@ ROWS = [  # model, method, world, layout: what each row holds the planner to
 @pytest.mark.parametrize("model,method,world,layout", ROWS, ids=["-".join(map(str, r)) for r in ROWS])
 def test_every_rank_within_two_percent_of_a_real_step(model, method, world, layout):
     model_fn, batch, loss_fn = MODELS[model]
-
-    def run():
-        return validate(model_fn, batch, loss_fn=loss_fn, model=model, methods=(method,), world_sizes=(world,),
-                        precisions=(layout,))
-    rows = run()
+    rows = validate(model_fn, batch, loss_fn=loss_fn, model=model, methods=(method,), world_sizes=(world,),
+                    precisions=(layout,))  # re-measures once if a rank is off (planner_validate.validate)
     assert len(rows) == world, table(rows)
-    if any(abs(r["error"]) > 0.02 for r in rows):
-        # Once in ~80 rank-runs one rank's peak held 71,424 B more, whatever the model (a buffer a gloo worker
-        # thread holds a moment longer: timing, not the step): measure again, keep each rank's lower peak.
-        again = run()
-        rows = [min(a, b, key=lambda r: r["measured"]) for a, b in zip(rows, again)]
     for r in rows:
         assert abs(r["error"]) <= 0.02, "\n" + table(rows)
 
