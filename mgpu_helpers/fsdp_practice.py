@@ -62,16 +62,32 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-def make_model(d=128, blocks=4, d_in=32, classes=10, seed=0, device=None) -> nn.Sequential:
-    """``Linear(d_in, d)``, ``blocks`` × :class:`Block` (hidden 2d), ``Linear(d, classes)``; seeded."""
+class Net(nn.Module):
+    """``Linear(d_in, d)``, ``blocks`` × :class:`Block` (hidden 2d) in an ``nn.ModuleList`` (the units that
+    ``fully_shard`` wraps one by one, as the planner finds them), ``Linear(d, classes)``."""
+
+    def __init__(self, d=128, blocks=4, d_in=32, classes=10):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(Block(d, 2 * d) for _ in range(blocks))
+        self.out = nn.Linear(d, classes)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def make_model(d=128, blocks=4, d_in=32, classes=10, seed=0, device=None) -> Net:
+    """:class:`Net`, seeded, on ``device`` (default: this rank's)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(d_in, d), *[Block(d, 2 * d) for _ in range(blocks)],
-                             nn.Linear(d, classes)).to(device or rank_device())
+        return Net(d, blocks, d_in, classes).to(device or rank_device())
 
 
 def blocks(model) -> list[nn.Module]:
-    return [m for m in model if isinstance(m, Block)]
+    return list(model.blocks)
 
 
 def forget_cached_meshes():
@@ -227,5 +243,5 @@ if __name__ == "__main__":
     else:
         print("\n".join(run_ranks(_demo, 2)))
 
-__all__ = ["MODEL", "Block", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes", "state_bytes",
+__all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes", "state_bytes",
            "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "KNOBS", "PHASES"]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fsdp_practice import MODEL, Block, make_model, profiled_peak, shard, storage_bytes
+from .fsdp_practice import MODEL, Net, make_model, profiled_peak, shard, storage_bytes
 from .launch import rank_device
 
 
@@ -37,8 +37,7 @@ def meta_init(rank, world_size, model_kw=None):
     del model
     with profiled_peak() as meta:
         with torch.device("meta"):
-            model = nn.Sequential(nn.Linear(mkw["d_in"], mkw["d"]), *[Block(mkw["d"], 2 * mkw["d"])
-                                  for _ in range(mkw["blocks"])], nn.Linear(mkw["d"], mkw["classes"]))
+            model = Net(**mkw)
         on_meta = storage_bytes(p for p in model.parameters() if p.device.type != "meta")
         shard(model)
         model.to_empty(device=rank_device())

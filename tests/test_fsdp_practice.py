@@ -160,3 +160,15 @@ def test_runs_under_torchrun():
     from testkit import run_torchrun
     out = run_torchrun("mgpu_helpers.fsdp_practice").stdout
     assert "rank 0 of 2" in out and "'precision': 'mp_policy'" in out and "gathered" in out
+
+
+def test_planner_plans_these_knobs_to_within_two_percent():
+    from mgpu_helpers.fsdp_practice_plan import plan_knobs
+    for world, knobs in [(2, {}), (2, {"precision": "mp_policy"}), (3, {"reshard_after_forward": False})]:
+        planned = plan_knobs(world, knobs, SMALL).rank_peaks
+        for rank in range(world):
+            with fake_world(world, rank):
+                measured = fp.measure(rank, world, knobs, SMALL, categories=False)["peak"]
+            assert abs(planned[rank] / measured - 1) <= 0.02, (world, knobs, rank, planned[rank], measured)
+    with pytest.raises(ValueError, match="planner plans"):
+        plan_knobs(4, {"reshard_after_forward": 2})
