@@ -83,7 +83,9 @@ def _ddp_step(model_kw=None, rows=8, bucket_cap_mb=0.25):
 def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
     """This rank's profiled training step: ``{"compute": [(start, end) ms], "comm": [(start, end, name)],
     "phases": {name: (start, end)}, "t0": ns, "forward_order": str}``; ``forward_order`` is the order in
-    which the main thread issued FSDP2's all-gathers ("G") and the forward's matmuls ("m"): deterministic with times in ms from ``t0`` (the step's start, on the
+    which the main thread issued FSDP2's all-gathers ("G") and the forward's matmuls ("m"), and
+    ``reductions_before_last_backward_matmul`` (issued early, all) counts gradient reductions issued while
+    backward still had compute to do: both deterministic with times in ms from ``t0`` (the step's start, on the
     machine's clock: ranks of one machine share it, so their traces line up). ``kind``: "fsdp" (built by
     ``fsdp_practice.build(knobs)``) or "ddp" (DDP with 0.25 MB buckets)."""
     step = _ddp_step(model_kw, (knobs or {}).get("rows", 8)) if kind == "ddp" else build(knobs or {}, model_kw)[2]
@@ -117,7 +119,15 @@ def _spans(events, cuda):
     order = "".join("G" if e.name().startswith("FSDP::all_gather (") else "m" for e in sorted(
         (e for e in events if e.start_thread_id() == main and fwd[0] <= e.start_ns() <= fwd[1]
          and (e.name() == "aten::addmm" or e.name().startswith("FSDP::all_gather ("))), key=lambda e: e.start_ns()))
+    # Gradient reductions issued from the main thread while backward still had matmuls to run (the order of
+    # issue, not a time: deterministic): DDP's bucket all-reduces, FSDP2's reduce-scatters.
+    bwd = phases["backward"]
+    on_main = [e for e in events if e.start_thread_id() == main and bwd[0] <= e.start_ns() <= bwd[1]]
+    last_mm = max((e.start_ns() for e in on_main if e.name() in COMPUTE), default=bwd[0])
+    reduces = [e.start_ns() for e in on_main if e.name().startswith("c10d::") and "reduce" in e.name()]
+    early = sum(t < last_mm for t in reduces)
     return {"compute": compute, "comm": comm, "t0": t0, "forward_order": order,
+            "reductions_before_last_backward_matmul": (early, len(reduces)),
             "phases": {k: (ms(a), ms(b)) for k, (a, b, _) in phases.items()}}
 
 

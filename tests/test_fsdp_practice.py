@@ -121,6 +121,8 @@ def test_traces_show_collectives_and_prefetch_order():
                                                        "gloo:all_reduce": blocks + 1}
     assert implicit["forward_order"] == "m" + "Gmm" * blocks + "m"
     assert prefetch["forward_order"].startswith("mGGmm")      # block 1's all-gather before block 0 computes
+    # every unit's reduce-scatter but the last (the root's) is issued while backward still computes
+    assert implicit["reductions_before_last_backward_matmul"] == (blocks, blocks + 1)
     assert "gloo:all_reduce" in summarize([ddp])[0]["collectives"]
     assert 0.0 <= summarize([ddp])[0]["overlap"] <= 1.0
 
