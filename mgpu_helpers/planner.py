@@ -2,32 +2,33 @@
 
     plan(model_fn, batch, loss_fn=..., precision="bf16-autocast", zero_stage=3, world_size=8)
 
-traces one steady-state step of ``model_fn()`` under fake tensors (``planner_trace``: the course's
-tracker over fake storages, so at world size 1 it *is* the tracker's figure for that step) and derives
-the ZeRO-sharded figures from that one unsharded trace (:meth:`Trace.shard`). ``model_state_bytes`` is
-notebook 08's closed form, re-exported; ``decoder`` builds Llama-shaped models; check 11.1.
+plans what torch runs, in a named memory layout (``planner_layouts``: ``LAYOUTS``; ``plan.layout``):
+stage 0 DDP with its gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP (per rank: its
+partition is uneven), stage 2 the course's ZeRO-2, stage 3 FSDP2 ``fully_shard`` per block + root with
+FSDP2's defaults; options (``OPTIONS``) set what torch lets one set. ``model_state_bytes`` is notebook
+08's closed form, re-exported; ``decoder`` builds Llama-shaped models; check 11.1.
 
 **The step** (``planner_trace.train_step``): optimizer state already made, gradients None; per
 micro-batch ``loss_fn(model(x), y) / micro_batches`` and backward; ``opt.step()``; ``zero_grad``.
 Counted from before the model was built: parameters, gradients, optimizer state, activations,
-temporaries; not the batch (it exists before the model), not kernels' scratch (cuBLAS workspace).
-``batch`` is one rank's batch. Optimizers: foreach ``Adam(lr=1e-3)``, ``SGD`` with or without momentum.
+temporaries, oneDNN's convolution scratch on a CPU (a calibrated line: ``planner_trace.conv_scratch``);
+not the batch (it exists before the model), not cuBLAS/cuDNN workspaces on a GPU. ``batch`` is one
+rank's batch. Optimizers: foreach ``Adam(lr=1e-3)``, ``SGD`` with or without momentum.
 
-**Sharding** (ZeRO stage s over N ranks), applied to every sample of the traced timeline, then the peak
-taken again (it moves: unsharded, a 7B step peaks in Adam's step; sharded, in backward):
-  * s >= 1: optimizer state, and the step's temporaries (foreach Adam makes them per parameter), 1/N;
-  * s >= 2: gradients 1/N, plus during backward one unit's full gradients (before its reduce-scatter;
-    at most the gradients made so far);
-  * s == 3: parameters 1/N, plus one unit's full parameters during forward and backward (all-gathered).
-Each tensor is split into N equal flat shards (``ceil(numel / N)`` elements, padded as ZeRO does), each
-rounded to the allocator's block. A *unit* is what FSDP2 gathers at once, assumed to be one block of the
-model's largest ``nn.ModuleList`` or, when larger, everything outside the blocks (embeddings, head):
-one unit at a time (no prefetch: FSDP2's default prefetches one more unit, add one unit for it).
-Not modelled: communication buffers beyond one unit, DDP's gradient buckets at stage 0 (as with
-``gradient_as_bucket_view=True``), fragmentation. At world size 1 every stage equals the trace.
+**How.** Stages 0-2: one unsharded step traced under fake tensors (``planner_trace``: the course's
+tracker over fake storages, so at one rank it *is* the tracker's figure), then each rank's timeline by
+rule (``planner_layouts.rank_timeline``): DDP's buckets added (a flat copy of the gradients; with
+``gradient_as_bucket_view=True`` the gradients live in them all step), ZeroRedundancyOptimizer's
+rank keeping its parameters' state and stepping only them, ZeRO-2's state and gradients in equal shards
+plus one unit's whole gradients in backward; the peak taken again (it moves: unsharded a 7B step peaks in
+Adam's step, sharded in backward). Stage 3: FSDP2 itself, run on the fake model in a fake process group
+(``planner_fsdp``), one trace per group of ranks with equal shards. Held against real steps on 2 and 4
+gloo ranks with a reference that sees every allocation (``planner_validate``, bench/planner_ranks.py):
+within 2% per rank, in practice to a few bytes. Not modelled: fragmentation, NCCL's buffers.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ import torch
 
 from .sharding import model_state_bytes  # noqa: F401  notebook 08's closed form, the planner's reference
 from .planner_models import SIZES, Decoder, decoder, lm_loss, token_batch  # noqa: F401
+from .planner_layouts import (LAYOUTS, METHOD, OPTIONS, ZERO_STAGES, _bytes, _check_args,  # noqa: F401
+                              _check_trace_args, rank_timeline)
 from .planner_trace import (PRECISIONS, OPTIMIZERS, Trace, apply_checkpointing, make_optimizer, trace_step,  # noqa: F401
                             train_step, warm_up)
 from .checks import REGISTRY, describe_value, expect, expect_equal
@@ -43,9 +46,7 @@ from .checks.remember import RemembersVerdict
 from .runtime.tracker import CATEGORIES, MemoryTracker
 
 __all__ = ["plan", "Plan", "model_state_bytes", "trace_step", "train_step", "decoder", "step_cost",
-           "PRECISIONS", "ZERO_STAGES"]
-ZERO_STAGES = (0, 1, 2, 3)
-_P, _G, _O, _A, _X = range(len(CATEGORIES))
+           "PRECISIONS", "LAYOUTS", "OPTIONS", "ZERO_STAGES"]
 CLOSED_FORM_PRECISION = {"fp32": "fp32", "bf16-autocast": "fp32", "fp16-autocast": "fp32", "bf16": "bf16"}
 
 
@@ -53,13 +54,19 @@ CLOSED_FORM_PRECISION = {"fp32": "fp32", "bf16-autocast": "fp32", "fp16-autocast
 
 @dataclass(frozen=True)
 class Plan:
-    """Per-rank memory of one training step under a strategy (all figures in bytes)."""
+    """Per-rank memory of one training step under a strategy (all figures in bytes). ``peak_bytes``,
+    ``breakdown``, ``model_state`` and ``peak_phase`` are the worst rank's (``worst_rank``); ``rank_peaks``
+    has every rank's peak; ``layout`` names the memory layout (:data:`LAYOUTS`), ``method`` what torch runs."""
     peak_bytes: int
     breakdown: dict        # by the tracker's CATEGORIES at the peak; sums to peak_bytes
     model_state: dict      # parameters, gradients, optimizer, total: what the rank keeps between steps
     peak_phase: str        # where the step peaks ("forward", "backward 2", "step", ...)
-    config: dict           # precision, zero_stage, world_size, micro_batches, checkpointing, optimizer
+    config: dict           # precision, zero_stage, world_size, micro_batches, checkpointing, optimizer, options
     n_params: int
+    layout: str = "fp32"
+    method: str = "DDP"
+    rank_peaks: tuple = ()
+    worst_rank: int = 0
 
     def fits(self, budget_bytes: int) -> bool:
         return self.peak_bytes <= budget_bytes
@@ -68,6 +75,10 @@ class Plan:
     def step_cost(self) -> float:
         return step_cost(**{k: self.config[k] for k in ("world_size", "zero_stage", "checkpointing",
                                                         "micro_batches")})
+
+    @property
+    def layout_description(self) -> str:
+        return LAYOUTS.get(self.layout, "FSDP2 MixedPrecisionPolicy over fp32 sharded parameters: " + self.layout)
 
 
 def step_cost(*, world_size: int, zero_stage: int, checkpointing: bool, micro_batches: int) -> float:
@@ -82,67 +93,105 @@ def step_cost(*, world_size: int, zero_stage: int, checkpointing: bool, micro_ba
     return round(cost, 6)
 
 
-def _bytes(sizes, n, block):
-    return sum(-(-(-(-numel // n) * e) // block) * block for numel, e in sizes)
-
-
-def shard(trace: Trace, zero_stage: int = 0, world_size: int = 1) -> Plan:
-    """The per-rank plan for ZeRO ``zero_stage`` on ``world_size`` ranks, from an unsharded trace."""
-    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
-        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    s, n, block = zero_stage if world_size > 1 else 0, world_size, trace.round_to
-    grads = [(numel, trace.grad_bytes_per_elem) for numel, _ in trace.param_sizes]
-    full = {"p": _bytes(trace.param_sizes, 1, block), "g": _bytes(grads, 1, block),
-            "o": _bytes(trace.state_sizes, 1, block)}
-    part = {"p": _bytes(trace.param_sizes, n, block), "g": _bytes(grads, n, block),
-            "o": _bytes(trace.state_sizes, n, block)}
-    t = trace.timeline.to(torch.float64).clone()
-    in_step = torch.tensor([ph == "step" for ph in trace.phases])
-    fwd = torch.tensor([ph.startswith("forward") for ph in trace.phases])
-    bwd = torch.tensor([ph.startswith("backward") for ph in trace.phases])
-    unit = lambda e: -(-trace.unit_numel * e // block) * block  # noqa: E731
-    if s >= 1:
-        ratio = part["o"] / full["o"] if full["o"] else 1.0
-        t[:, _O] *= ratio
-        t[in_step, _X] *= part["p"] / full["p"] if full["p"] else 1.0
-    if s >= 2:
-        g, r = t[:, _G].clone(), part["g"] / full["g"] if full["g"] else 1.0
-        t[:, _G] = g * r  # in backward, the unit being reduced is still whole (never more than made so far)
-        t[bwd, _G] += torch.clamp(g[bwd] * (1 - r), max=unit(trace.grad_bytes_per_elem))
-    if s >= 3:
-        t[:, _P] -= full["p"] - part["p"]
-        t[fwd | bwd, _P] += unit(trace.param_sizes[0][1] if trace.param_sizes else 4)
+def _from_timeline(t, phases, state, config, n_params, layout, method):
     t = t.round().to(torch.int64)
     totals = t.sum(1)
     i = int(torch.argmax(totals))  # the first sample at the peak
-    state = {"parameters": part["p"] if s >= 3 else full["p"], "gradients": part["g"] if s >= 2 else full["g"],
-             "optimizer": part["o"] if s >= 1 else full["o"]}
-    state["total"] = sum(state.values())
     return Plan(peak_bytes=int(totals[i]), breakdown={c: int(v) for c, v in zip(CATEGORIES, t[i])},
-                model_state=state, peak_phase=trace.phases[i],
-                config=dict(trace.config, zero_stage=zero_stage, world_size=world_size), n_params=trace.n_params)
+                model_state=state, peak_phase=phases[i], config=config, n_params=n_params, layout=layout,
+                method=method)
+
+
+def _worst(plans):
+    """One Plan from per-rank plans: the worst rank's figures, every rank's peak."""
+    peaks = tuple(p.peak_bytes for p in plans)
+    r = max(range(len(peaks)), key=peaks.__getitem__)
+    return dataclasses.replace(plans[r], rank_peaks=peaks, worst_rank=r)
+
+
+def _fsdp_plan(trace_kw, world_size, options, config, layout):
+    """ZeRO-3: FSDP2 run on fake tensors, one trace per group of ranks with equal shards (planner_fsdp)."""
+    from .planner_fsdp import rank_groups
+    fsdp = {k: options[k] for k in ("fsdp_units", "reshard_after_forward", "prefetch", "offload", "mp_policy")}
+    per_rank = [None] * world_size
+    for ranks in rank_groups(trace_kw["model_fn"], world_size, fsdp["fsdp_units"]):
+        tr = trace_step(**trace_kw, fsdp=dict(fsdp, world_size=world_size, rank=ranks[0]))
+        block = tr.round_to
+        state = {"parameters": _bytes(tr.param_sizes, 1, block),
+                 "gradients": _bytes([(n, tr.grad_bytes_per_elem) for n, _ in tr.param_sizes], 1, block),
+                 "optimizer": _bytes(tr.state_sizes, 1, block)}
+        state["total"] = sum(state.values())
+        p = _from_timeline(tr.timeline.to(torch.float64), tr.phases, state, config, tr.n_params, layout,
+                           f"{METHOD[3]} ({'per block + root' if fsdp['fsdp_units'] == 'blocks' else 'root only'})")
+        for r in ranks:
+            per_rank[r] = p
+    return _worst(per_rank)
+
+
+def shard(trace: Trace, zero_stage: int = 0, world_size: int = 1, **options) -> Plan:
+    """The per-rank plan for ZeRO ``zero_stage`` on ``world_size`` ranks from an unsharded trace: stages
+    0-2 by rule (planner_layouts), stage 3 by running FSDP2 on the traced step's model (cached per trace).
+    ``options``: :data:`OPTIONS` (plan()'s docs)."""
+    layout = trace.config.get("layout", trace.config["precision"])
+    o = _check_args(zero_stage, world_size, layout, options)
+    mp = o["mp_policy"]
+    if mp is not None:  # a policy names the layout: FSDP2's mixed precision, or its own dtypes
+        layout = ("fsdp-mixed" if (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32) else
+                  f"fsdp-mp(param={mp.param_dtype}, reduce={mp.reduce_dtype})".replace("torch.", ""))
+    config = dict(trace.config, zero_stage=zero_stage, world_size=world_size,
+                  **{k: v for k, v in o.items() if k != "mp_policy"})
+    if zero_stage == 3:
+        key = (world_size, tuple((k, repr(v)) for k, v in sorted(o.items())))
+        cache = trace.__dict__.setdefault("_fsdp_plans", {})
+        if key not in cache:
+            cache[key] = _fsdp_plan(trace.source, world_size, o, config, layout)
+        return cache[key]
+    ranks = range(world_size) if zero_stage == 1 and world_size > 1 else [0]
+    plans = []
+    for r in ranks:
+        t, state = rank_timeline(trace, zero_stage, world_size, r, o["gradient_as_bucket_view"])
+        plans.append(_from_timeline(t, trace.phases, state, config, trace.n_params, layout,
+                                    METHOD[zero_stage] if world_size > 1 else "one device, unwrapped"))
+    if len(plans) == 1:
+        plans = plans * world_size
+    return _worst(plans)
 
 
 Trace.shard = shard
 
 
 def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_stage=0, world_size=1,
-         micro_batches=1, checkpointing=False, device=None, round_to=None) -> Plan:
+         micro_batches=1, checkpointing=False, device=None, round_to=None, **options) -> Plan:
     """Per-rank memory of one steady-state training step of ``model_fn()`` on ``batch`` (module docs).
 
     ``model_fn()`` builds the model; the planner calls it under ``FakeTensorMode`` (or it may build on the
     meta device), so nothing real is allocated. ``batch = (inputs, targets)``: only shapes and dtypes are
     used (real or meta tensors). ``device``: where to plan (default: "cuda" if available, else "cpu");
-    ``round_to``: allocator block (default 512 on CUDA, 1 -- exact bytes -- on the CPU, as the tracker)."""
-    if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):  # before tracing: fail fast
-        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    trace = trace_step(model_fn, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                       micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to)
-    return trace.shard(zero_stage, world_size)
+    ``round_to``: allocator block (default 512 on CUDA, 1 -- exact bytes -- on the CPU, as the tracker).
+    ``precision``: the memory layout, one of :data:`LAYOUTS` (``plan.layout`` says which).
+
+    Options (keyword, torch's defaults; :data:`OPTIONS`):
+    ``gradient_as_bucket_view=False`` (DDP, stages 0-1: False keeps a second copy of the gradients in
+    the buckets); ``fsdp_units="blocks"`` (stage 3: ``fully_shard`` each block of the largest
+    ``nn.ModuleList``, then the root; ``"root"``: the root alone); ``reshard_after_forward=None``
+    (FSDP2's default: True for blocks, False for the root; True/False sets it for every unit);
+    ``prefetch=1`` (units all-gathered ahead; FSDP2 prefetches one in backward by default);
+    ``mp_policy=None`` (a ``MixedPrecisionPolicy`` or its keyword dict; ``precision="fsdp-mixed"`` is
+    ``param_dtype=bf16, reduce_dtype=fp32``); ``offload=False`` (``CPUOffloadPolicy``: on a CPU plan,
+    host and device are the same memory, so the figure is their sum)."""
+    o = _check_args(zero_stage, world_size, precision, options)  # before tracing: fail fast, nothing half-done
+    trace_kw = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                    micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to)
+    if zero_stage == 3:
+        _check_trace_args(trace_kw)
+        trace = Trace(timeline=torch.zeros(1, len(CATEGORIES), dtype=torch.int64), phases=["forward"], n_params=0,
+                      param_sizes=[], state_sizes=[], grad_bytes_per_elem=4, unit_numel=0, round_to=1,
+                      config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
+                                  checkpointing=checkpointing, device=device, layout=precision))
+        trace.source = trace_kw
+        return trace.shard(zero_stage, world_size, **o)
+    trace = trace_step(**trace_kw)
+    return trace.shard(zero_stage, world_size, **o)
 
 
 def measure_step(model_fn, batch, *, loss_fn, precision="fp32", checkpointing=False, micro_batches=1,

@@ -82,3 +82,67 @@ def token_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# --- two more families the planner is held against (tests, bench/planner_ranks.py) ------------------
+
+class ConvBlock(nn.Module):
+    """Conv 3x3, BatchNorm, ReLU, plus a residual: the shape of a ResNet stage's block."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return x + F.relu(self.bn(self.conv(x)))
+
+
+class ConvNet(nn.Module):
+    """A small conv net with BatchNorm: stem conv, ``layers`` residual conv blocks, pooled linear head.
+    Its convolutions run on oneDNN on the CPU, which takes scratch memory that no tensor owns."""
+
+    def __init__(self, channels=32, layers=4, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels))
+        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(layers))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+class TiedFrozenLM(Decoder):
+    """A decoder whose head shares the embedding's weight (tied: one tensor, one gradient) and whose
+    first block is frozen (no gradients, no optimizer state): what fine-tuning often looks like."""
+
+    def __init__(self, vocab, d, layers, heads, ffn):
+        super().__init__(vocab, d, layers, heads, ffn)
+        self.head.weight = self.embed.weight
+        self.blocks[0].requires_grad_(False)
+
+
+def convnet(channels: int = 32, layers: int = 4):
+    """A ``model_fn`` for :class:`ConvNet`; its batch: ``image_batch``."""
+    def model_fn():
+        return ConvNet(channels, layers)
+    model_fn.__name__ = model_fn.__qualname__ = f"convnet_{channels}x{layers}"
+    return model_fn
+
+
+def tied_frozen(size: str = "tiny"):
+    """A ``model_fn`` for :class:`TiedFrozenLM` of one of :data:`SIZES`; its batch: ``token_batch``."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
+
+    def model_fn():
+        return TiedFrozenLM(*SIZES[size])
+    model_fn.__name__ = model_fn.__qualname__ = f"tied_frozen_{size}"
+    return model_fn
+
+
+def image_batch(batch_size: int, size: int = 32, classes: int = 10, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch_size, 3, size, size, generator=g), torch.randint(0, classes, (batch_size,), generator=g)

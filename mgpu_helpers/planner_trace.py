@@ -18,6 +18,7 @@ CUDA autocast refuse), and CPU and CUDA autocast cast a few ops differently, so 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +29,10 @@ from torch.utils.checkpoint import checkpoint
 
 from .runtime.tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
 
-PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")
+PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (planner_layouts: all layouts)
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 OPTIMIZERS = ("adam", "sgd", "momentum")
+FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the byte (tests/test_planner_fsdp.py)
 
 
 # --- the step, real or fake ------------------------------------------------------------------------
@@ -138,7 +140,48 @@ class FakeTracker(MemoryTracker):
             devs = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             if devs == {"cpu"}:
                 return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.planned == "cpu" and self._active and func in _CONVS:
+            extra = conv_scratch(func, args)
+            if extra:  # taken and given back inside the op: a transient sample, labelled "other"
+                with self._lock:
+                    for delta in (extra, -extra):
+                        self._cats["other"] += delta
+                        self._total += delta
+                        self._sample()
+        return out
+
+
+_CONVS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+
+
+def conv_scratch(func, args) -> int:
+    """Bytes oneDNN takes and frees inside one CPU convolution, beside its inputs and outputs: a calibrated
+    line, because no tensor owns them (the profiler sees them: ``planner_validate``). Measured with
+    torch 2.13's CPU build on 2-D convolutions, groups 1 (tests/test_planner_ranks.py re-measures them):
+    fp32, kernel > 1: forward the output's bytes (+ the weight's when in and out channels are equal:
+    a reordered copy), backward the output's + the input's (twice the input's when the in-channels are
+    not a multiple of 8, as an RGB stem: 0.73x seen); 1x1 kernels: nothing; 16-bit (autocast):
+    an im2col buffer, batch x in-channels x kernel area x output positions, forward and backward.
+    Other convolutions (grouped, 1-D/3-D, transposed) get the fp32 rule: a documented guess."""
+    if func is torch.ops.aten.convolution.default:
+        x, w, out_shape = args[0], args[1], None
+    else:
+        x, w, out_shape = args[1], args[2], args[0].shape
+    if w.dim() < 3 or all(k == 1 for k in w.shape[2:]):
+        return 0
+    e, area = x.element_size(), math.prod(w.shape[2:])
+    if out_shape is None:
+        stride, padding, dilation = args[3], args[4], args[5]
+        spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
+                   zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
+        out_shape = (x.shape[0], w.shape[0], *spatial)
+    out_b, in_b, w_b = math.prod(out_shape) * e, x.numel() * e, w.numel() * e
+    if e < 4:
+        return x.shape[0] * w.shape[1] * area * math.prod(out_shape[2:]) * e
+    if func is torch.ops.aten.convolution.default:
+        return out_b + (w_b if w.shape[0] == w.shape[1] else 0)
+    return out_b + in_b * (2 if w.shape[1] % 8 else 1)  # in-channels off oneDNN's blocks: a padded input copy
 
 
 # --- the trace -----------------------------------------------------------------------------------------
@@ -156,6 +199,7 @@ class Trace:
     unit_numel: int                    # parameters of the largest all-gathered unit (ZeRO-3)
     round_to: int
     config: dict = field(default_factory=dict)
+    param_state_sizes: list = field(default_factory=list)  # per trainable parameter: its state's (numel, bytes)
 
 
 def _fake_batch(batch, device):
@@ -190,10 +234,35 @@ def _units(model, params):
 
 
 def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", micro_batches=1,
-               checkpointing=False, device=None, round_to=None) -> Trace:
-    """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+               checkpointing=False, device=None, round_to=None, fsdp=None) -> Trace:
+    """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors.
+    ``fsdp``: ``dict(world_size=, rank=, **planner_fsdp.apply_fsdp options)`` traces that rank's step of
+    the model wrapped by FSDP2 in a fake process group instead (``planner_fsdp``): two steps, the second
+    counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run)."""
+    source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                  micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to)
+    traced = {"zero-mixed": "bf16"}.get(precision, precision)  # planner_layouts.zero_mixed: rules over bf16
+    if fsdp is not None:
+        from .planner_fsdp import fake_group
+        with fake_group(fsdp["world_size"], fsdp["rank"]):
+            trace = _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing,
+                           device, round_to, fsdp)
+    else:
+        trace = _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing, device,
+                       round_to, None)
+    trace.config["layout"] = precision
+    trace.source = source  # what Trace.shard(3, n) runs under FSDP2
+    return trace
+
+
+def _local(t):
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+
+
+def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkpointing, device, round_to, fsdp):
+    if precision not in PRECISIONS and not (fsdp is not None and precision == "fsdp-mixed"):
+        raise ValueError(f"precision must be one of {PRECISIONS}" + (" (or 'fsdp-mixed' under FSDP2)" if fsdp is None
+                         else "") + f", got {precision!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -202,6 +271,12 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
         raise TypeError(f"{'model_fn' if not callable(model_fn) else 'loss_fn'} must be callable")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     round_to = round_to or (CUDA_BLOCK if device.type == "cuda" else 1)
+    if fsdp is not None:  # the mesh is made outside the fake mode (it reads real rank tensors)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .planner_fsdp import FSDPFakeTracker, apply_fsdp
+        mesh = init_device_mesh(device.type, (fsdp["world_size"],))
+        fsdp_options = {k: v for k, v in fsdp.items() if k not in ("world_size", "rank")}
     with FakeTensorMode(allow_non_fake_inputs=False):
         x, y = _fake_batch(batch, device)
         if len(x) % micro_batches:
@@ -216,18 +291,33 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
             x = x.to(torch.bfloat16)
         if checkpointing:
             apply_checkpointing(model)
+        step_precision, tracker = precision, FakeTracker
+        if fsdp is not None:
+            apply_fsdp(model, mesh, precision=precision, **fsdp_options)
+            step_precision = "fp32" if precision == "fsdp-mixed" else precision  # the policy casts, not autocast
+            tracker = FSDPFakeTracker
         opt = make_optimizer(model, optimizer)
-        warm_up(model, opt)
+        if fsdp is None:
+            warm_up(model, opt)
+        else:  # FSDP2's lazy init, its unsharded storages and Adam's state come from a real step
+            for _ in range(FSDP_WARM_UP_STEPS):
+                train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches)
         params = [p for g in opt.param_groups for p in g["params"]]
-        with FakeTracker(model, opt, device, round_to) as mt:
-            train_step(model, opt, (x, y), loss_fn, precision=precision, micro_batches=micro_batches,
+        n_params = sum(p.numel() for p in params)  # the global count, also for DTensor parameters
+        with tracker(model, opt, device, round_to) as mt:
+            train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches,
                        mark=mt.mark)
-        states = [v for s in opt.state.values() for v in s.values()
+        unit_numel = _units(model, params)
+        per_param = [[(_local(v).numel(), v.element_size()) for v in opt.state[p].values()
+                      if isinstance(v, torch.Tensor) and v.device.type == device.type] if p in opt.state else []
+                     for g in opt.param_groups for p in g["params"]]
+        params = [_local(p) for p in params]
+        states = [_local(v) for s in opt.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.device.type == device.type]
         sizes = dict(param_sizes=[(p.numel(), p.element_size()) for p in params],
                      state_sizes=[(v.numel(), v.element_size()) for v in states],
-                     grad_bytes_per_elem=params[0].element_size() if params else 4,
-                     unit_numel=_units(model, params), n_params=sum(p.numel() for p in params))
+                     grad_bytes_per_elem=params[0].element_size() if params else 4, param_state_sizes=per_param,
+                     unit_numel=unit_numel, n_params=n_params)
     trace = Trace(  # outside the fake mode: a real tensor
         timeline=torch.tensor([[s[2][c] for c in CATEGORIES] for s in mt.timeline], dtype=torch.int64),
         phases=[s[0] for s in mt.timeline], round_to=round_to, **sizes,

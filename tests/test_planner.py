@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mgpu_helpers import sharding
-from mgpu_helpers.planner import (SIZES, Plan, cached_trace, decoder, lm_loss, model_state_bytes, plan,
+from mgpu_helpers.planner import (SIZES, cached_trace, decoder, lm_loss, model_state_bytes, plan,
                                   step_cost, token_batch)
 from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, train_step, warm_up
 from mgpu_helpers.runtime.tracker import CATEGORIES, MemoryTracker
@@ -73,16 +73,27 @@ def test_pure_bf16_plan_equals_tracker():
     assert p.peak_bytes == tracked(model_fn, (batch[0].bfloat16(), batch[1]), loss_fn, "bf16", False, 1)[0]
 
 
-def test_model_state_matches_the_closed_form_unsharded():
+def test_model_state_matches_the_closed_form_plus_what_torch_adds():
+    # Notebook 08's closed form, plus DDP's buckets (a second copy of the gradients) at stages 0-1 on
+    # several ranks; stage 3 is FSDP2's shards (torch.chunk rows: rank 0 holds the ceil).
     tr = cached_trace("tiny", 4, 32, "fp32", False, 1)  # round_to=512: per-tensor rounding on top
-    n = tr.n_params
+    n, count = tr.n_params, len(tr.param_sizes)
     for stage in range(4):
         for world in (1, 2, 8):
             got = tr.shard(stage, world).model_state
-            ref = model_state_bytes(n, zero_stage=stage, world_size=world, precision="fp32")
-            for key, ours in (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer")):
-                slack = 512 * len(tr.param_sizes) * (2 if key == "optimizer" else 1) + 4 * world * len(tr.param_sizes)
-                assert ref[key] <= got[ours] + 4 * world <= ref[key] + slack, (stage, world, key, got, ref)
+            ref = dict(model_state_bytes(n, zero_stage=stage, world_size=world, precision="fp32"))
+            if stage == 3 and world == 1:
+                ref = model_state_bytes(n, zero_stage=0, world_size=1, precision="fp32")
+            if stage < 2 and world > 1:
+                ref["gradients"] += 4 * n  # DDP's buckets
+            if stage == 1 and world > 1:  # whole parameters per rank: uneven, the worst rank's state
+                full = model_state_bytes(n, zero_stage=0, world_size=1, precision="fp32")["optimizer"]
+                assert ref["optimizer"] <= got["optimizer"] < full
+                ref["optimizer"] = got["optimizer"]
+            for key in ("parameters", "gradients", "optimizer"):
+                slack = (512 * count * (2 if key == "optimizer" else 1) + 4 * world * count
+                         + (2 * 4 * 172 * count if stage == 3 else 0))  # FSDP2: up to a row per tensor
+                assert ref[key] <= got[key] + 4 * world <= ref[key] + slack + 512, (stage, world, key, got, ref)
 
 
 def test_reexports_notebook_08s_closed_form():
@@ -92,16 +103,53 @@ def test_reexports_notebook_08s_closed_form():
 def test_sharding_rules():
     tr = cached_trace("tiny", 4, 32, "bf16-autocast", False, 1)
     base = tr.shard(0, 1)
-    for stage in range(4):
-        assert tr.shard(stage, 1) == Plan(**{**base.__dict__, "config": {**base.config, "zero_stage": stage}})
-        assert tr.shard(0, 8).peak_bytes == base.peak_bytes  # stage 0: a replica per rank
+    assert base.method == "one device, unwrapped" and base.layout == "bf16-autocast" and base.rank_peaks == (base.peak_bytes,)
+    for stage in range(3):  # one rank: the unwrapped step at stages 0-2
+        assert tr.shard(stage, 1).peak_bytes == base.peak_bytes
+    ddp = tr.shard(0, 8)
+    assert ddp.peak_bytes == tr.shard(0, 2).peak_bytes > base.peak_bytes  # a replica + buckets per rank
+    buckets = -(-4 * tr.n_params // 512) * 512  # one flat copy of the fp32 gradients
+    assert ddp.model_state["gradients"] == base.model_state["gradients"] + buckets
+    view = tr.shard(0, 2, gradient_as_bucket_view=True)
+    assert base.peak_bytes <= view.peak_bytes <= ddp.peak_bytes  # equal when the peak is before any gradient
+    assert view.model_state["gradients"] < ddp.model_state["gradients"]
     for world in (2, 4, 8):
         p1, p2, p3 = (tr.shard(s, world) for s in (1, 2, 3))
-        assert p2.peak_bytes <= p1.peak_bytes <= base.peak_bytes
+        assert len(p1.rank_peaks) == world and p1.peak_bytes == max(p1.rank_peaks)
+        assert p1.rank_peaks[p1.worst_rank] == p1.peak_bytes
         assert p1.model_state["optimizer"] < base.model_state["optimizer"]
         assert p2.model_state["gradients"] < p1.model_state["gradients"]
         assert p3.model_state["parameters"] < p2.model_state["parameters"]
+        assert p3.method == "FSDP2 fully_shard (per block + root)"
     assert tr.shard(3, 8).peak_bytes < tr.shard(3, 2).peak_bytes
+
+
+def test_zero1_partition_is_zero_redundancy_optimizers():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from mgpu_helpers.planner_layouts import zero_partition
+    numels = [5, 9, 9, 1, 7, 3, 3, 12]
+    ours = zero_partition(numels, 3)
+    params = [nn.Parameter(torch.zeros(k)) for k in numels]
+    zro = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)  # only its partition, no process group
+    zro.param_groups, zro.world_size, zro._partition_parameters_cache = [{"params": params}], 3, []
+    zro._partition_param_group = lambda group, per_rank: setattr(zro, "_ranks", per_rank)
+    zro._partition_parameters()
+    index = {id(p): i for i, p in enumerate(params)}
+    assert [[index[id(p)] for p in rank] for rank in zro._ranks] == ours
+    assert sorted(sum(ours, [])) == list(range(len(numels)))
+
+
+def test_layouts_are_named_and_zero_mixed_is_the_papers():
+    tr = cached_trace("tiny", 4, 32, "zero-mixed", False, 1)
+    bf16 = cached_trace("tiny", 4, 32, "bf16", False, 1)
+    n = tr.n_params
+    for world in (2, 8):
+        p, q = tr.shard(2, world), bf16.shard(2, world)
+        assert p.layout == "zero-mixed" and "12 B/param" in p.layout_description
+        closed = model_state_bytes(n, zero_stage=2, world_size=world, precision="mixed")
+        assert abs(p.model_state["optimizer"] - closed["optimizer"]) <= 512 * 3 * len(tr.param_sizes)
+        assert p.model_state["optimizer"] > q.model_state["optimizer"]
 
 
 def test_step_cost_rule():
@@ -145,3 +193,30 @@ def test_bad_input_names_the_argument():
         plan(model_fn, batch, loss_fn=loss_fn, optimizer="lion")
     with pytest.raises(ValueError, match="size must be one of"):
         decoder("70B")
+
+
+def test_bad_plans_fail_before_anything_is_traced(monkeypatch):
+    import mgpu_helpers.planner as planner
+    from mgpu_helpers import planner_trace
+    model_fn, batch, loss_fn = MODELS["mlp"]
+    calls = []
+    monkeypatch.setattr(planner_trace, "_trace", lambda *a, **k: calls.append(1))  # nothing half-computed
+    flat = lambda: nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 10))  # noqa: E731
+    with pytest.raises(ValueError, match="fsdp_units='blocks': the model has no nn.ModuleList"):
+        planner.plan(flat, batch, loss_fn=loss_fn, zero_stage=3, world_size=2)
+    with pytest.raises(ValueError, match=r"mp_policy.param_dtype must be None or one of"):
+        planner.plan(model_fn, batch, loss_fn=loss_fn, zero_stage=3, world_size=2,
+                     mp_policy=dict(param_dtype=torch.int8))
+    with pytest.raises(ValueError, match="mp_policy.reduce_dtype"):
+        planner.plan(model_fn, batch, loss_fn=loss_fn, zero_stage=3, world_size=2, mp_policy=dict(reduce_dtype="bf16"))
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        planner.plan(model_fn, batch, loss_fn=loss_fn, zero_stage=3, world_size=0)
+    with pytest.raises(ValueError, match="precision='fsdp-mixed': FSDP2's, so zero_stage must be 3"):
+        planner.plan(model_fn, batch, loss_fn=loss_fn, precision="fsdp-mixed", zero_stage=1, world_size=2)
+    with pytest.raises(ValueError, match="fsdp_units must be"):
+        planner.plan(model_fn, batch, loss_fn=loss_fn, zero_stage=3, world_size=2, fsdp_units="layers")
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
+        planner.plan(model_fn, batch, loss_fn=loss_fn, zero_stage=3, world_size=2, prefetch=0)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['bucket_cap_mb'\]"):
+        planner.plan(model_fn, batch, loss_fn=loss_fn, bucket_cap_mb=25)
+    assert not calls

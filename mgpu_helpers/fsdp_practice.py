@@ -1,0 +1,247 @@
+"""Notebook 12 -- FSDP2 in practice: the knobs of ``fully_shard`` and what each costs, measured per rank.
+
+Notebook 08 showed what ZeRO-3 shards. Here one model (residual MLP blocks, each its own ``fully_shard``
+unit, the root holding the embedding and head) is trained under each knob of FSDP2, and each rank's
+memory and communication for one steady training step are measured:
+
+* ``reshard_after_forward`` True / False / an int: peak bytes against bytes all-gathered;
+* explicit prefetch (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``);
+* ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` against ``torch.autocast`` over FSDP2;
+* ``CPUOffloadPolicy`` and ``torch.autograd.graph.save_on_cpu``; foreach vs fused Adam; meta-device init.
+
+Memory is counted two ways in the same step. :class:`~mgpu_helpers.runtime.tracker.MemoryTracker` gives the split
+by category but learns a storage only when it is made, so it misses the unsharded parameters FSDP2 frees
+with ``resize_(0)`` and re-grows every step (issue 18). ``torch.profiler`` with ``profile_memory=True``
+sees every allocation of the CPU allocator (FACTS.md: matched the tracker and the planner to 8 bytes), so
+the **peak** is the profiler's; the gap between the two is reported as its own row, never hidden. On a GPU
+the peak is ``torch.cuda.max_memory_allocated`` (the same semantics). Collectives are counted at the
+dispatcher (:class:`CommLog`): op, dtype, bytes in and out, on every rank. Both are in
+``fsdp_practice_measure``.
+
+Sweeps run one rank of a world of N inside this process (torch's fake process group, ``sharding_fsdp.
+fake_world``): allocations are real, collectives move no data -- right for bytes, useless for values.
+The timeline and overlap figures are in ``fsdp_practice_timeline``.
+
+Run as a script (every knob on 2 ranks, one table per rank)::
+
+    torchrun --nproc-per-node 2 -m mgpu_helpers.fsdp_practice
+    python -m mgpu_helpers.fsdp_practice                       # no torchrun: 2 ranks via run_ranks
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn import functional as F
+from torch.profiler import record_function
+
+from .fsdp_practice_measure import CommLog, profiled_peak, state_bytes, storage_bytes
+from .runtime.launch import rank_device
+from .sharding import make_batch
+from .sharding_fsdp import fake_world
+from .runtime.tracker import MemoryTracker
+
+MODEL = {"d": 128, "blocks": 4, "d_in": 32, "classes": 10}  # the notebook's model: 4 units of 131,712 bytes
+STATE = ("parameters", "gradients", "optimizer_state")
+KNOBS = ("reshard_after_forward", "prefetch", "precision", "offload", "optimizer", "save_on_cpu", "rows", "async_unshard")
+
+
+class Block(nn.Module):
+    """A residual MLP block: one ``fully_shard`` unit."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    """``Linear(d_in, d)``, ``blocks`` × :class:`Block` (hidden 2d) in an ``nn.ModuleList`` (the units that
+    ``fully_shard`` wraps one by one, as the planner finds them), ``Linear(d, classes)``."""
+
+    def __init__(self, d=128, blocks=4, d_in=32, classes=10):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(Block(d, 2 * d) for _ in range(blocks))
+        self.out = nn.Linear(d, classes)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def make_model(d=128, blocks=4, d_in=32, classes=10, seed=0, device=None) -> Net:
+    """:class:`Net`, seeded, on ``device`` (default: this rank's)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Net(d, blocks, d_in, classes).to(device or rank_device())
+
+
+def blocks(model) -> list[nn.Module]:
+    return list(model.blocks)
+
+
+def forget_cached_meshes():
+    """Clear DTensor's sharding-propagation caches (Python's and the C++ fast path's). Their entries hold
+    the DeviceMesh of the process that filled them, which compares equal to a new mesh of the same shape:
+    a rank forked from a kernel that had run a fake world (as rank 0 of 2) got rank 0's mesh back from an
+    op on its DTensors, so as rank 1 it wrote its shard at rank 0's offset in a checkpoint (DCP: "invalid
+    fill"). Seen with torch 2.13; ``shard`` calls this first."""
+    from torch.distributed.tensor import DTensor
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ fast path's own cache
+        torch._C._clear_DTensor_sharding_propagator_cache()
+
+
+def shard(model, mesh=None, *, reshard_after_forward=True, prefetch=0, mp_policy=None, offload_policy=None):
+    """``fully_shard`` each block with the knobs, then the root (which FSDP2 never reshards after forward:
+    backward needs its head at once). ``prefetch=k`` > 0 asks each block to all-gather the next k blocks
+    in forward and the previous k in backward (explicit prefetch); 0 leaves FSDP2's implicit order."""
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}: the number of units to all-gather ahead, an int >= 0")
+    forget_cached_meshes()
+    mesh = mesh or init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if offload_policy is not None:
+        kw["offload_policy"] = offload_policy
+    units = blocks(model)
+    for b in units:
+        fully_shard(b, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, **kw)
+    if prefetch:
+        for i, b in enumerate(units):
+            if units[i + 1:i + 1 + prefetch]:
+                b.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
+            if units[max(0, i - prefetch):i]:
+                b.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
+    return model
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def build(knobs: dict, model_kw=None, seed=0):
+    """(model, optimizer, step) on this rank for ``knobs`` (see :func:`measure`)."""
+    k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False,
+         "optimizer": "foreach", "save_on_cpu": False, "rows": 8, "async_unshard": False, **knobs}
+    bad = set(knobs) - set(KNOBS)
+    if bad or k["precision"] not in ("fp32", "mp_policy", "autocast") or k["optimizer"] not in ("foreach", "fused"):
+        raise ValueError(f"knobs {knobs}: known are reshard_after_forward, prefetch, precision (fp32, mp_policy, "
+                         "autocast), offload (bool), optimizer (foreach, fused), save_on_cpu (bool), rows (per rank), "
+                         "async_unshard (bool)")
+    mkw = {**MODEL, **(model_kw or {})}
+    model = make_model(**mkw, seed=seed)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if k["precision"] == "mp_policy" else None
+    shard(model, reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"], mp_policy=mp,
+          offload_policy=CPUOffloadPolicy(pin_memory=False) if k["offload"] else None)
+    if k["async_unshard"]:
+        # FSDP2 waits for each all-gather where it is issued unless unshard is async (a private switch,
+        # ``_set_unshard_async_op``). On a GPU that wait only orders streams and the CPU runs ahead, so
+        # all-gathers overlap compute anyway; on a CPU (gloo) it blocks the one thread that computes.
+        model._set_unshard_async_op(True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **{k["optimizer"]: True})
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = make_batch(seed + 1, k["rows"] * world, mkw["d_in"], mkw["classes"])
+    x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
+    cast = torch.autocast(rank_device().type, torch.bfloat16) if k["precision"] == "autocast" \
+        else contextlib.nullcontext()
+    hooks = torch.autograd.graph.save_on_cpu(pin_memory=False) if k["save_on_cpu"] else contextlib.nullcontext()
+
+    def step():
+        with record_function("## forward ##"), cast, hooks:
+            loss = F.cross_entropy(model(x), y)
+        with record_function("## backward ##"):
+            loss.backward()
+        with record_function("## optimizer ##"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return model, opt, step
+
+
+def measure(rank, world_size, knobs=None, model_kw=None, categories=True):
+    """This rank's figures for one steady training step (after a warm-up step) under ``knobs``
+    (``reshard_after_forward``, ``prefetch``, ``precision`` = fp32 | mp_policy | autocast, ``offload``,
+    ``optimizer`` = foreach | fused, ``save_on_cpu``): ``{"state"`` (bytes held after the step, by
+    category), ``"peak"`` and ``"phases"`` (the profiler's: every allocation; peak per phase),
+    ``"comm"`` (:meth:`CommLog.summary`), ``"gathered"`` (bytes received in all-gathers), ``"unit_bytes"``
+    (each block's unsharded fp32 parameter bytes)}; with ``categories``, also the tracker's
+    ``"tracker_peak"`` and ``"tracker_peak_breakdown"`` (it costs a second pass over every op)."""
+    model, opt, step = build(knobs or {}, model_kw)
+    step()  # warm-up: Adam makes its state, FSDP2 its buffers
+    base = sum(state_bytes(model, opt).values())
+    out = {}
+    with CommLog() as comm, profiled_peak(base) as prof:
+        if categories:
+            with MemoryTracker(model, opt) as mt:
+                step()
+            out = {"tracker_peak": mt.peak_bytes, "tracker_peak_breakdown": mt.peak_breakdown()}
+        else:
+            step()
+    return {"state": state_bytes(model, opt), "peak": prof["peak"], "phases": prof["phases"],
+            "compute": prof["compute"], **out,
+            "comm": comm.summary(), "gathered": comm.gathered,
+            "unit_bytes": [sum(p.numel() for p in b.parameters()) * 4 for b in blocks(model)]}
+
+
+def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
+    """:func:`measure` for each knob dict in ``options``, as rank 0 of ``world_size`` (fake process group:
+    no process started; bytes as real ranks give, tested), each row ``{**knobs, "peak", "forward_compute"``
+    (held while the forward computes), ``"gathered"}``."""
+    rows = []
+    with fake_world(world_size):
+        for o in options:
+            m = measure(0, world_size, o, model_kw, categories=False)
+            rows.append({**o, "peak": m["peak"], "forward_compute": m["compute"].get("forward", 0),
+                         "gathered": m["gathered"]})
+    return rows
+
+
+def knob_grid(world_size: int) -> list[dict]:
+    """reshard_after_forward True / 2 (a smaller group, where 2 divides a world above 2) / False, each
+    with prefetch 0 and 1."""
+    ints = [2] if world_size > 2 and world_size % 2 == 0 else []
+    return [{"reshard_after_forward": r, "prefetch": p} for r in [True, *ints, False] for p in (0, 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def _knob_sweep(world_size: int, blocks: int) -> tuple:
+    return tuple(sweep(world_size, knob_grid(world_size), {"blocks": blocks}))
+
+
+def knob_sweep(world_size: int = 4, blocks: int = 4) -> list[dict]:
+    """:func:`sweep` over :func:`knob_grid` for the notebook's model with ``blocks`` blocks, measured once
+    per process (the bytes do not change) and handed out as fresh copies."""
+    return [dict(r) for r in _knob_sweep(world_size, blocks)]
+
+
+def _demo(rank, world_size):
+    lines = [f"rank {rank} of {world_size}: knobs -> peak bytes, bytes all-gathered"]
+    for knobs in knob_grid(world_size) + [{"precision": "mp_policy"}, {"precision": "autocast"}, {"offload": True},
+                              {"optimizer": "fused"}]:
+        m = measure(rank, world_size, knobs)
+        lines.append(f"  {knobs}: peak {m['peak']}, gathered {m['gathered']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import os
+
+    from mgpu_helpers.runtime.launch import run_ranks, torchrun_main
+    if "LOCAL_RANK" in os.environ:
+        torchrun_main(_demo)
+    else:
+        print("\n".join(run_ranks(_demo, 2)))
+
+__all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes", "state_bytes",
+           "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "KNOBS", "PHASES"]

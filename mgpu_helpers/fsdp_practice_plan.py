@@ -1,0 +1,39 @@
+"""Notebook 12 -- the planner (notebook 11, ``planner.plan``) on this notebook's knobs, against the measurement.
+
+The planner runs FSDP2 itself on fake tensors in a fake process group and counts every storage, FSDP2's
+re-grown unsharded parameters included; the measurement here counts every allocation of a real step
+(``fsdp_practice.measure``, the profiler). Knobs map one to one, except prefetch: the planner's
+``prefetch=1`` is FSDP2's default order (this notebook's ``prefetch=0``) and ``k > 1`` sets k units
+explicitly both ways (this notebook's ``prefetch=k``). ``reshard_after_forward`` as an int is not planned.
+"""
+from __future__ import annotations
+
+import functools
+
+from torch.nn import functional as F
+
+from .fsdp_practice import MODEL, Net
+from .sharding import make_batch
+
+PRECISION = {"fp32": "fp32", "mp_policy": "fsdp-mixed", "autocast": "bf16-autocast"}
+
+
+def plan_knobs(world_size: int, knobs: dict, model_kw=None):
+    """``planner.plan`` for :func:`fsdp_practice.measure`'s step under ``knobs`` on ``world_size`` ranks
+    (one rank's batch of ``knobs.get("rows", 8)``): the planner's :class:`~mgpu_helpers.planner.Plan`."""
+    from .planner import plan
+
+    k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False, "rows": 8, **knobs}
+    if not isinstance(k["reshard_after_forward"], bool) or set(k) - {"reshard_after_forward", "prefetch",
+                                                                      "precision", "offload", "rows"}:
+        raise ValueError(f"knobs {knobs}: the planner plans reshard_after_forward True/False, prefetch, "
+                         "precision, offload")
+    mkw = {**MODEL, **(model_kw or {})}
+    batch = make_batch(1, k["rows"], mkw["d_in"], mkw["classes"])  # only shapes and dtypes are used
+    return plan(functools.partial(Net, **mkw), batch, loss_fn=F.cross_entropy, optimizer="adam",
+                precision=PRECISION[k["precision"]], zero_stage=3, world_size=world_size, device="cpu",
+                reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"] or 1,
+                offload=k["offload"])
+
+
+__all__ = ["plan_knobs"]

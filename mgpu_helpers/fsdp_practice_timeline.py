@@ -1,0 +1,173 @@
+"""Notebook 12 -- communication hidden behind compute: every rank's ``torch.profiler`` trace of one training
+step, merged into one figure, and the overlap measured as a fraction of communication time.
+
+What counts as what, read from the trace (never guessed from wall clocks alone):
+
+* **communication**: on a CPU, gloo runs each collective in its own worker thread, which the profiler
+  records as ``gloo:all_gather`` / ``gloo:all_reduce`` / ... ranges (gloo has no reduce-scatter of its own:
+  FSDP2's reduce-scatter shows as ``gloo:all_reduce``); on a GPU, the NCCL kernels (``nccl...``);
+* **compute**: the model's matrix multiplies and activations (``aten::mm``, ``aten::addmm``,
+  ``aten::gelu``, ``aten::gelu_backward``) on the main thread; on a GPU, every other kernel.
+
+``overlap`` = (time when communication and compute both run) / (time when communication runs). The times
+are real and vary from run to run (the notebook prints them under ``NBVAL_IGNORE_OUTPUT``); which
+collectives run, how many and how many bytes do not vary.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .fsdp_practice import MODEL, build, make_model
+from .fsdp_practice_measure import _quiet_stderr
+from .runtime.launch import rank_device
+from .sharding import make_batch
+
+COMPUTE = ("aten::mm", "aten::addmm", "aten::gelu", "aten::gelu_backward")
+
+
+def _union(spans):
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in _union(spans))
+
+
+def _intersection(xs, ys) -> float:
+    xs, ys, i, j, tot = _union(xs), _union(ys), 0, 0, 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        tot += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+def overlap(compute, comm) -> float:
+    """The fraction of communication time during which compute runs too (0 when nothing communicates)."""
+    total = _length(comm)
+    return _intersection(compute, comm) / total if total else 0.0
+
+
+def _ddp_step(model_kw=None, rows=8, bucket_cap_mb=0.25):
+    mkw = {**MODEL, **(model_kw or {})}
+    model = DDP(make_model(**mkw), bucket_cap_mb=bucket_cap_mb,
+                device_ids=[rank_device().index] if rank_device().type == "cuda" else None)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = make_batch(1, rows * world, mkw["d_in"], mkw["classes"])
+    x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
+
+    def step():
+        with record_function("## forward ##"):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        with record_function("## backward ##"):
+            loss.backward()
+        with record_function("## optimizer ##"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return step
+
+
+def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
+    """This rank's profiled training step: ``{"compute": [(start, end) ms], "comm": [(start, end, name)],
+    "phases": {name: (start, end)}, "t0": ns, "forward_order": str}``; ``forward_order`` is the order in
+    which the main thread issued FSDP2's all-gathers ("G") and the forward's matmuls ("m"), and
+    ``reductions_before_last_backward_matmul`` (issued early, all) counts gradient reductions issued while
+    backward still had compute to do: both deterministic with times in ms from ``t0`` (the step's start, on the
+    machine's clock: ranks of one machine share it, so their traces line up). ``kind``: "fsdp" (built by
+    ``fsdp_practice.build(knobs)``) or "ddp" (DDP with 0.25 MB buckets)."""
+    step = _ddp_step(model_kw, (knobs or {}).get("rows", 8)) if kind == "ddp" else build(knobs or {}, model_kw)[2]
+    for _ in range(warmup):  # DDP rebuilds its buckets after the first step; FSDP2 makes its buffers
+        step()
+    cuda = rank_device().type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    dist.barrier()
+    with _quiet_stderr(), profile(activities=acts) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    return _spans(prof.profiler.kineto_results.events(), cuda)
+
+
+def _spans(events, cuda):
+    events = list(events)
+    phases = {e.name()[3:-3]: (e.start_ns(), e.end_ns(), e.start_thread_id())
+              for e in events if e.name().startswith("## ")}
+    t0, main = phases["forward"][0], phases["forward"][2]
+    ms = lambda t: (t - t0) / 1e6  # noqa: E731
+    if cuda:
+        kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA and e.end_ns() > 0]
+        comm = [(ms(e.start_ns()), ms(e.end_ns()), e.name()[:40]) for e in kernels if "nccl" in e.name().lower()]
+        compute = [(ms(e.start_ns()), ms(e.end_ns())) for e in kernels if "nccl" not in e.name().lower()]
+    else:
+        comm = [(ms(e.start_ns()), ms(e.end_ns()), e.name()) for e in events if e.name().startswith("gloo:")]
+        compute = [(ms(e.start_ns()), ms(e.end_ns())) for e in events
+                   if e.name() in COMPUTE and e.start_thread_id() == main]
+    fwd = phases["forward"]
+    order = "".join("G" if e.name().startswith("FSDP::all_gather (") else "m" for e in sorted(
+        (e for e in events if e.start_thread_id() == main and fwd[0] <= e.start_ns() <= fwd[1]
+         and (e.name() == "aten::addmm" or e.name().startswith("FSDP::all_gather ("))), key=lambda e: e.start_ns()))
+    # Gradient reductions issued from the main thread while backward still had matmuls to run (the order of
+    # issue, not a time: deterministic): DDP's bucket all-reduces, FSDP2's reduce-scatters.
+    bwd = phases["backward"]
+    on_main = [e for e in events if e.start_thread_id() == main and bwd[0] <= e.start_ns() <= bwd[1]]
+    last_mm = max((e.start_ns() for e in on_main if e.name() in COMPUTE), default=bwd[0])
+    reduces = [e.start_ns() for e in on_main if e.name().startswith("c10d::") and "reduce" in e.name()]
+    early = sum(t < last_mm for t in reduces)
+    return {"compute": compute, "comm": comm, "t0": t0, "forward_order": order,
+            "reductions_before_last_backward_matmul": (early, len(reduces)),
+            "phases": {k: (ms(a), ms(b)) for k, (a, b, _) in phases.items()}}
+
+
+def summarize(traces) -> dict:
+    """Per rank: communication time, the part of it overlapped by compute, and the fraction; and the
+    collectives seen (name: count), which do not vary between runs."""
+    out = []
+    for tr in traces:
+        comm = [(a, b) for a, b, _ in tr["comm"]]
+        names: dict[str, int] = {}
+        for *_, n in tr["comm"]:
+            names[n] = names.get(n, 0) + 1
+        out.append({"comm_ms": _length(comm), "overlapped_ms": _intersection(tr["compute"], comm),
+                    "overlap": overlap(tr["compute"], comm), "collectives": names})
+    return out
+
+
+def plot(traces_by_label: dict, title="One training step on every rank: compute and communication"):
+    """One figure: for each label (e.g. "FSDP2 implicit", "FSDP2 prefetch 1", "DDP") and each rank, a
+    row of compute spans (blue) above a row of communication spans (orange); phases shaded. All ranks of a
+    label are aligned to the earliest rank's forward start."""
+    import matplotlib.pyplot as plt
+
+    rows = [(lab, r, tr) for lab, trs in traces_by_label.items() for r, tr in enumerate(trs)]
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.2))
+    for i, (lab, r, tr) in enumerate(rows):
+        t0 = min(t["t0"] for t in traces_by_label[lab])
+        shift = (tr["t0"] - t0) / 1e6
+        y = len(rows) - 1 - i
+        ax.broken_barh([(a + shift, b - a) for a, b in tr["compute"]], (y + 0.05, 0.4), color="#4C72B0")
+        ax.broken_barh([(a + shift, b - a) for a, b, _ in tr["comm"]], (y - 0.45, 0.4), color="#DD8452")
+        a, b = tr["phases"]["backward"]
+        ax.axvspan(a + shift, b + shift, ymin=(y - 0.5 + 0.5) / len(rows), ymax=(y + 0.5 + 0.5) / len(rows),
+                   color="grey", alpha=0.12, lw=0)
+    ax.set_yticks(range(len(rows)), [f"{lab}, rank {r}" for lab, r, _ in rows][::-1], fontsize=8)
+    ax.set_xlabel("ms from the step's start (shaded: backward)")
+    ax.set_title(title + "\nblue: compute (matmuls, GELU) · orange: collectives", fontsize=10)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+__all__ = ["trace", "summarize", "overlap", "plot", "COMPUTE"]

@@ -1,0 +1,133 @@
+"""ZeRO-3 as FSDP2 runs it, planned by running it: ``fully_shard`` on fake tensors over a fake process group.
+
+FSDP2's memory is not a rule of thumb over one unsharded step: each unit all-gathers into a flat buffer of
+``world_size`` padded shards and copies out into the unsharded parameters' storages (kept, and freed or
+re-grown with ``UntypedStorage.resize_``), the root stays unsharded after forward, one more unit is
+prefetched in backward, gradients are reduce-scattered through a flat buffer, and
+``MixedPrecisionPolicy`` gathers bf16 compute copies beside fp32 shards. Rules derived from one
+unsharded trace were 12-20% low against real steps (issue 18). So the planner runs FSDP2 itself:
+``fully_shard`` per block + root (or root only) on a model built under ``FakeTensorMode``, inside a fake
+process group (``init_process_group("fake")``: collectives do nothing, shapes are right) of the planned
+world size and rank, then traces three steps and counts the last with the planner's fake-storage
+tracker, seeded with FSDP2's unsharded storages so that their ``resize_`` re-growth is seen. The model
+is the caller's, so whatever FSDP2 does with it -- frozen or tied parameters, uneven shards -- is planned.
+
+Ranks differ only by their shards' sizes (``torch.chunk`` along dim 0: the first ranks get the full
+chunks); ranks whose shards are equal in every parameter share one trace.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .planner_trace import FakeTracker
+
+PRECISION_POLICY = {"fsdp-mixed": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+def fsdp_blocks(model: nn.Module) -> list:
+    """The modules FSDP2 wraps one by one ("per block"): the blocks of the model's largest ``nn.ModuleList``."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError("fsdp_units='blocks': the model has no nn.ModuleList of blocks to wrap one by one "
+                         "with fully_shard; pass fsdp_units='root' to shard the whole model as one unit")
+    return list(max(lists, key=len))
+
+
+def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_after_forward=None, prefetch=1,
+               offload=False, mp_policy=None):
+    """``fully_shard`` ``model`` as the plan says (shared by the planner and the real runs):
+    each block then the root (``fsdp_units="blocks"``) or the root alone (``"root"``);
+    ``reshard_after_forward=None`` is FSDP2's default (True for blocks, False for the root);
+    ``prefetch``: units all-gathered ahead (1 = FSDP2's default; k > 1 sets k explicitly both ways);
+    ``precision="fsdp-mixed"``: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
+    ``mp_policy``: a ``MixedPrecisionPolicy`` (overrides ``precision``'s);
+    ``offload``: ``CPUOffloadPolicy(pin_memory=False)``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    elif precision in PRECISION_POLICY:
+        kw["mp_policy"] = MixedPrecisionPolicy(**PRECISION_POLICY[precision])
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    blocks = fsdp_blocks(model) if fsdp_units == "blocks" else []
+    for block in blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    if prefetch > 1:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
+    return model
+
+
+def _fsdp_storages(model):
+    """Every tensor FSDP2 keeps for its unsharded parameters (all-gather outputs, unsharded parameters)."""
+    out = []
+    for m in model.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        for fp in group.fsdp_params if group is not None else ():
+            out += list(getattr(fp, "all_gather_outputs", []))
+            if hasattr(fp, "_unsharded_param"):
+                out.append(fp._unsharded_param)
+    return out
+
+
+class FSDPFakeTracker(FakeTracker):
+    """The fake-storage tracker, also counting FSDP2's unsharded storages from entry: FSDP2 frees them with
+    ``resize_(0)`` and re-grows them the same way each step, which no op creates (the dispatcher never
+    sees ``UntypedStorage.resize_``; the tracker's patch of it does, for storages it knows)."""
+
+    def __enter__(self):
+        super().__enter__()
+        with self._lock:
+            for t in _fsdp_storages(self.model):
+                st = t.untyped_storage()
+                if st._cdata not in self._recs:
+                    self._add(st, "parameters")
+        return self
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int, rank: int):
+    """A fake default process group of ``world_size`` (this process is ``rank``), torn down after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeError("plan(zero_stage=3) runs FSDP2 in a fake process group of its own; call plan() "
+                           "outside an initialised process group (e.g. in the notebook, not inside ranks)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_rows(sizes, world_size, rank):
+    """Rows of dim 0 that ``rank`` holds of each parameter (``torch.chunk``'s split, as FSDP2 shards)."""
+    out = []
+    for rows in sizes:
+        chunk = -(-rows // world_size)
+        out.append(max(0, min(chunk, rows - rank * chunk)))
+    return tuple(out)
+
+
+def rank_groups(model_fn, world_size, fsdp_units="blocks"):
+    """Ranks grouped by identical shard sizes: ``[[ranks...], ...]`` (one trace per group). Builds the
+    model (fake) first, so a model that cannot be wrapped as asked fails before anything is traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+        if fsdp_units == "blocks":
+            fsdp_blocks(model)
+        rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
+    groups = {}
+    for r in range(world_size):
+        groups.setdefault(shard_rows(rows, world_size, r), []).append(r)
+    return list(groups.values())

@@ -1,0 +1,71 @@
+"""ZeRO-3 planned by running FSDP2 on fake tensors (planner_fsdp): steady step, ranks, options."""
+import pytest
+import torch.distributed as dist
+
+import mgpu_helpers.planner_trace as planner_trace
+from mgpu_helpers.planner import plan
+from mgpu_helpers.planner_fsdp import fake_group, rank_groups, shard_rows
+from mgpu_helpers.planner_models import decoder, lm_loss, tied_frozen, token_batch
+
+TINY = dict(model_fn=decoder("tiny"), batch=token_batch(4, 32, 512), loss_fn=lm_loss)
+
+
+def fsdp_plan(**kw):
+    return plan(TINY["model_fn"], TINY["batch"], loss_fn=lm_loss, zero_stage=3, device="cpu", **kw)
+
+
+def test_one_warm_up_step_is_steady(monkeypatch):
+    # The planner counts FSDP2's second step; the third (what the real-step reference measures) is equal.
+    for kw in (dict(world_size=2, checkpointing=True, micro_batches=2), dict(world_size=4, precision="fsdp-mixed",
+                                                                         fsdp_units="root")):
+        one = fsdp_plan(**kw)
+        monkeypatch.setattr(planner_trace, "FSDP_WARM_UP_STEPS", 2)
+        assert fsdp_plan(**kw).rank_peaks == one.rank_peaks
+        monkeypatch.setattr(planner_trace, "FSDP_WARM_UP_STEPS", 1)
+
+
+def test_ranks_with_equal_shards_share_a_trace_and_uneven_ones_differ():
+    assert shard_rows([172, 64, 8], 8, 0) == (22, 8, 1) and shard_rows([172, 64, 8], 8, 7) == (18, 8, 1)
+    assert shard_rows([3], 4, 3) == (0,)  # torch.chunk leaves the last rank empty
+    assert rank_groups(TINY["model_fn"], 2) == [[0, 1]]
+    assert rank_groups(TINY["model_fn"], 8) == [[0, 1, 2, 3, 4, 5, 6], [7]]  # SwiGLU 172 rows over 8
+    p = fsdp_plan(world_size=8)
+    assert len(p.rank_peaks) == 8 and p.rank_peaks[7] < p.rank_peaks[0] == p.peak_bytes and p.worst_rank == 0
+
+
+def test_options_move_the_plan_the_way_fsdp2_does():
+    default = fsdp_plan(world_size=2)
+    kept = fsdp_plan(world_size=2, reshard_after_forward=False)  # every unit stays gathered until backward
+    root = fsdp_plan(world_size=2, fsdp_units="root")
+    mixed = fsdp_plan(world_size=2, precision="fsdp-mixed")
+    assert kept.peak_bytes > default.peak_bytes and root.peak_bytes > default.peak_bytes
+    assert mixed.peak_bytes < default.peak_bytes and mixed.layout == "fsdp-mixed"
+    assert mixed.model_state == default.model_state  # fp32 shards either way; only the gathered copies are bf16
+    assert fsdp_plan(world_size=4).peak_bytes < default.peak_bytes
+    assert fsdp_plan(world_size=2, prefetch=2).peak_bytes >= default.peak_bytes
+
+
+def test_tied_and_frozen_parameters_are_planned_as_fsdp2_holds_them():
+    p = plan(tied_frozen("tiny"), TINY["batch"], loss_fn=lm_loss, zero_stage=3, world_size=2, device="cpu")
+    q = fsdp_plan(world_size=2)
+    assert p.n_params < q.n_params  # the head is the embedding; the frozen block is not trained
+    assert p.model_state["optimizer"] < q.model_state["optimizer"] / 2 + 4096
+
+
+def test_inside_a_process_group_it_says_so():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(RuntimeError, match="call plan\\(\\) outside an initialised process group"):
+            with fake_group(2, 0):
+                pass
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_policy_names_the_layout():
+    import torch
+    same = fsdp_plan(world_size=2, mp_policy=dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert same.layout == "fsdp-mixed" and same.peak_bytes == fsdp_plan(world_size=2, precision="fsdp-mixed").peak_bytes
+    own = fsdp_plan(world_size=2, mp_policy=dict(param_dtype=torch.bfloat16))
+    assert own.layout == "fsdp-mp(param=bfloat16, reduce=None)" and "MixedPrecisionPolicy" in own.layout_description
