@@ -40,13 +40,15 @@ METHODS = {  # method: plan() options
 STEPS = 3  # the measured step is the last
 
 
-def wrap(model, method, precision="fp32", **options):
-    """``(model, optimizer)`` as ``method`` wraps them on this rank (the process group is up); ``options``:
-    plan()'s (``gradient_as_bucket_view`` for DDP, ``fsdp_units`` set by the method, the FSDP2 ones)."""
+def wrap(model, method, precision="fp32", device="cpu", **options):
+    """``(model, optimizer)`` as ``method`` wraps them on this rank (the process group is up; the model is
+    on ``device``); ``options``: plan()'s (``gradient_as_bucket_view`` for DDP, the FSDP2 ones)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     trainable = [p for p in model.parameters() if p.requires_grad]
+    device = torch.device(device)
     if method in ("ddp", "zero1"):
-        model = DDP(model, gradient_as_bucket_view=options.get("gradient_as_bucket_view", False))
+        model = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=options.get("gradient_as_bucket_view", False))
         if method == "ddp":
             return model, torch.optim.Adam(trainable, lr=1e-3, foreach=True)
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -56,10 +58,18 @@ def wrap(model, method, precision="fp32", **options):
 
         from .planner_fsdp import apply_fsdp  # the very code plan() runs on fake tensors
         fsdp = {k: v for k, v in options.items() if k in ("reshard_after_forward", "prefetch", "offload", "mp_policy")}
-        apply_fsdp(model, init_device_mesh("cpu", (dist.get_world_size(),)), precision=precision,
+        apply_fsdp(model, init_device_mesh(device.type, (dist.get_world_size(),)) if device.type == "cpu" else
+                   _shared_gpu_mesh(), precision=precision,
                    fsdp_units=METHODS[method]["fsdp_units"], **fsdp)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=True)
     raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
+
+
+def _shared_gpu_mesh():
+    """All ranks on the one GPU (bench/planner_ranks_gpu.py): a CUDA mesh over the gloo group, each
+    process with its own caching allocator (FACTS.md: FSDP2 trains that way at N = 1, 2, 4)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh("cuda", list(range(dist.get_world_size())))
 
 
 def _report_all_threads():
