@@ -11,7 +11,7 @@ FSDP2's defaults; options (``OPTIONS``) set what torch lets one set. ``model_sta
 **The step** (``planner_trace.train_step``): optimizer state already made, gradients None; per
 micro-batch ``loss_fn(model(x), y) / micro_batches`` and backward; ``opt.step()``; ``zero_grad``.
 Counted from before the model was built: parameters, gradients, optimizer state, activations,
-temporaries, oneDNN's convolution scratch on a CPU (a calibrated line: ``planner_trace.conv_scratch``);
+temporaries, oneDNN's convolution scratch on a CPU (a calibrated line: ``planner_layouts.conv_scratch``);
 not the batch (it exists before the model), not cuBLAS/cuDNN workspaces on a GPU. ``batch`` is one
 rank's batch. Optimizers: foreach ``Adam(lr=1e-3)``, ``SGD`` with or without momentum.
 

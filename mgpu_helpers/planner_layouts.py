@@ -29,8 +29,13 @@ ranks differ -- every rank is planned, the worst reported); stage 2 the course's
 ``Zero2``: gradients reduce-scattered as each unit finishes, then sharded, by rule); stage 3 FSDP2
 ``fully_shard`` per block + root (``planner_fsdp``: run, not ruled). ``world_size=1`` plans the
 unwrapped step at stages 0-2 (no one wraps one device in DDP); stage 3 runs FSDP2 even at one rank.
+
+**Calibrated lines** for what no tensor owns: oneDNN's convolution scratch on the CPU (:func:`conv_scratch`,
+added by the planner's tracker as a transient inside each convolution op).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -184,3 +189,37 @@ def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=F
         state["optimizer"], state["gradients"] = part["o"], part["g"]
     state["total"] = sum(state.values())
     return t, state
+
+
+# --- what no tensor owns: oneDNN's convolution scratch on the CPU -------------------------------------
+
+_CONVS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+
+
+def conv_scratch(func, args) -> int:
+    """Bytes oneDNN takes and frees inside one CPU convolution, beside its inputs and outputs: a calibrated
+    line, because no tensor owns them (the profiler sees them: ``planner_validate``). Measured with
+    torch 2.13's CPU build on 2-D convolutions, groups 1 (tests/test_planner_ranks.py re-measures them):
+    fp32, kernel > 1: forward the output's bytes (+ the weight's when in and out channels are equal:
+    a reordered copy), backward the output's + the input's (twice the input's when the in-channels are
+    not a multiple of 8, as an RGB stem: 0.73x seen); 1x1 kernels: nothing; 16-bit (autocast):
+    an im2col buffer, batch x in-channels x kernel area x output positions, forward and backward.
+    Other convolutions (grouped, 1-D/3-D, transposed) get the fp32 rule: a documented guess."""
+    if func is torch.ops.aten.convolution.default:
+        x, w, out_shape = args[0], args[1], None
+    else:
+        x, w, out_shape = args[1], args[2], args[0].shape
+    if w.dim() < 3 or all(k == 1 for k in w.shape[2:]):
+        return 0
+    e, area = x.element_size(), math.prod(w.shape[2:])
+    if out_shape is None:
+        stride, padding, dilation = args[3], args[4], args[5]
+        spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
+                   zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
+        out_shape = (x.shape[0], w.shape[0], *spatial)
+    out_b, in_b, w_b = math.prod(out_shape) * e, x.numel() * e, w.numel() * e
+    if e < 4:
+        return x.shape[0] * w.shape[1] * area * math.prod(out_shape[2:]) * e
+    if func is torch.ops.aten.convolution.default:
+        return out_b + (w_b if w.shape[0] == w.shape[1] else 0)
+    return out_b + in_b * (2 if w.shape[1] % 8 else 1)  # in-channels off oneDNN's blocks: a padded input copy

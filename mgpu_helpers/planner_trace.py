@@ -18,7 +18,6 @@ CUDA autocast refuse), and CPU and CUDA autocast cast a few ops differently, so 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from .planner_layouts import _CONVS, conv_scratch  # noqa: F401  (the calibrated line lives with the rules)
 from .runtime.tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
 
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (planner_layouts: all layouts)
@@ -150,38 +150,6 @@ class FakeTracker(MemoryTracker):
                         self._total += delta
                         self._sample()
         return out
-
-
-_CONVS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
-
-
-def conv_scratch(func, args) -> int:
-    """Bytes oneDNN takes and frees inside one CPU convolution, beside its inputs and outputs: a calibrated
-    line, because no tensor owns them (the profiler sees them: ``planner_validate``). Measured with
-    torch 2.13's CPU build on 2-D convolutions, groups 1 (tests/test_planner_ranks.py re-measures them):
-    fp32, kernel > 1: forward the output's bytes (+ the weight's when in and out channels are equal:
-    a reordered copy), backward the output's + the input's (twice the input's when the in-channels are
-    not a multiple of 8, as an RGB stem: 0.73x seen); 1x1 kernels: nothing; 16-bit (autocast):
-    an im2col buffer, batch x in-channels x kernel area x output positions, forward and backward.
-    Other convolutions (grouped, 1-D/3-D, transposed) get the fp32 rule: a documented guess."""
-    if func is torch.ops.aten.convolution.default:
-        x, w, out_shape = args[0], args[1], None
-    else:
-        x, w, out_shape = args[1], args[2], args[0].shape
-    if w.dim() < 3 or all(k == 1 for k in w.shape[2:]):
-        return 0
-    e, area = x.element_size(), math.prod(w.shape[2:])
-    if out_shape is None:
-        stride, padding, dilation = args[3], args[4], args[5]
-        spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
-                   zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
-        out_shape = (x.shape[0], w.shape[0], *spatial)
-    out_b, in_b, w_b = math.prod(out_shape) * e, x.numel() * e, w.numel() * e
-    if e < 4:
-        return x.shape[0] * w.shape[1] * area * math.prod(out_shape[2:]) * e
-    if func is torch.ops.aten.convolution.default:
-        return out_b + (w_b if w.shape[0] == w.shape[1] else 0)
-    return out_b + in_b * (2 if w.shape[1] % 8 else 1)  # in-channels off oneDNN's blocks: a padded input copy
 
 
 # --- the trace -----------------------------------------------------------------------------------------

@@ -16,18 +16,16 @@ before, as the planner assumes), the running sum is ``memory_allocated``; the me
 maximum within the third step (the first makes Adam's state, DDP rebuilds its buckets after it, FSDP2
 keeps its unsharded storages from it): the steady step that ``plan()`` plans. Each rank also reports
 its running sum at the start of steps 2 and 3, which must agree (steady state: nothing leaked).
-When ``mgpu_helpers.runtime.alloc_reference`` (issue 18, the tracker's part) lands, it replaces ``_profiled``.
+The measurement is ``mgpu_helpers.runtime.alloc_reference.AllocationReference``, the tracker's reference.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
+from .runtime.alloc_reference import AllocationReference
 from .runtime.launch import run_ranks
 from .planner_trace import train_step
 
@@ -40,13 +38,15 @@ METHODS = {  # method: plan() options
 STEPS = 3  # the measured step is the last
 
 
-def wrap(model, method, precision="fp32", **options):
-    """``(model, optimizer)`` as ``method`` wraps them on this rank (the process group is up); ``options``:
-    plan()'s (``gradient_as_bucket_view`` for DDP, ``fsdp_units`` set by the method, the FSDP2 ones)."""
+def wrap(model, method, precision="fp32", device="cpu", **options):
+    """``(model, optimizer)`` as ``method`` wraps them on this rank (the process group is up; the model is
+    on ``device``); ``options``: plan()'s (``gradient_as_bucket_view`` for DDP, the FSDP2 ones)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     trainable = [p for p in model.parameters() if p.requires_grad]
+    device = torch.device(device)
     if method in ("ddp", "zero1"):
-        model = DDP(model, gradient_as_bucket_view=options.get("gradient_as_bucket_view", False))
+        model = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=options.get("gradient_as_bucket_view", False))
         if method == "ddp":
             return model, torch.optim.Adam(trainable, lr=1e-3, foreach=True)
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -56,68 +56,18 @@ def wrap(model, method, precision="fp32", **options):
 
         from .planner_fsdp import apply_fsdp  # the very code plan() runs on fake tensors
         fsdp = {k: v for k, v in options.items() if k in ("reshard_after_forward", "prefetch", "offload", "mp_policy")}
-        apply_fsdp(model, init_device_mesh("cpu", (dist.get_world_size(),)), precision=precision,
+        apply_fsdp(model, init_device_mesh(device.type, (dist.get_world_size(),)) if device.type == "cpu" else
+                   _shared_gpu_mesh(), precision=precision,
                    fsdp_units=METHODS[method]["fsdp_units"], **fsdp)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=True)
     raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
 
 
-def _report_all_threads():
-    """Make the CPU allocator keep its running total across threads. The profiler records an allocation or
-    a free only on threads where it runs; gloo's worker threads drop the last reference to some tensors
-    (FSDP2's all-gather outputs), so those frees go unrecorded and a plain sum of the events drifts up,
-    rank by rank, run by run (+396,288 B on one rank of two, a tiny decoder under FSDP2). With c10's flag
-    ``caffe2_report_cpu_memory_usage`` on, ``ProfiledCPUMemoryReporter`` counts every allocation and free
-    of every thread in one total, which each recorded event carries (``total_allocated``)."""
-    import ctypes
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
-    # Frees of blocks made before the flag was set would each warn "Memory block of unknown size": ours
-    # to expect (they were never counted), so c10's log level goes to errors in this rank process.
-    ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level").value = 2
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-def _walk(events):
-    for e in events:
-        yield e
-        yield from _walk(e.children)
-
-
-def _profiled(run):
-    """``run()`` under the profiler; returns ``(samples, ranges)``: ``[(t_ns, live bytes)]`` in time order
-    (live bytes of every thread, counted from just before ``run``) and ``{record_function name: (start_ns,
-    end_ns)}``."""
-    _report_all_threads()
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():  # kineto prints a line to fd 2 as it starts and stops, whatever its log level
-        prof.start()
-    try:
-        run()
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-    allocs, ranges = [], {}
-    for e in _walk(prof.profiler.kineto_results.experimental_event_tree()):
-        if type(e.extra_fields).__name__ == "_ExtraFields_Allocation":
-            allocs.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated))
-        elif e.name.startswith("planner_step"):
-            ranges[e.name] = (e.start_time_ns, e.end_time_ns)
-    allocs.sort(key=lambda a: a[0])
-    zero = allocs[0][2] - allocs[0][1] if allocs else 0  # the total before the first event of run()
-    return [(t, total - zero) for t, _, total in allocs], ranges
+def _shared_gpu_mesh():
+    """All ranks on the one GPU (bench/planner_ranks_gpu.py): a CUDA mesh over the gloo group, each
+    process with its own caching allocator (FACTS.md: FSDP2 trains that way at N = 1, 2, 4)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh("cuda", list(range(dist.get_world_size())))
 
 
 def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, options):
@@ -136,10 +86,10 @@ def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, opti
             with record_function(f"planner_step{i}"):
                 train_step(model, opt, (x, y), loss_fn, precision=step_precision)
 
-    samples, ranges = _profiled(run)
-    t0, t1 = ranges[f"planner_step{STEPS - 1}"]
-    peak = max(live for t, live in samples if t0 <= t <= t1)
-    starts = {name: next((live for t, live in reversed(samples) if t < r[0]), 0) for name, r in ranges.items()}
+    with AllocationReference() as ref:  # every allocation of the c10 CPU allocator, every thread's
+        run()
+    peak = ref.peak_in(f"planner_step{STEPS - 1}")
+    starts = {f"planner_step{i}": ref.at(f"planner_step{i}") for i in range(STEPS)}
     return {"peak": peak, "start_prev": starts[f"planner_step{STEPS - 2}"],
             "start": starts[f"planner_step{STEPS - 1}"]}
 
