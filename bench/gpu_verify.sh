@@ -2,6 +2,8 @@
 # Everything the README's "Verified on" table records for one GPU, in as few device calls as possible.
 #   bash bench/gpu_verify.sh notebooks [NB...]   # solution notebooks via bench/run_notebooks.py (default: all)
 #   bash bench/gpu_verify.sh benches             # launch, tracker, amp, checkpointing, sharding, planner
+#   bash bench/gpu_verify.sh plan                # mgpu-plan's accuracy rows (alone: device totals need an idle GPU)
+#   bash bench/gpu_verify.sh ranks               # planner vs N ranks on one GPU, notebook 12's knobs, tracker
 # Output goes to $OUT (the device tool's result folder) or test-output/gpu. On the device machine, torch is
 # there but Jupyter's packages are not: carry a folder made with
 #   .venv/bin/python -m pip install --target .gpu_site ipywidgets   (notebook 11's calculator imports it)
@@ -30,6 +32,18 @@ benches)
   export OMP_NUM_THREADS=4
   for b in amp_gpu.py checkpointing_gpu.py sharding_gpu.py model_sharding_gpu.py planner_gpu.py; do run "$b" 300 & done
   wait
+  for f in "$OUT"/*.txt; do echo "##### $f"; tail -c 2500 "$f"; done
+  ;;
+plan)
+  run() { local b=$1; local start=$(date +%s); env -u OUT timeout "${2:-300}" python3 bench/$b ${3:-} >"$OUT/${b%.py}${4:-}.txt" 2>&1
+          echo "=== bench/$b ${3:-}: exit $?, $(( $(date +%s) - start )) s" >>"$OUT/${b%.py}${4:-}.txt"; }
+  run plan_gpu.py 330; run plan_gpu.py 200 --expandable _expandable
+  for f in "$OUT"/*.txt; do echo "##### $f"; tail -c 3500 "$f"; done
+  ;;
+ranks)
+  run() { local b=$1; local start=$(date +%s); env -u OUT timeout "${2:-300}" python3 bench/$b ${3:-} >"$OUT/${b%.py}.txt" 2>&1
+          echo "=== bench/$b ${3:-}: exit $?, $(( $(date +%s) - start )) s" >>"$OUT/${b%.py}.txt"; }
+  run planner_ranks_gpu.py 280; run fsdp_practice_gpu.py 120 "--world 2"; run tracker_vs_cuda.py 90; run planner_gpu.py 90
   for f in "$OUT"/*.txt; do echo "##### $f"; tail -c 2500 "$f"; done
   ;;
 esac
