@@ -1,7 +1,10 @@
 """Helpers, checks and grading for the course "Memory-efficient multi-GPU training in PyTorch".
 
-One module per notebook (``solutions/04_ddp.ipynb`` ↔ ``mgpu_helpers/ddp.py``) plus shared machinery:
-``launch`` (ranks from a notebook cell), ``tracker`` (device-agnostic memory accounting), ``checks``
-(exercise checks), ``authoring``/``course`` (release pipeline), ``grading`` (instructor grading, `mgpu-grade`).
+Four parts (AUTHORING.md):
+  ``mgpu_helpers/<lesson>.py``   what a notebook imports, one module per notebook (04_ddp.ipynb <-> ddp.py)
+  ``mgpu_helpers.runtime``       launch (ranks from a notebook cell), tracker (memory accounting), plots
+  ``mgpu_helpers.checks``        the exercises' checks, one module per notebook; ``checks.references`` holds
+                                 what a judge compares against (no notebook imports it; grading masks it)
+  ``mgpu_helpers.tools``         instructors' and authors' commands: mgpu-course, mgpu-grade, mgpu-plan, make lab
 """
 __version__ = "0.1.0"
