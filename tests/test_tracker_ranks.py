@@ -107,9 +107,10 @@ def test_tracker_equals_allocator_on_ranks(method, world):
         assert_matches(r, f"{method} rank {rank}/{world}")
         # Live at entry beyond the model and optimizer: DDP's buckets (one copy of every gradient) or FSDP2's
         # DeviceMesh (its ranks as an int32 tensor); plus, in some runs, a buffer of the warm-up's last
-        # collective that gloo's worker thread has not let go of yet (1.6 KB seen; notebook 04 explains).
+        # collective that gloo's worker thread has not let go of yet (1.6 KB seen; notebook 04 explains; under
+        # load once a whole gradient copy, 658,704 B, on one FSDP2 rank): live before entry, so not the step's.
         expected = r["grad_bytes"] if "ddp" in method else 4 * world
-        assert expected <= r["gap"] <= expected + 4096, (method, rank, r["gap"], expected)
+        assert expected <= r["gap"] <= expected + r["grad_bytes"] + 4096, (method, rank, r["gap"], expected)
 
 
 class ConvNet(nn.Module):
