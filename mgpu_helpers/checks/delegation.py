@@ -18,6 +18,8 @@ import functools
 import inspect
 import types
 
+from ..runtime.exercises import _codes  # a function's code objects, nested ones too
+
 PACKAGE = __name__.split(".")[0]        # mgpu_helpers
 
 
@@ -41,13 +43,6 @@ def _name_of(value, may_use) -> str | None:
         module = _course_module(getattr(value, "__module__", None), may_use)
         return module and f"{module}.{getattr(value, '__qualname__', getattr(value, '__name__', '?'))}"
     return None
-
-
-def _codes(code: types.CodeType):
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _codes(const)
 
 
 def course_code_used(obj, may_use=(), _seen=None) -> str | None:
