@@ -76,6 +76,10 @@ class ChooseKnobsCheck(Check):
 
 MODEL_12_2 = {"d": 16, "blocks": 2, "d_in": 6, "classes": 4}
 ROWS, LR = 12, 1e-2  # 12 rows split evenly over 2, 3 or 4 ranks
+# float64: N ranks sum gradients in another order than one process does, and Adam divides a gradient that
+# cancels to near zero by its own square root; in float32 that turned a 1e-8 rounding difference into a
+# 9e-6 parameter difference once in a CI run. In float64 the same amplification stays below 1e-12.
+DTYPE = torch.float64
 
 
 def _batch(case, step):
@@ -83,7 +87,7 @@ def _batch(case, step):
 
 
 def _sharded(seed):
-    model = shard(make_model(**MODEL_12_2, seed=seed))
+    model = shard(make_model(**MODEL_12_2, seed=seed).to(DTYPE))
     return model, torch.optim.Adam(model.parameters(), lr=LR)
 
 
@@ -92,6 +96,7 @@ def _train(model, opt, case, steps, first):
     world, rank = (1, 0) if not isinstance(model, FSDPModule) else (world, rank)  # the judge's one process
     for s in range(first, first + steps):
         x, y = (t.tensor_split(world)[rank].to(rank_device()) for t in _batch(case, s))
+        x = x.to(DTYPE)
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -122,7 +127,7 @@ def _rank_load(rank, world, cls, case, path):
 
 def _baseline(case, restart_optimizer=False, load_nothing=False):
     """One process, the whole batch: (parameters after ``before`` steps, after ``before + after``)."""
-    model = make_model(**MODEL_12_2, seed=case["seed"] + (1 if load_nothing else 0), device="cpu")
+    model = make_model(**MODEL_12_2, seed=case["seed"] + (1 if load_nothing else 0), device="cpu").to(DTYPE)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     if not load_nothing:
         _train(model, opt, case, case["before"], 0)
