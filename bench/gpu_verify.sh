@@ -4,6 +4,7 @@
 #   bash bench/gpu_verify.sh benches             # launch, tracker, amp, checkpointing, sharding, planner
 #   bash bench/gpu_verify.sh plan                # mgpu-plan's accuracy rows (alone: device totals need an idle GPU)
 #   bash bench/gpu_verify.sh ranks               # planner vs N ranks on one GPU, notebook 12's knobs, tracker
+#   bash bench/gpu_verify.sh short               # plan (both allocators), 2 ranks on one GPU, the trace diagnostics
 # Output goes to $OUT (the device tool's result folder) or test-output/gpu. On the device machine, torch is
 # there but Jupyter's packages are not: carry a folder made with
 #   .venv/bin/python -m pip install --target .gpu_site ipywidgets   (notebook 11's calculator imports it)
@@ -45,5 +46,13 @@ ranks)
           echo "=== bench/$b ${3:-}: exit $?, $(( $(date +%s) - start )) s" >>"$OUT/${b%.py}.txt"; }
   run planner_ranks_gpu.py 280; run fsdp_practice_gpu.py 120 "--world 2"; run tracker_vs_cuda.py 90; run planner_gpu.py 90
   for f in "$OUT"/*.txt; do echo "##### $f"; tail -c 2500 "$f"; done
+  ;;
+short)
+  run() { local b=$1; local start=$(date +%s); env -u OUT timeout "$2" python3 bench/$b ${3:-} >"$OUT/${b%.py}.txt" 2>&1
+          echo "=== bench/$b ${3:-}: exit $?, $(( $(date +%s) - start )) s" >>"$OUT/${b%.py}.txt"; }
+  run plan_gpu.py 230
+  run planner_ranks_gpu.py 90 "--world 2 --model decoder --model conv --layout fp32 --layout bf16-autocast"
+  run planner_gpu_diag.py 45
+  for f in "$OUT"/*.txt; do echo "##### $f"; tail -c 3500 "$f"; done
   ;;
 esac

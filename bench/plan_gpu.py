@@ -1,7 +1,7 @@
 """mgpu-plan against a real GPU: planned vs measured allocated peak and device total, rule of thumb beside.
 
-    PYTHONPATH=. python3 bench/plan_gpu.py                  # on an idle GPU; every row printed
-    PYTHONPATH=. python3 bench/plan_gpu.py --expandable     # the same rows under expandable_segments:True
+    PYTHONPATH=. python3 bench/plan_gpu.py                  # on an idle GPU; every row, both allocators
+    PYTHONPATH=. python3 bench/plan_gpu.py --allocator expandable   # only under expandable_segments:True
     PYTHONPATH=. python3 bench/plan_gpu.py --only conv      # rows whose name contains "conv"
 
 Families: a Llama-shaped decoder (168M; bench/planner_gpu.py's), the same with its embedding frozen, a
@@ -169,9 +169,16 @@ def accelerate_estimate(model_spec, argv):
     return 4 * total  # estimate-memory: weights x 4 for Adam training (model, gradients, two moments)
 
 
+def _plan(argv):
+    """One row's plan (a worker process: every row is traced at once, before any GPU measurement)."""
+    r = run(parse_args(argv))
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--expandable", action="store_true")
+    ap.add_argument("--allocator", choices=["default", "expandable", "both"], default="both")
+    ap.add_argument("--expandable", action="store_true", help="same as --allocator expandable")
     ap.add_argument("--only", default="")
     ap.add_argument("--child", nargs=argparse.REMAINDER)
     args = ap.parse_args()
@@ -181,6 +188,8 @@ def main():
         print("plan_gpu.py needs a CUDA GPU (it compares plans with the allocator); nothing run")
         return
     import tempfile
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing as mp
     hf_dir = tempfile.mkdtemp()
     Path(hf_dir, "config.json").write_text(json.dumps(LLAMA_HF))
     try:
@@ -188,21 +197,25 @@ def main():
         have_hf = True
     except ImportError:
         have_hf = False
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]))
-    if args.expandable:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    alloc = "expandable" if args.expandable else "default"
-    print(torch.cuda.get_device_name(), f"{torch.cuda.mem_get_info()[1]:,} B", "torch", torch.__version__,
-          "allocator", alloc)
-    hdr = (f"{'row':<42} {'params':>11} | {'alloc plan':>13} {'alloc real':>13} {'err':>7} | {'device plan':>13} "
-           f"{'device real':>13} {'err':>7} | {'16 B/param':>13} {'accelerate':>13} | {'ws real':>9} {'reserve':>7}")
+    allocs = ["expandable"] if args.expandable else ["default", "expandable"] if args.allocator == "both" \
+        else [args.allocator]
+    names = [n for n in ROWS if args.only in n and (ROWS[n][0] != "HF" or have_hf)]
+    jobs = [(name, alloc) for alloc in allocs for name in names]
+    argvs = {j: cli_args(j[0], hf_dir) + ["--allocator", j[1]] for j in jobs}
+    # every plan first, in parallel worker processes (they hold CUDA contexts: all gone before measuring)
+    with ProcessPoolExecutor(max_workers=min(8, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
+        plans = dict(zip(jobs, pool.map(_plan, [argvs[j] for j in jobs])))
+    print(torch.cuda.get_device_name(), f"{torch.cuda.mem_get_info()[1]:,} B", "torch", torch.__version__)
+    hdr = (f"{'row':<42} {'alloc':>5} | {'alloc plan':>13} {'alloc real':>13} {'err':>7} | {'device plan':>13} "
+           f"{'device real':>13} {'err':>7} | {'16 B/param':>13} {'accelerate':>13} | {'ws real':>9} "
+           f"{'reserve plan':>12} {'real':>6}")
     print(hdr)
-    worst = [0.0, 0.0]
-    for name in ROWS:
-        if args.only not in name or (ROWS[name][0] == "HF" and not have_hf):
-            continue
-        argv = cli_args(name, hf_dir) + ["--allocator", alloc]
-        r = run(parse_args(argv))
+    worst = {a: [0.0, 0.0] for a in allocs}
+    for name, alloc in jobs:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]))
+        if alloc == "expandable":
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        argv, r = argvs[name, alloc], plans[name, alloc]
         p = r["plans"][0]
         lines = {ln["name"]: ln["bytes"] for ln in p["lines"]}
         free, total = torch.cuda.mem_get_info()
@@ -215,21 +228,26 @@ def main():
         used = m["used"] - before
         e_alloc = (p["allocated"] - m["allocated"]) / m["allocated"]
         e_dev = (p["device_total"] - used) / used
-        worst = [max(worst[0], abs(e_alloc)), max(worst[1], abs(e_dev))]
+        worst[alloc] = [max(worst[alloc][0], abs(e_alloc)), max(worst[alloc][1], abs(e_dev))]
         acc = accelerate_estimate(ROWS[name][0], argv)
         acc_s = acc if isinstance(acc, str) else "-" if acc is None else f"{acc:,}"
-        ws = m["allocated"] - (p["tensor_peak"] + lines.get("batch", 0))  # measured beyond the planned tensors
-        print(f"{name:<42} {r['model']['parameters']:>11,} | {p['allocated']:>13,} {m['allocated']:>13,} "
+        ws = m["allocated"] - (lines["allocated by tensors"] + lines.get("batch", 0))  # beyond planned tensors
+        planned_reserve = lines["allocator reserve"] / p["allocated"]
+        print(f"{name:<42} {alloc[:5]:>5} | {p['allocated']:>13,} {m['allocated']:>13,} "
               f"{100 * e_alloc:>+6.2f}% | {p['device_total']:>13,} {used:>13,} {100 * e_dev:>+6.2f}% | "
-              f"{16 * r['model']['parameters']:>13,} {acc_s:>13} | "
-              f"{db.fmt_bytes(ws):>9} {100 * (m['reserved'] - m['allocated']) / m['allocated']:>+6.1f}%", flush=True)
+              f"{16 * r['model']['parameters']:>13,} {acc_s:>13} | {db.fmt_bytes(ws):>9} "
+              f"{100 * planned_reserve:>+11.1f}% {100 * (m['reserved'] - m['allocated']) / m['allocated']:>+5.1f}%",
+              flush=True)
         print(f"{'':<42} planned lines: " + ", ".join(f"{k} {db.fmt_bytes(v)}" for k, v in lines.items())
-              + f"; measured: workspace after warm-up {db.fmt_bytes(m['extra'])}, "
-              f"context + reserve {db.fmt_bytes(used - m['allocated'])}")
-    print(f"worst |error|: allocated {100 * worst[0]:.2f}% (goal 2%), device total {100 * worst[1]:.2f}% (goal 5%)")
-    print("ws real: allocated peak beyond planned tensors + batch (cuBLAS + cuDNN + kernel scratch); reserve: "
-          "max reserved over max allocated. 16 B/param: the rule of thumb; accelerate: weights x 4 "
-          "(estimate-memory's 'Training using Adam'), '-' where accelerate is not installed.")
+              + f"; measured: allocated beyond tensors after warm-up {db.fmt_bytes(m['extra'])}, "
+              f"context + reserve {db.fmt_bytes(used - m['allocated'])}, context {db.fmt_bytes(used - m['reserved'])}")
+    for a, (wa, wd) in worst.items():
+        print(f"{a} allocator, worst |error|: allocated {100 * wa:.2f}% (goal 2%), device total {100 * wd:.2f}% "
+              "(goal 5%)")
+    print("ws real: allocated peak beyond planned tensors + batch (cuBLAS + cuDNN + allocator rounding); reserve: "
+          "max reserved over max allocated, planned (planner_allocator's replay) and real. 16 B/param: the rule "
+          "of thumb; accelerate: weights x 4 (estimate-memory's 'Training using Adam'), '-' where accelerate is "
+          "not installed.")
 
 
 if __name__ == "__main__":

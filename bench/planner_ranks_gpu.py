@@ -6,11 +6,12 @@
 Each rank is a process that does ``torch.cuda.set_device(0)`` and joins a gloo group: CUDA tensors over
 gloo, every process with its own caching allocator, so ``max_memory_allocated()`` is that rank's peak
 (FACTS.md: FSDP2, DDP and ZeroRedundancyOptimizer train that way on one H200). The measured figure is the
-third step's peak minus what was allocated before the model was built (the batch, and cuBLAS's workspace,
-made first on purpose: the planner does not count workspaces). Planned: ``plan(..., device="cuda")``
-(512-byte blocks, CUDA's autocast rules; stage 3 runs FSDP2 on fake CUDA tensors). The conv net's cuDNN
-workspaces are allocated but owned by no tensor: expect the conv rows low by them (FACTS.md: ~112 MB at
-64x224^2; here far less) -- the CPU's oneDNN line does not apply to cuDNN.
+third step's peak minus what was allocated before the model was built (the batch, and cuBLAS's two
+workspaces -- the forward's handle and autograd's backward thread's -- made first on purpose: they are
+``device_budget``'s "cuBLAS workspace" line, not tensors; the "ws" column shows what they took, 64 MiB
+expected on Hopper). Planned: ``plan(..., device="cuda")`` (512-byte blocks, CUDA's autocast rules; stage 3
+runs FSDP2 on fake CUDA tensors; cuDNN's workspace traced inside each convolution,
+``planner_layouts.cudnn_workspace``).
 """
 import argparse
 import os
@@ -38,10 +39,13 @@ def _rank(r, n, store, model, method, layout, out):
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=r, world_size=n)
     dev = torch.device("cuda", 0)
-    a = torch.randn(64, 64, device=dev)
-    (a @ a).sum().item()
-    (a.bfloat16() @ a.bfloat16()).sum().item()  # cuBLAS's workspace now: not in the plan, not in the figure
+    a = torch.randn(64, 64, device=dev, requires_grad=True)
+    (a @ a).sum().backward()  # cuBLAS's workspaces now (forward's and backward thread's): the budget's line
+    with torch.autocast("cuda", torch.bfloat16):
+        (a @ a).float().sum().backward()
     del a
+    torch.cuda.synchronize()
+    out[("ws", r)] = torch.cuda.memory_allocated()
     model_fn, batch_fn, loss_fn = MODELS[model]
     x, y = (t.to(dev) for t in batch_fn())
     torch.cuda.synchronize()
@@ -66,30 +70,33 @@ def measure(model, method, layout, n):
     os.unlink(store)
     out = mp.Manager().dict()
     mp.spawn(_rank, args=(n, store, model, method, layout, out), nprocs=n, join=True)
-    return [out[r] for r in range(n)]
+    return [out[r] for r in range(n)], [out[("ws", r)] for r in range(n)]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=list(MODELS), action="append")
     ap.add_argument("--world", type=int, action="append")
+    ap.add_argument("--layout", choices=list(LAYOUTS), action="append")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no GPU here: this bench compares plan(device='cuda') with the CUDA allocator; "
               "bench/planner_ranks.py is its CPU counterpart")
         return
     print(f"{'model':<12} {'method':<10} {'layout':<14} {'N':>2} {'rank':>4} | {'allocator B':>14} "
-          f"{'planned B':>14} {'error':>7}")
+          f"{'planned B':>14} {'error':>7} | {'ws MiB':>6}")
     errors = []
     for model in args.model or list(MODELS):
         model_fn, batch_fn, loss_fn = MODELS[model]
         for layout, methods in LAYOUTS.items():
+            if args.layout and layout not in args.layout:
+                continue
             for method in methods:
                 if layout == "fsdp-mixed" and model == "conv":
                     continue  # BatchNorm under FSDP2's bf16 policy: see bench/planner_ranks.py
                 for n in args.world or (2, 4):
                     try:
-                        got = measure(model, method, layout, n)
+                        got, ws = measure(model, method, layout, n)
                     except Exception as e:  # a method that does not run this way is a row, not a crash
                         print(f"{model:<12} {method:<10} {layout:<14} {n:>2}    - | failed: {type(e).__name__}: {e}")
                         continue
@@ -99,7 +106,7 @@ def main():
                         err = p.rank_peaks[r] / m - 1
                         errors.append(err)
                         print(f"{model:<12} {method:<10} {layout:<14} {n:>2} {r:>4} | {m:>14,} "
-                              f"{p.rank_peaks[r]:>14,} {100 * err:>+6.2f}%", flush=True)
+                              f"{p.rank_peaks[r]:>14,} {100 * err:>+6.2f}% | {ws[r] / 2**20:>6.1f}", flush=True)
     if errors:
         print(f"\n{len(errors)} rank rows; error {100 * min(errors):+.2f}% .. {100 * max(errors):+.2f}%; "
               f"within 2%: {all(abs(e) <= 0.02 for e in errors)}")

@@ -5,12 +5,17 @@ also holds, per process (rank):
 
   * **kernel workspaces** -- allocated through PyTorch's caching allocator, so inside
     ``max_memory_allocated``, but owned by no tensor, so invisible to a fake-tensor trace: cuBLAS's
-    workspace (torch's default per handle and stream: 32 MiB on Hopper, 8.125 MiB before it -- torch's
-    ``CUBLAS_WORKSPACE_CONFIG`` defaults) and cuDNN's convolution workspaces (one convolution runs at a
-    time, so the largest counts);
-  * **the caching allocator's reserve** above the allocated peak (whole segments, blocks split and not
-    merged back: fragmentation). ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` maps memory into one
-    growing segment per stream, so freed blocks coalesce and the reserve shrinks to page rounding;
+    workspaces (torch's default per handle and stream: 32 MiB on Hopper, 8.125 MiB before it -- torch's
+    ``CUBLAS_WORKSPACE_CONFIG`` defaults; a training step has two handles, the forward's thread and
+    autograd's backward thread: 64 MiB measured on the H200, each of 2 and 4 ranks too) and cuDNN's
+    convolution workspaces (one convolution runs at a time, so the largest counts);
+  * **the caching allocator's rounding and reserve.** A block larger than a request is not split when the
+    rest is small (<= 1 MiB), and counts whole in ``max_memory_allocated``; segments are never given back,
+    so what is reserved is what the order of requests left behind. ``planner_allocator`` replays the traced
+    step's requests through the allocator's rules and gives both (the "allocator rounding" and
+    "allocator reserve" lines); without a trace (notebook 11's calculator) the reserve is a calibrated
+    fraction. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` grows one segment per pool, every block
+    splits (no rounding line) and the reserve shrinks to fragmentation inside that segment;
   * **the CUDA context** (driver state, kernels of torch, cuBLAS and cuDNN loaded), used before any tensor;
   * **NCCL's buffers** when the process group spans N > 1 GPUs (channels' buffers per peer).
 
@@ -59,9 +64,17 @@ EXPANDABLE_PAGE = 2 * MiB
 SOURCES = {
     "allocated by tensors": "the planner's fake-tensor trace of one steady-state step (planner.plan)",
     "batch": "inputs and targets on the device: their shapes x dtypes",
-    "cuBLAS workspace": "torch's default CUBLAS_WORKSPACE_CONFIG per handle: 32 MiB on Hopper, 8.125 MiB before",
+    "cuBLAS workspace": "torch's default CUBLAS_WORKSPACE_CONFIG per handle: 32 MiB on Hopper, 8.125 MiB before; "
+                        "two handles: forward thread + autograd's backward thread (H200: 64 MiB measured)",
+    "allocator rounding": "planner_allocator: the traced requests replayed through the caching allocator's rules "
+                          "(blocks not split when the rest is <= 1 MiB count whole)",
+    "allocator reserve (replayed)": "planner_allocator: segments the replayed requests leave reserved above the "
+                                    "allocated peak",
     "cuDNN conv workspace": f"{CONV_WORKSPACE_FRACTION:.2f} x the largest convolution activation "
                             "(FACTS.md: H200, batch 64x224^2, ~112 MB fp32 / ~62 MB bf16)",
+    "cuDNN conv workspace (traced)": "the trace takes and frees it inside each convolution, 1.0 x its largest "
+                                     "activation (planner_layouts.cudnn_workspace, calibrated on the H200); "
+                                     "this much is taken at the peak",
     "allocator reserve": "caching allocator above the allocated peak (FACTS.md, H200: transformers +2..27%, "
                          "conv nets +14..48%; upper end)",
     "allocator reserve (expandable)": "expandable_segments: 2 MiB pages + 2% (assumed; not yet measured)",
@@ -110,33 +123,63 @@ class DeviceBudget:
         return self.total <= capacity
 
 
-_ALLOCATED = ("allocated by tensors", "batch", "cuBLAS workspace", "cuDNN conv workspace")
+_ALLOCATED = ("allocated by tensors", "batch", "cuBLAS workspace", "allocator rounding", "cuDNN conv workspace")
+
+
+def cublas_workspaces(arch: str = "hopper") -> tuple[int, int]:
+    """The two cuBLAS workspaces of a training step (forward's handle, backward thread's handle)."""
+    one = CUBLAS_WORKSPACE["hopper" if arch == "hopper" else "other"]
+    return (one, one)
+
+
+def replayed(trace, batch_sizes=(), *, arch: str = "hopper", allocator: str = "default") -> dict:
+    """The caching allocator's rounding and reserve for a traced step (``planner_trace.Trace``), as
+    fractions that :func:`budget` applies: ``rounding`` of the exact allocated peak, ``reserve`` of the
+    allocated peak. Exact for the traced step itself; sharded plans of it take the same fractions."""
+    from .planner_allocator import replay
+    r = replay(trace.events, batch=batch_sizes, workspaces=cublas_workspaces(arch),
+               expandable=allocator == "expandable")
+    return {"rounding": r["peak_allocated"] / r["exact_peak"] - 1,
+            "reserve": r["peak_reserved"] / r["peak_allocated"] - 1}
 
 
 def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch: str = "hopper",
-           conv_activation_bytes: int = 0, allocator: str = "default") -> DeviceBudget:
+           conv_activation_bytes: int = 0, allocator: str = "default", replay: dict | None = None,
+           conv_workspace_bytes: int | None = None) -> DeviceBudget:
     """The device total of one rank whose tensors peak at ``tensor_peak`` bytes (a planner figure).
 
     ``conv_activation_bytes``: the largest activation (input or output) of any convolution in its compute
     dtype, 0 for a model without convolutions -- it also selects the conv nets' allocator reserve.
-    ``allocator``: "default" or "expandable" (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)."""
+    ``allocator``: "default" or "expandable" (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
+    ``replay``: :func:`replayed`'s fractions for the traced step (else the calibrated reserve fraction).
+    ``conv_workspace_bytes``: cuDNN's workspace at the peak, when the trace modelled it (it is then part of
+    ``tensor_peak`` and moves to its own line); else a fraction of ``conv_activation_bytes``."""
     if allocator not in ("default", "expandable"):
         raise ValueError(f"allocator must be 'default' or 'expandable', got {allocator!r}")
-    lines = [("allocated by tensors", int(tensor_peak), SOURCES["allocated by tensors"])]
+    ws = int(conv_workspace_bytes or 0)
+    lines = [("allocated by tensors", int(tensor_peak) - ws, SOURCES["allocated by tensors"])]
     if batch_bytes:
         lines.append(("batch", int(batch_bytes), SOURCES["batch"]))
-    lines.append(("cuBLAS workspace", CUBLAS_WORKSPACE["hopper" if arch == "hopper" else "other"],
-                  SOURCES["cuBLAS workspace"]))
-    if conv_activation_bytes:
+    lines.append(("cuBLAS workspace", sum(cublas_workspaces(arch)), SOURCES["cuBLAS workspace"]))
+    exact = sum(b for _, b, _ in lines)
+    if replay is not None and int(replay["rounding"] * exact) > 0:
+        lines.append(("allocator rounding", int(replay["rounding"] * exact), SOURCES["allocator rounding"]))
+    if conv_workspace_bytes is not None:
+        if ws:
+            lines.append(("cuDNN conv workspace", ws, SOURCES["cuDNN conv workspace (traced)"]))
+    elif conv_activation_bytes:
         lines.append(("cuDNN conv workspace", int(CONV_WORKSPACE_FRACTION * conv_activation_bytes),
                       SOURCES["cuDNN conv workspace"]))
     allocated = sum(b for _, b, _ in lines)
     kind = "conv" if conv_activation_bytes else "transformer"
-    reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
-    if allocator == "expandable":
+    if replay is not None:
+        lines.append(("allocator reserve", int(replay["reserve"] * allocated), SOURCES["allocator reserve (replayed)"]))
+    elif allocator == "expandable":
+        reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
         reserve += EXPANDABLE_PAGE
         lines.append(("allocator reserve", reserve, SOURCES["allocator reserve (expandable)"]))
     else:
+        reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
         lines.append(("allocator reserve", reserve, SOURCES["allocator reserve"]))
     lines.append(("CUDA context", CONTEXT_BYTES, SOURCES["CUDA context"]))
     if world_size > 1:

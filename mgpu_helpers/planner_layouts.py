@@ -223,3 +223,28 @@ def conv_scratch(func, args) -> int:
     if func is torch.ops.aten.convolution.default:
         return out_b + (w_b if w.shape[0] == w.shape[1] else 0)
     return out_b + in_b * (2 if w.shape[1] % 8 else 1)  # in-channels off oneDNN's blocks: a padded input copy
+
+
+# cuDNN's workspace, taken and given back inside one convolution on a GPU, as a multiple of the
+# convolution's largest activation (input or output, in the dtype it runs in). Calibrated on the H200
+# (torch 2.11+cu130, bench/plan_gpu.py): a ResNet-50 layout at batch 64 x 224^2 with checkpointing, whose
+# peak falls inside a recomputed convolution, allocated ~100 MiB beyond its tensors and cuBLAS's
+# workspaces where the largest activation of those convolutions is 102.8 MB: 1.0 (without
+# checkpointing the peak falls between convolutions, and the workspace is not in it).
+CUDNN_WORKSPACE_FRACTION = 1.0
+
+
+def cudnn_workspace(func, args) -> int:
+    """Bytes cuDNN takes and frees inside one GPU convolution (forward or backward): a calibrated line."""
+    if func is torch.ops.aten.convolution.default:
+        x, w, out = args[0], args[1], None
+    else:
+        x, w, out = args[1], args[2], args[0]
+    biggest = max(x.numel(), out.numel() if out is not None else 0) * x.element_size()
+    if out is None:  # forward: the output's size from the arguments
+        stride, padding, dilation = args[3], args[4], args[5]
+        spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
+                   zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
+        biggest = max(biggest, x.shape[0] * w.shape[0] * math.prod(spatial) * x.element_size())
+    return int(CUDNN_WORKSPACE_FRACTION * biggest)
+

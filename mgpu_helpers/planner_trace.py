@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from .planner_layouts import _CONVS, conv_scratch  # noqa: F401  (the calibrated line lives with the rules)
+from .planner_layouts import _CONVS, conv_scratch, cudnn_workspace  # noqa: F401  (calibrated lines live with the rules)
 from .runtime.tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
 
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (planner_layouts: all layouts)
@@ -126,10 +126,14 @@ class FakeTracker(MemoryTracker):
     """``MemoryTracker`` over fake tensors on ``device``: counts their (meta) storages. Enter it inside the
     ``FakeTensorMode`` that made the model."""
 
-    def __init__(self, model, optimizer, device, round_to):
+    def __init__(self, model, optimizer, device, round_to, kernels=None):
         super().__init__(model, optimizer, device="cpu", round_to=round_to)
         self.device = torch.device("meta")  # where every fake storage lives
         self.planned = torch.device(device).type
+        self.events = []  # the allocator's requests, in order: planner_allocator.replay
+        # kernels' own scratch inside a convolution: cuDNN's workspace on a GPU, oneDNN's on the CPU
+        self.kernels = self.planned if kernels is None else kernels
+        self.workspace_at_peak, self._ws_now = 0, 0
 
     def _claim(self, tensors, cat, add=False):
         super()._claim([t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == self.planned],
@@ -141,15 +145,27 @@ class FakeTracker(MemoryTracker):
             if devs == {"cpu"}:
                 return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.planned == "cpu" and self._active and func in _CONVS:
-            extra = conv_scratch(func, args)
+        if self._active and func in _CONVS:
+            extra = (conv_scratch if self.kernels == "cpu" else cudnn_workspace)(func, args)
+            extra = -(-extra // self.round_to) * self.round_to
             if extra:  # taken and given back inside the op: a transient sample, labelled "other"
+                rec = _Scratch()
+                rec.cat, rec.nbytes = "other", extra
                 with self._lock:
-                    for delta in (extra, -extra):
-                        self._cats["other"] += delta
-                        self._total += delta
-                        self._sample()
+                    self._ws_now = extra
+                    self._change(rec, extra)
+                    self._ws_now = 0
+                    self._change(rec, -extra)
         return out
+
+    def _sample(self):
+        super()._sample()
+        if self._peak_idx == len(self._timeline) - 1:
+            self.workspace_at_peak = self._ws_now
+
+
+class _Scratch:  # a kernel's scratch: bytes no tensor owns (an event key for planner_allocator)
+    __slots__ = ("cat", "nbytes")
 
 
 # --- the trace -----------------------------------------------------------------------------------------
@@ -168,6 +184,7 @@ class Trace:
     round_to: int
     config: dict = field(default_factory=dict)
     param_state_sizes: list = field(default_factory=list)  # per trainable parameter: its state's (numel, bytes)
+    events: list = field(default_factory=list, repr=False)  # every storage's size change (planner_allocator)
 
 
 def _fake_batch(batch, device):
@@ -202,22 +219,27 @@ def _units(model, params):
 
 
 def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", micro_batches=1,
-               checkpointing=False, device=None, round_to=None, fsdp=None) -> Trace:
+               checkpointing=False, device=None, round_to=None, fsdp=None, kernels=None) -> Trace:
     """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors.
     ``fsdp``: ``dict(world_size=, rank=, **planner_fsdp.apply_fsdp options)`` traces that rank's step of
     the model wrapped by FSDP2 in a fake process group instead (``planner_fsdp``): two steps, the second
-    counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run)."""
+    counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run).
+    ``kernels``: whose convolution scratch to count, "cpu" (oneDNN) or "cuda" (cuDNN's workspace); default
+    the device's -- ``mgpu-plan`` traces on a machine without a GPU and plans for one."""
+    if kernels not in (None, "cpu", "cuda"):
+        raise ValueError(f"kernels must be None, 'cpu' or 'cuda', got {kernels!r}")
     source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                  micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to)
+                  micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to,
+                  kernels=kernels)
     traced = {"zero-mixed": "bf16"}.get(precision, precision)  # planner_layouts.zero_mixed: rules over bf16
     if fsdp is not None:
         from .planner_fsdp import fake_group
         with fake_group(fsdp["world_size"], fsdp["rank"]):
             trace = _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing,
-                           device, round_to, fsdp)
+                           device, round_to, fsdp, kernels)
     else:
         trace = _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing, device,
-                       round_to, None)
+                       round_to, None, kernels)
     trace.config["layout"] = precision
     trace.source = source  # what Trace.shard(3, n) runs under FSDP2
     return trace
@@ -227,7 +249,8 @@ def _local(t):
     return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
 
 
-def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkpointing, device, round_to, fsdp):
+def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkpointing, device, round_to, fsdp,
+           kernels=None):
     if precision not in PRECISIONS and not (fsdp is not None and precision == "fsdp-mixed"):
         raise ValueError(f"precision must be one of {PRECISIONS}" + (" (or 'fsdp-mixed' under FSDP2)" if fsdp is None
                          else "") + f", got {precision!r}")
@@ -272,7 +295,7 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
                 train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches)
         params = [p for g in opt.param_groups for p in g["params"]]
         n_params = sum(p.numel() for p in params)  # the global count, also for DTensor parameters
-        with tracker(model, opt, device, round_to) as mt:
+        with tracker(model, opt, device, round_to, kernels) as mt:
             train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches,
                        mark=mt.mark)
         unit_numel = _units(model, params)
@@ -292,4 +315,5 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
         config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
                     checkpointing=checkpointing, device=device.type))
     trace.tracker_peak = (mt.peak_bytes, mt.peak_breakdown())
+    trace.events, trace.workspace_at_peak = mt.events, mt.workspace_at_peak
     return trace

@@ -124,6 +124,7 @@ class MemoryTracker(TorchDispatchMode):
         self._acc_peak = None  # the accounting's own peak, once the allocator's replaced it (CPU, exact)
         self._peak, self._peak_cats, self._peak_idx = 0, dict(self._cats), -1
         self._active, self._fwd_depth, self._in_opt, self._handles = False, 0, False, []
+        self.events = None  # a list: every size change in order (planner_allocator replays a fake trace's)
 
     def _params(self):
         ps = list(self.model.parameters()) if self.model is not None else []
@@ -160,6 +161,8 @@ class MemoryTracker(TorchDispatchMode):
     def _change(self, rec, delta):
         self._cats[rec.cat] += delta
         self._total += delta
+        if self.events is not None and delta:  # (storage, change, live at entry, phase, category)
+            self.events.append((id(rec), delta, not self._active, self._phase, rec.cat))
         if delta and self._active:  # the seeds at entry make a single sample, taken by __enter__
             self._sample()
 

@@ -128,7 +128,8 @@ def run(a):
         convs = []
         try:
             trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
-                               micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512)
+                               micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512,
+                               kernels="cuda")  # a GPU's plan: cuDNN's workspaces, wherever it is traced
         except PlanInputError:
             raise
         except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for
@@ -140,14 +141,17 @@ def run(a):
                                  f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}") from None
         n_params, traced = trace.n_params, traced + 1
         conv = max(convs, default=0)
+        rep = db.replayed(trace, [t.numel() * t.element_size() for t in batch], arch=s["arch"],
+                          allocator=a.allocator)
         for n in s["gpus"]:
             for st in (s["stages"] if n > 1 else [0]):
                 p = trace.shard(st, n)
                 b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"],
-                              conv_activation_bytes=conv, allocator=a.allocator)
+                              conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
+                              conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes))
                 cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
                 plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,
-                                  tensor_peak=p.peak_bytes, peak_phase=p.peak_phase,
+                                  tensor_peak=b.lines[0][1], peak_phase=p.peak_phase,
                                   peak_set_by=f"{p.peak_phase}: {cat} {100 * cb / max(p.peak_bytes, 1):.0f}%",
                                   breakdown=p.breakdown, model_state=p.model_state, allocated=b.allocated,
                                   device_total=b.total, fits=b.fits(s["capacity"]),

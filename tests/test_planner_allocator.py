@@ -1,0 +1,115 @@
+"""planner_allocator: the caching allocator's rules (c10/cuda/CUDACachingAllocator.cpp), and the replay of
+a traced step. The rules are checked case by case against the constants and the split/segment logic of
+the allocator's source; the H200 bench (bench/plan_gpu.py) checks the replay against the real allocator."""
+import pytest
+import torch
+from torch import nn
+
+from mgpu_helpers import device_budget as db
+from mgpu_helpers.planner import lm_loss, token_batch, decoder
+from mgpu_helpers.planner_allocator import CachingAllocator, replay, round_size, segment_size
+from mgpu_helpers.planner_trace import trace_step
+
+MiB = 2**20
+
+
+def test_sizes_follow_the_allocator():
+    assert round_size(1) == 512 and round_size(512) == 512 and round_size(513) == 1024
+    assert segment_size(512) == 2 * MiB and segment_size(MiB) == 2 * MiB       # small pool: 2 MiB segments
+    assert segment_size(MiB + 512) == 20 * MiB and segment_size(10 * MiB - 512) == 20 * MiB  # 1-10 MiB: 20 MiB
+    assert segment_size(10 * MiB) == 10 * MiB and segment_size(11 * MiB + 1) == 12 * MiB   # else 2 MiB rounding
+
+
+def test_small_requests_share_a_segment():
+    a = CachingAllocator()
+    for i in range(4):
+        a.malloc(i, 1000)                      # 1024 bytes each, one 2 MiB segment
+    assert (a.allocated, a.reserved) == (4 * 1024, 2 * MiB)
+
+
+def test_a_large_block_is_split_only_when_the_rest_exceeds_1_MiB():
+    a = CachingAllocator()
+    a.malloc("x", 3 * MiB)                     # a 20 MiB segment, split: 3 MiB allocated
+    assert (a.allocated, a.reserved) == (3 * MiB, 20 * MiB)
+    a.malloc("y", 16 * MiB + 512)              # rest 17 MiB fits it, rest 0.5 MiB: not split, counts whole
+    assert a.allocated == 20 * MiB and a.reserved == 20 * MiB
+    a.free("y")
+    a.malloc("z", 15 * MiB)                    # rest 2 MiB: split
+    assert a.allocated == 18 * MiB
+
+
+def test_freed_neighbours_merge_and_best_fit_picks_the_smallest_block():
+    a = CachingAllocator()
+    for k in "abc":
+        a.malloc(k, 12 * MiB)                  # three 12 MiB segments
+    a.free("a")
+    a.free("b")
+    a.malloc("d", 11 * MiB)                    # fits a 12 MiB block (rest 1 MiB: not split) -- no new segment
+    assert a.reserved == 36 * MiB and a.allocated == 24 * MiB
+    b = CachingAllocator()
+    b.malloc("big", 30 * MiB)
+    b.malloc("keep", 12 * MiB)
+    b.free("big")
+    b.malloc("p", 10 * MiB)
+    b.malloc("q", 10 * MiB)                    # split parts of the 30 MiB block
+    b.free("p")
+    b.free("q")                                # they merge back with the rest: one 30 MiB free block
+    b.malloc("r", 29 * MiB)
+    assert b.reserved == 42 * MiB
+
+
+def test_expandable_segments_grow_in_pages_and_always_split():
+    a = CachingAllocator(expandable=True)
+    a.malloc("x", 3 * MiB)
+    assert (a.allocated, a.reserved) == (3 * MiB, 20 * MiB)
+    a.malloc("y", 16 * MiB + 512)              # from the 17 MiB rest; split although only 1 MiB - 512 B is left
+    assert a.allocated == 19 * MiB + 512
+    a.malloc("z", 30 * MiB)                    # grows the one segment: its free tail + new pages
+    assert a.reserved == 60 * MiB and a.allocated == 49 * MiB + 512
+
+
+def _trace(**kw):
+    return trace_step(decoder("tiny"), token_batch(4, 64, 512), loss_fn=lm_loss, device="cpu", round_to=512, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(precision="bf16-autocast", checkpointing=True),
+                                dict(micro_batches=2)])
+def test_the_replay_makes_the_requests_the_trace_counted(kw):
+    """The event log is the timeline: replayed unrounded, its peak is the trace's, to the byte."""
+    tr = _trace(**kw)
+    batch, ws = [4 * 64 * 8] * 2, db.cublas_workspaces()
+    for expandable in (False, True):
+        r = replay(tr.events, batch=batch, workspaces=ws, expandable=expandable)
+        assert r["exact_peak"] == tr.shard(0, 1).peak_bytes + sum(batch) + sum(ws)
+        assert r["peak_allocated"] >= r["exact_peak"] and r["peak_reserved"] >= r["peak_allocated"]
+        if expandable:  # every block splits: nothing beyond the rounded requests
+            assert r["peak_allocated"] == r["exact_peak"]
+
+
+def test_cudnn_workspace_is_traced_inside_each_convolution():
+    net = lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16 * 16, 4))  # noqa: E731
+    batch = (torch.empty(2, 8, 16, 16), torch.zeros(2, dtype=torch.long))
+    loss = torch.nn.functional.cross_entropy
+
+    def scratch(tr):  # a kernel's scratch: taken and given back at once, nothing in between
+        return [a[1] for a, b in zip(tr.events, tr.events[1:]) if a[0] == b[0] and a[1] == -b[1] > 4096]
+
+    gpu = trace_step(net, batch, loss_fn=loss, device="cpu", round_to=512, kernels="cuda")
+    cpu = trace_step(net, batch, loss_fn=loss, device="cpu", round_to=512, kernels="cpu")
+    # cuDNN: 1.0 x the largest activation (input and output are both 2 x 8 x 16 x 16 fp32 = 16 KiB),
+    # forward and backward; oneDNN: output + weight forward (18.5 KiB), output + input backward (32 KiB)
+    assert scratch(gpu) == [16384, 16384]
+    assert scratch(cpu) == [18944, 32768]
+    with pytest.raises(ValueError, match="kernels"):
+        trace_step(net, batch, loss_fn=loss, device="cpu", kernels="tpu")
+
+
+def test_budget_takes_the_replayed_lines():
+    tr = _trace()
+    rep = db.replayed(tr, [4 * 64 * 8] * 2)
+    b = db.budget(tr.shard(0, 1).peak_bytes, batch_bytes=2 * 4 * 64 * 8, replay=rep)
+    names = [n for n, _, _ in b.lines]
+    assert names[:3] == ["allocated by tensors", "batch", "cuBLAS workspace"] and "allocator reserve" in names
+    r = replay(tr.events, batch=[4 * 64 * 8] * 2, workspaces=db.cublas_workspaces())
+    assert abs(b.allocated - r["peak_allocated"]) <= 1            # the traced step itself: the replay's figure
+    assert b.total - b.allocated - db.CONTEXT_BYTES == pytest.approx(r["peak_reserved"] - r["peak_allocated"], abs=2)
