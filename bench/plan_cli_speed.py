@@ -54,7 +54,13 @@ def main():
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), tmp, os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **env_extra}
         t = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        tree_rss = 0
+        while proc.poll() is None:  # the command and its worker processes together, sampled every 0.2 s
+            tree_rss = max(tree_rss, _tree_rss(proc.pid))
+            time.sleep(0.2)
+        out, err = proc.communicate()
+        proc.stdout, proc.stderr = out, err
         wall = time.perf_counter() - t
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     rss, cpu = ru.ru_maxrss / 2**20, ru.ru_utime + ru.ru_stime
@@ -62,9 +68,29 @@ def main():
     print(proc.stdout, end="")
     if proc.returncode not in (0, 1):
         print(proc.stderr, file=sys.stderr)
-    print(f"\nexit status {proc.returncode}; wall {wall:.1f} s (goal <= 60 s), peak RSS {rss:.2f} GiB (goal <= 2 GiB); "
+    print(f"\nexit status {proc.returncode}; wall {wall:.1f} s (goal <= 60 s), peak RSS {tree_rss / 2**30:.2f} GiB for "
+          f"the command and its worker processes together (goal <= 2 GiB; largest single process {rss:.2f} GiB); "
           f"CPU {cpu:.1f} s; {os.cpu_count()} CPU cores visible, load average {load:.1f} (other processes "
           "share the cores when it exceeds their count)")
+
+
+def _tree_rss(root: int) -> int:
+    """Resident bytes of ``root`` and its descendants now (Linux /proc; 0 elsewhere)."""
+    kids, rss = {}, {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            kids.setdefault(ppid, []).append(int(d.name))
+            rss[int(d.name)] = int((d / "statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            continue
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += kids.get(pid, [])
+    return total
 
 
 if __name__ == "__main__":

@@ -204,7 +204,8 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
             exact["peak"] = max(exact["peak"], now)
         if not states_made:
             make_states()
-        for key in [k for k in size if k not in entry and k not in dict(states)]:  # held past the step's end
+        kept = entry | {k for k, _ in states}
+        for key in [k for k in size if k not in kept]:  # held past the step's end
             alloc.free(key)
             del size[key]
 

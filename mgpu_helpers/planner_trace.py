@@ -288,17 +288,21 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
             step_precision = "fp32" if precision == "fsdp-mixed" else precision  # the policy casts, not autocast
             tracker = FSDPFakeTracker
         opt = make_optimizer(model, optimizer)
+        if fsdp is not None:
+            from .planner_fsdp import step_on_shards
+            step_on_shards(opt)
         if fsdp is None:
             warm_up(model, opt)
         else:  # FSDP2's lazy init, its unsharded storages and Adam's state come from a real step
             for _ in range(FSDP_WARM_UP_STEPS):
                 train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches)
-        params = [p for g in opt.param_groups for p in g["params"]]
+        params = getattr(opt, "global_params", None) or [p for g in opt.param_groups for p in g["params"]]
         n_params = sum(p.numel() for p in params)  # the global count, also for DTensor parameters
         with tracker(model, opt, device, round_to, kernels) as mt:
             train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches,
                        mark=mt.mark)
         unit_numel = _units(model, params)
+        params = [p for g in opt.param_groups for p in g["params"]]
         per_param = [[(_local(v).numel(), v.element_size()) for v in opt.state[p].values()
                       if isinstance(v, torch.Tensor) and v.device.type == device.type] if p in opt.state else []
                      for g in opt.param_groups for p in g["params"]]

@@ -65,6 +65,9 @@ def parse_args(argv):
     ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "momentum"))
     ap.add_argument("--allocator", default="default", choices=("default", "expandable"),
                     help="expandable = PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="processes tracing at once (default: one per CPU core for models of >= 1B parameters, "
+                         "at most one per trace; 1: trace in this process)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--plot", metavar="FILE", help="save a bar chart of the device totals")
     return ap.parse_args(argv)
@@ -116,47 +119,81 @@ def watch_convs(model_fn, seen):
     return wrapped
 
 
+def _plans_of(a, s, prec, ck, k):
+    """Trace one (precision, checkpointing, micro-batches) and derive its plans for every GPU count and
+    ZeRO stage: a job of its own (``run`` may hand it to a worker process). None: a model without blocks
+    asked for checkpointing "both" (the row is dropped)."""
+    source = resolve(a.model)
+    batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
+    batch_bytes = sum(t.numel() * t.element_size() for t in batch)
+    convs = []
+    try:
+        trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
+                           micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512,
+                           kernels="cuda")  # a GPU's plan: cuDNN's workspaces, wherever it is traced
+    except PlanInputError:
+        raise
+    except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for
+        if ck and "no nn.ModuleList" in str(e) and a.checkpointing == "both":
+            return None
+        raise PlanInputError(f"{source.name}: {e}") from None
+    except Exception as e:
+        raise PlanInputError(f"tracing {source.name} ({prec}, checkpointing {ck}, {k} micro-batches) failed: "
+                             f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}") from None
+    conv = max(convs, default=0)
+    rep = db.replayed(trace, [t.numel() * t.element_size() for t in batch], arch=s["arch"], allocator=a.allocator)
+    plans = []
+    for n in s["gpus"]:
+        for st in (s["stages"] if n > 1 else [0]):
+            p = trace.shard(st, n)
+            b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"],
+                          conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
+                          conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes))
+            cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
+            plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,
+                              tensor_peak=b.lines[0][1], peak_phase=p.peak_phase,
+                              peak_set_by=f"{p.peak_phase}: {cat} {100 * cb / max(p.peak_bytes, 1):.0f}%",
+                              breakdown=p.breakdown, model_state=p.model_state, allocated=b.allocated,
+                              device_total=b.total, fits=b.fits(s["capacity"]),
+                              step_cost=step_cost(world_size=n, zero_stage=st, checkpointing=ck, micro_batches=k),
+                              lines=[dict(name=nm, bytes=v, source=src) for nm, v, src in b.lines]))
+    return trace.n_params, plans
+
+
+def _job(args):
+    return _plans_of(*args)
+
+
+def _parameters(source) -> int:
+    """The model's parameter count, built on the meta device (no memory; 0 if it cannot be built so)."""
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in source.model_fn().parameters())
+    except Exception:  # noqa: BLE001 - the trace reports a model that cannot be built
+        return 0
+
+
 def run(a):
     s = settings(a)
-    source = resolve(a.model)
+    source = resolve(a.model)  # bad input fails here, before any worker starts
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
     keys = [(p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]
     from tqdm.auto import tqdm
-    plans, n_params, traced = [], 0, 0
-    for prec, ck, k in tqdm(keys, desc="tracing", unit="trace", file=sys.stderr, disable=None, leave=False):
-        convs = []
-        try:
-            trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
-                               micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512,
-                               kernels="cuda")  # a GPU's plan: cuDNN's workspaces, wherever it is traced
-        except PlanInputError:
-            raise
-        except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for
-            if ck and "no nn.ModuleList" in str(e) and a.checkpointing == "both":
-                continue
-            raise PlanInputError(f"{source.name}: {e}") from None
-        except Exception as e:
-            raise PlanInputError(f"tracing {source.name} ({prec}, checkpointing {ck}, {k} micro-batches) failed: "
-                                 f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}") from None
-        n_params, traced = trace.n_params, traced + 1
-        conv = max(convs, default=0)
-        rep = db.replayed(trace, [t.numel() * t.element_size() for t in batch], arch=s["arch"],
-                          allocator=a.allocator)
-        for n in s["gpus"]:
-            for st in (s["stages"] if n > 1 else [0]):
-                p = trace.shard(st, n)
-                b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"],
-                              conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
-                              conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes))
-                cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
-                plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,
-                                  tensor_peak=b.lines[0][1], peak_phase=p.peak_phase,
-                                  peak_set_by=f"{p.peak_phase}: {cat} {100 * cb / max(p.peak_bytes, 1):.0f}%",
-                                  breakdown=p.breakdown, model_state=p.model_state, allocated=b.allocated,
-                                  device_total=b.total, fits=b.fits(s["capacity"]),
-                                  step_cost=step_cost(world_size=n, zero_stage=st, checkpointing=ck, micro_batches=k),
-                                  lines=[dict(name=nm, bytes=v, source=src) for nm, v, src in b.lines]))
+    jobs = [(a, s, *key) for key in keys]
+    # processes pay ~3 s of imports each: worth it when a trace takes tens of seconds (>= 1B parameters)
+    workers = min(len(jobs), a.jobs or ((os.cpu_count() or 1) if _parameters(source) >= 1e9 else 1))
+    bar = dict(total=len(jobs), desc="tracing", unit="trace", file=sys.stderr, disable=None, leave=False)
+    if workers > 1:  # one trace per process: they are independent and CPU-bound (a 70B trace takes ~30 s)
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            results = list(tqdm(pool.map(_job, jobs), **bar))
+    else:
+        results = [_job(j) for j in tqdm(jobs, **bar)]
+    results = [r for r in results if r is not None]
+    n_params, traced = (results[0][0] if results else 0), len(results)
+    plans = [p for _, ps in results for p in ps]
     plans.sort(key=lambda p: (p["gpus"], p["step_cost"], p["device_total"]))  # the order the rule reads them
     fitting = [i for i, p in enumerate(plans) if p["fits"]]
     cheapest = min(fitting, key=lambda i: (plans[i]["gpus"], plans[i]["step_cost"]), default=None)
