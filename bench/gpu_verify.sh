@@ -50,9 +50,9 @@ ranks)
 short)
   run() { local b=$1; local start=$(date +%s); env -u OUT timeout "$2" python3 bench/$b ${3:-} >"$OUT/${b%.py}.txt" 2>&1
           echo "=== bench/$b ${3:-}: exit $?, $(( $(date +%s) - start )) s" >>"$OUT/${b%.py}.txt"; }
-  run plan_gpu.py 230
-  run planner_ranks_gpu.py 90 "--world 2 --model decoder --model conv --layout fp32 --layout bf16-autocast"
-  run planner_gpu_diag.py 45
+  run plan_gpu.py 200
+  run planner_ranks_gpu.py 75 "--world 2 --model decoder --model conv --layout fp32 --layout bf16-autocast"
+  run planner_gpu_diag.py 40
   for f in "$OUT"/*.txt; do echo "##### $f"; tail -c 3500 "$f"; done
   ;;
 esac

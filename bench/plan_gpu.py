@@ -101,16 +101,16 @@ IMAGES = ["--batch", "64", "--input-shape", "3,224,224"]
 ROWS = {  # name: (model, batch args, precision, checkpointing, micro-batches)
     "decoder fp32": ("plan_gpu:decoder", TOKENS, "fp32", "off", 1),
     "decoder bf16 autocast": ("plan_gpu:decoder", TOKENS, "bf16-autocast", "off", 1),
-    "decoder bf16 autocast + ckpt": ("plan_gpu:decoder", TOKENS, "bf16-autocast", "on", 1),
-    "decoder bf16 autocast, 4 micro": ("plan_gpu:decoder", TOKENS, "bf16-autocast", "off", 4),
-    "decoder pure bf16": ("plan_gpu:decoder", TOKENS, "bf16", "off", 1),
     "frozen-embedding decoder bf16 autocast": ("plan_gpu:frozen_decoder", TOKENS, "bf16-autocast", "off", 1),
     "hf llama (GQA, tied) fp32": ("HF", TOKENS, "fp32", "off", 1),
-    "hf llama (GQA, tied) bf16 autocast + ckpt": ("HF", TOKENS, "bf16-autocast", "on", 1),
     "conv net fp32": ("plan_gpu:resnet", IMAGES, "fp32", "off", 1),
-    "conv net bf16 autocast": ("plan_gpu:resnet", IMAGES, "bf16-autocast", "off", 1),
     "conv net bf16 autocast + ckpt": ("plan_gpu:resnet", IMAGES, "bf16-autocast", "on", 1),
+    "decoder bf16 autocast + ckpt": ("plan_gpu:decoder", TOKENS, "bf16-autocast", "on", 1),
+    "hf llama (GQA, tied) bf16 autocast + ckpt": ("HF", TOKENS, "bf16-autocast", "on", 1),
+    "conv net bf16 autocast": ("plan_gpu:resnet", IMAGES, "bf16-autocast", "off", 1),
     "conv net fp32, 4 micro": ("plan_gpu:resnet", IMAGES, "fp32", "off", 4),
+    "decoder bf16 autocast, 4 micro": ("plan_gpu:decoder", TOKENS, "bf16-autocast", "off", 4),
+    "decoder pure bf16": ("plan_gpu:decoder", TOKENS, "bf16", "off", 1),
 }
 
 
@@ -200,7 +200,7 @@ def main():
     allocs = ["expandable"] if args.expandable else ["default", "expandable"] if args.allocator == "both" \
         else [args.allocator]
     names = [n for n in ROWS if args.only in n and (ROWS[n][0] != "HF" or have_hf)]
-    jobs = [(name, alloc) for alloc in allocs for name in names]
+    jobs = [(name, alloc) for name in names for alloc in allocs]  # a row under both allocators, then the next
     argvs = {j: cli_args(j[0], hf_dir) + ["--allocator", j[1]] for j in jobs}
     # every plan first, in parallel worker processes (they hold CUDA contexts: all gone before measuring)
     with ProcessPoolExecutor(max_workers=min(8, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
