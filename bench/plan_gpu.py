@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/plan_gpu.py                  # on an idle GPU; every row, both allocators
     PYTHONPATH=. python3 bench/plan_gpu.py --allocator expandable   # only under expandable_segments:True
-    PYTHONPATH=. python3 bench/plan_gpu.py --only conv      # rows whose name contains "conv"
+    PYTHONPATH=. python3 bench/plan_gpu.py --only conv      # rows whose name contains "conv" ("a|b": either)
 
 Families: a Llama-shaped decoder (168M; bench/planner_gpu.py's), the same with its embedding frozen, a
 Hugging Face Llama config (GQA; tied embeddings) when transformers is installed, and a ResNet-style conv
@@ -199,7 +199,9 @@ def main():
         have_hf = False
     allocs = ["expandable"] if args.expandable else ["default", "expandable"] if args.allocator == "both" \
         else [args.allocator]
-    names = [n for n in ROWS if args.only in n and (ROWS[n][0] != "HF" or have_hf)]
+    wanted = args.only.split("|")  # substrings, |-separated: a row is run if its name contains one
+    names = [n for n in ROWS if any(n == w[:-1] if w.endswith("$") else w in n for w in wanted)  # "x$": exactly x
+             and (ROWS[n][0] != "HF" or have_hf)]
     jobs = [(name, alloc) for name in names for alloc in allocs]  # a row under both allocators, then the next
     argvs = {j: cli_args(j[0], hf_dir) + ["--allocator", j[1]] for j in jobs}
     # every plan first, in parallel worker processes (they hold CUDA contexts: all gone before measuring)
