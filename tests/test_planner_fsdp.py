@@ -69,3 +69,21 @@ def test_a_policy_names_the_layout():
     assert same.layout == "fsdp-mixed" and same.peak_bytes == fsdp_plan(world_size=2, precision="fsdp-mixed").peak_bytes
     own = fsdp_plan(world_size=2, mp_policy=dict(param_dtype=torch.bfloat16))
     assert own.layout == "fsdp-mp(param=bfloat16, reduce=None)" and "MixedPrecisionPolicy" in own.layout_description
+
+
+def test_stepping_the_local_shards_makes_the_bytes_dtensors_make(monkeypatch):
+    """step_on_shards (the planner's shortcut past DTensor's sharding propagation in the optimizer step) must
+    not change one byte: the same timeline as Adam stepping FSDP2's DTensor parameters, on an uneven rank too
+    (its shards are re-padded by FSDP2's lazy init, after the optimizer was built)."""
+    import mgpu_helpers.planner_fsdp as pf
+    from mgpu_helpers.planner_trace import trace_step
+
+    def timeline(rank):
+        fsdp = dict(world_size=8, rank=rank, fsdp_units="blocks", reshard_after_forward=None, prefetch=1,
+                    offload=False, mp_policy=None)
+        tr = trace_step(TINY["model_fn"], TINY["batch"], loss_fn=lm_loss, device="cpu", fsdp=fsdp)
+        return tr.timeline.tolist(), tr.state_sizes, tr.n_params
+
+    fast = [timeline(r) for r in (0, 7)]
+    monkeypatch.setattr(pf, "step_on_shards", lambda opt: None)
+    assert [timeline(r) for r in (0, 7)] == fast
