@@ -112,4 +112,7 @@ def test_budget_takes_the_replayed_lines():
     assert names[:3] == ["allocated by tensors", "batch", "cuBLAS workspace"] and "allocator reserve" in names
     r = replay(tr.events, batch=[4 * 64 * 8] * 2, workspaces=db.cublas_workspaces())
     assert abs(b.allocated - r["peak_allocated"]) <= 1            # the traced step itself: the replay's figure
-    assert b.total - b.allocated - db.CONTEXT_BYTES == pytest.approx(r["peak_reserved"] - r["peak_allocated"], abs=2)
+    lines = dict((n, v) for n, v, _ in b.lines)
+    assert lines["allocator reserve"] == pytest.approx(r["peak_reserved"] - r["peak_allocated"], abs=2)
+    assert lines["reserve margin"] == int(db.REPLAY_MARGIN["default"] * b.allocated)  # its own, stated line
+    assert b.total == b.allocated + lines["allocator reserve"] + lines["reserve margin"] + db.CONTEXT_BYTES
