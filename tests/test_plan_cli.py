@@ -240,3 +240,15 @@ def test_console_script_declared():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["mgpu-plan"] == "mgpu_helpers.tools.plan_cli:main"
     assert any(d.startswith("transformers") for d in project["optional-dependencies"]["hf"])
+
+
+def test_traces_in_worker_processes_give_the_same_plans(capsys, convmod):
+    """--jobs 2: each (precision, checkpointing, micro-batches) traced in its own process (what mgpu-plan does
+    for models of >= 1B parameters) gives the plans one process gives; a worker's failure is one line."""
+    argv = [*TINY[:3], "--seq", "64", "--checkpointing", "both", "--micro-batches", "1", "--gpu", "L4"]
+    _, one = run_json(capsys, *argv, "--jobs", "1")
+    _, two = run_json(capsys, *argv, "--jobs", "2")
+    assert one["traces"] == two["traces"] == 2 and one["plans"] == two["plans"]
+    code, out, err = run(capsys, f"{convmod}:broken", "--input-shape", "3,8,8", "--gpu", "L4",
+                         "--checkpointing", "both", "--jobs", "2")
+    assert code == 2 and err.strip().count("\n") == 0 and "weights missing" in err
