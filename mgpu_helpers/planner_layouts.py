@@ -248,3 +248,25 @@ def cudnn_workspace(func, args) -> int:
         biggest = max(biggest, x.shape[0] * w.shape[0] * math.prod(spatial) * x.element_size())
     return int(CUDNN_WORKSPACE_FRACTION * biggest)
 
+
+# FSDP2 copies gradients into its reduce-scatter buffer with ``torch._chunk_cat(grads, out=buffer)``. When the
+# buffer's dtype differs from the gradients' (MixedPrecisionPolicy: bf16 gradients, fp32 reduce), the CPU
+# kernel first copies each gradient, one at a time, into a temporary of its own dtype: the largest input's
+# bytes are taken and given back inside the op (torch 2.13's CPU build, measured with the profiler;
+# same dtype: nothing). CUDA's kernel converts in place.
+# FSDP2 reaches it through its own custom op, ``fsdp::chunk_cat`` (tensors, dim, num_chunks, out).
+_CHUNK_CAT_OPS = ("fsdp::chunk_cat", "aten::_chunk_cat")
+
+
+def is_chunk_cat(func) -> bool:
+    return getattr(getattr(func, "_schema", None), "name", None) in _CHUNK_CAT_OPS
+
+
+def chunk_cat_scratch(func, args, kwargs) -> int:
+    """Bytes the CPU ``_chunk_cat`` kernel takes and frees converting its inputs to ``out``'s dtype."""
+    out = (kwargs or {}).get("out", args[3] if len(args) > 3 else None)
+    inputs = args[0] if args else ()
+    if out is None or not inputs:
+        return 0
+    return max((t.numel() * t.element_size() for t in inputs if t.dtype != out.dtype), default=0)
+

@@ -83,3 +83,21 @@ def test_conv_scratch_line_is_what_onednn_takes(shape, dtype):
                   + conv_scratch(torch.ops.aten.convolution_backward.default, args_b))
     assert planned >= taken, (planned, taken)
     assert planned <= 1.05 * taken + 4096, (planned, taken)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_chunk_cat_scratch_line_is_what_the_cpu_kernel_takes(grad_dtype):
+    """FSDP2 copies gradients into its fp32 reduce-scatter buffer with _chunk_cat: converting bf16 inputs, the
+    CPU kernel copies each one first (the largest counts); same dtype, nothing. The profiler says how much."""
+    from mgpu_helpers.planner_layouts import chunk_cat_scratch
+    from mgpu_helpers.runtime.alloc_reference import AllocationReference
+    grads = [torch.randn(256, 512, dtype=grad_dtype), torch.randn(1000, dtype=grad_dtype),
+             torch.randn(300, 512, dtype=grad_dtype)]
+    n = sum(g.numel() for g in grads)
+    out = torch.empty(2, (n + 1) // 2, dtype=torch.float32)
+    with AllocationReference() as ref:
+        with torch.profiler.record_function("chunk_cat"):
+            torch._chunk_cat(grads, 0, 2, out=out)
+    measured = ref.peak_in("chunk_cat") - ref.at("chunk_cat")
+    assert measured == chunk_cat_scratch(torch.ops.aten._chunk_cat.out, (grads, 0, 2), {"out": out})
+    assert measured == (300 * 512 * 2 if grad_dtype == torch.bfloat16 else 0)
