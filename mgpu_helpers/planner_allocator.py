@@ -132,25 +132,23 @@ class CachingAllocator:
     def free(self, key) -> None:
         small, b = self._live.pop(key)
         self.allocated -= b.size
-        for nb in (b.prev, b.next):  # merge with free neighbours in the same segment
-            if nb is not None and nb.free:
-                self._remove(small, nb)
-                if nb is b.prev:
-                    nb.size += b.size
-                    nb.next = b.next
-                    if b.next is not None:
-                        b.next.prev = nb
-                    if self._tail.get(small) is b:
-                        self._tail[small] = nb
-                    b = nb
-                else:
-                    b.size += nb.size
-                    b.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = b
-                    if self._tail.get(small) is nb:
-                        self._tail[small] = b
+        if b.prev is not None and b.prev.free:  # merge with free neighbours in the same segment
+            self._remove(small, b.prev)
+            b = self._join(small, b.prev, b)
+        if b.next is not None and b.next.free:
+            self._remove(small, b.next)
+            b = self._join(small, b, b.next)
         self._insert(small, b)
+
+    def _join(self, small, left, right):
+        """``left`` takes ``right``'s bytes; ``right`` leaves the segment's chain of blocks."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
+        if self._tail.get(small) is right:
+            self._tail[small] = left
+        return left
 
 
 def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
@@ -174,7 +172,8 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
             size[key] = delta
     entry = set(size)
     steady = [e for e in events if not e[2]]
-    ws, exact = list(workspaces), {}
+    made_by = {"forward": 1, "backward": 2}  # cuBLAS workspaces made by the first forward / first backward
+    ws = []
 
     def make_states():
         for key, n in states:
@@ -182,13 +181,14 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
             size[key] = n
 
     def run(measured):
-        now = sum(batch) + sum(size.values()) + sum(workspaces) - sum(ws)
-        exact["peak"], states_made = now, measured
+        """One step; its peak of the unrounded requests."""
+        now = sum(batch) + sum(size.values()) + sum(ws)
+        peak, states_made = now, measured
         for key, delta, _, phase, _ in steady:
-            if ws and phase.startswith(("forward", "backward")) and (len(ws) == 2 or phase.startswith("backward")):
-                n = ws.pop(0)
-                alloc.malloc(("cuBLAS", len(ws)), n)
-                now += n
+            while len(ws) < min(made_by.get(phase.split()[0], 0), len(workspaces)):
+                ws.append(workspaces[len(ws)])
+                alloc.malloc(("cuBLAS", len(ws)), ws[-1])
+                now += ws[-1]
             if not states_made and phase == "step":  # Adam makes its state inside its first step
                 make_states()
                 states_made = True
@@ -201,16 +201,16 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
             else:
                 del size[key]
             now += delta
-            exact["peak"] = max(exact["peak"], now)
+            peak = max(peak, now)
         if not states_made:
             make_states()
         kept = entry | {k for k, _ in states}
         for key in [k for k in size if k not in kept]:  # held past the step's end
             alloc.free(key)
             del size[key]
+        return peak
 
     run(False)
     alloc.reset_peak()
-    run(True)
-    return {"peak_allocated": alloc.peak_allocated, "peak_reserved": alloc.peak_reserved,
-            "exact_peak": exact["peak"]}
+    exact_peak = run(True)
+    return {"peak_allocated": alloc.peak_allocated, "peak_reserved": alloc.peak_reserved, "exact_peak": exact_peak}
