@@ -11,13 +11,13 @@ allocator (bench/tracker_vs_cuda.py).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
 from mgpu_helpers.runtime.launch import run_ranks
 from mgpu_helpers.planner_models import Decoder, lm_loss, token_batch
+from mgpu_helpers.planner_validate import wrap as validate_wrap
 from mgpu_helpers.runtime.tracker import MemoryTracker
 
 PHASES = ("forward", "backward", "step", "end")
@@ -45,26 +45,15 @@ def make(kind, rank):
     return ConvNet, (x, y), F.cross_entropy
 
 
-def wrap(model, method):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
+WRAP = {"ddp": "ddp", "zero1+ddp": "zero1", "fsdp2-root": "fsdp2-root", "fsdp2-blocks": "fsdp2"}
 
+
+def wrap(model, method):
+    """(model, the optimizer the tracker watches, what steps), wrapped by ``planner_validate.wrap``."""
     if method == "none":
         return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True), None
-    if method.startswith("fsdp2"):
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        if method == "fsdp2-blocks":
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True), None
-    net = DDP(model)
-    if method == "zero1+ddp":
-        zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=1e-3, foreach=True)
-        return net, zero.optim, zero
-    return net, torch.optim.Adam(net.parameters(), lr=1e-3, foreach=True), None
+    model, opt = validate_wrap(model, WRAP[method])
+    return model, getattr(opt, "optim", opt), opt  # ZeroRedundancyOptimizer's step calls its local optimizer
 
 
 def measure(rank, world, kind, method):

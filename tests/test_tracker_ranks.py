@@ -13,39 +13,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
 from mgpu_helpers.runtime.launch import run_ranks
 from mgpu_helpers.planner_models import Decoder, lm_loss, token_batch
+from mgpu_helpers.planner_validate import wrap
 from mgpu_helpers.runtime.tracker import MemoryTracker
 
 METHODS = ("ddp", "zero1+ddp", "fsdp2-root", "fsdp2-blocks")
+WRAP = {"ddp": "ddp", "zero1+ddp": "zero1", "fsdp2-root": "fsdp2-root", "fsdp2-blocks": "fsdp2"}  # its names
 PHASES = ("forward", "backward", "step", "end")
 
 
 def build(method):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    """(model, the optimizer the tracker watches, what steps): ``planner_validate.wrap``, the wrapping the
+    planner's own validation runs; ZeroRedundancyOptimizer's step calls its local optimizer, so that is watched."""
     torch.manual_seed(0)
-    model = Decoder(512, 64, 2, 4, 172)
-    if method.startswith("fsdp2"):
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        if method == "fsdp2-blocks":
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True), None
-    net = DDP(model)
-    if method == "zero1+ddp":
-        zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=1e-3, foreach=True)
-        return net, zero.optim, zero  # the tracker watches the local optimizer: ZeRO's step calls it
-    return net, torch.optim.Adam(net.parameters(), lr=1e-3, foreach=True), None
+    model, opt = wrap(Decoder(512, 64, 2, 4, 172), WRAP[method])
+    return model, getattr(opt, "optim", opt), opt
 
 
 def step(model, opt, stepper, x, y, marks=lambda label: None):
