@@ -171,8 +171,7 @@ def accelerate_estimate(model_spec, argv):
 
 def _plan(argv):
     """One row's plan (a worker process: every row is traced at once, before any GPU measurement)."""
-    r = run(parse_args(argv))
-    return r
+    return run(parse_args(argv))
 
 
 def main():
