@@ -4,7 +4,7 @@
 #   bash bench/gpu_verify.sh benches             # launch, tracker, amp, checkpointing, sharding, planner
 #   bash bench/gpu_verify.sh plan                # mgpu-plan's accuracy rows (alone: device totals need an idle GPU)
 #   bash bench/gpu_verify.sh ranks               # planner vs N ranks on one GPU, notebook 12's knobs, tracker
-#   bash bench/gpu_verify.sh short               # plan (both allocators), 2 ranks on one GPU, the trace diagnostics
+#   bash bench/gpu_verify.sh short               # plan (default allocator; four rows expandable), 2 ranks, diagnostics
 #   bash bench/gpu_verify.sh shortest            # the same on the four deciding plan rows, one rank method
 # Output goes to $OUT (the device tool's result folder) or test-output/gpu. On the device machine, torch is
 # there but Jupyter's packages are not: carry a folder made with
@@ -51,8 +51,12 @@ ranks)
 short)
   run() { local b=$1; local start=$(date +%s); env -u OUT timeout "$2" python3 bench/$b ${3:-} >"$OUT/${b%.py}.txt" 2>&1
           echo "=== bench/$b ${3:-}: exit $?, $(( $(date +%s) - start )) s" >>"$OUT/${b%.py}.txt"; }
-  run plan_gpu.py 200
-  run planner_ranks_gpu.py 75 "--world 2 --model decoder --model conv --layout fp32 --layout bf16-autocast"
+  run plan_gpu.py 260 "--allocator default"
+  start=$(date +%s)
+  env -u OUT timeout 100 python3 bench/plan_gpu.py --allocator expandable --only "decoder fp32|hf llama (GQA, tied) fp32|conv net fp32\$|conv net bf16 autocast + ckpt" \
+    >"$OUT/plan_gpu_expandable.txt" 2>&1
+  echo "=== bench/plan_gpu.py expandable (four rows): exit $?, $(( $(date +%s) - start )) s" >>"$OUT/plan_gpu_expandable.txt"
+  run planner_ranks_gpu.py 90 "--world 2 --model decoder --model conv --layout fp32 --layout bf16-autocast"
   run planner_gpu_diag.py 40
   for f in "$OUT"/*.txt; do echo "##### $f"; tail -c 3500 "$f"; done
   ;;

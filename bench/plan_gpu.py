@@ -7,7 +7,8 @@
 Families: a Llama-shaped decoder (168M; bench/planner_gpu.py's), the same with its embedding frozen, a
 Hugging Face Llama config (GQA; tied embeddings) when transformers is installed, and a ResNet-style conv
 net with BatchNorm at batch 64 x 224^2; precisions fp32 / bf16 autocast / pure bf16, checkpointing, 4
-micro-batches. The plan is ``mgpu_helpers.tools.plan_cli.run`` -- the command's own code, one GPU, ZeRO-0.
+micro-batches. Four rows are models no calibration was fitted on: Hugging Face's GPT-2 (LayerNorm, GELU,
+dropout) and torchvision's ConvNeXt-Tiny (depthwise convolutions, LayerNorm), where installed. The plan is ``mgpu_helpers.tools.plan_cli.run`` -- the command's own code, one GPU, ZeRO-0.
 
 Each row is measured in a fresh child process (nothing of an earlier row left in the allocator): batch on
 the device, model built, one warm-up step (optimizer state, cuBLAS workspace), peak stats reset, one step
@@ -41,6 +42,10 @@ from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, trai
 LLAMA_HF = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
             "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
             "tie_word_embeddings": True, "torch_dtype": "float32"}
+# GPT-2 small as Hugging Face configures it: LayerNorm, GELU, learned positions, tied embeddings, dropout 0.1
+GPT2_HF = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
+           "n_head": 12}
+HF_CONFIGS = {"HF": LLAMA_HF, "HF:gpt2": GPT2_HF}
 
 
 # --- the models (module:function sources for mgpu-plan) --------------------------------------------
@@ -96,6 +101,13 @@ def resnet():
     return ResNet()
 
 
+def convnext():
+    """torchvision's ConvNeXt-Tiny (depthwise 7x7 convolutions, LayerNorm, GELU, stochastic depth): a conv
+    net none of the planner's calibrations saw. Its rows run where torchvision is installed."""
+    from torchvision.models import convnext_tiny
+    return convnext_tiny()
+
+
 TOKENS = ["--batch", "4", "--seq", "512"]
 IMAGES = ["--batch", "64", "--input-shape", "3,224,224"]
 ROWS = {  # name: (model, batch args, precision, checkpointing, micro-batches)
@@ -111,12 +123,18 @@ ROWS = {  # name: (model, batch args, precision, checkpointing, micro-batches)
     "conv net fp32, 4 micro": ("plan_gpu:resnet", IMAGES, "fp32", "off", 4),
     "decoder bf16 autocast, 4 micro": ("plan_gpu:decoder", TOKENS, "bf16-autocast", "off", 4),
     "decoder pure bf16": ("plan_gpu:decoder", TOKENS, "bf16", "off", 1),
+    # models the calibrations (CONTEXT, cuDNN's workspace, the conv reserve) were not fitted on
+    "hf gpt2 (dropout) fp32": ("HF:gpt2", TOKENS, "fp32", "off", 1),
+    "hf gpt2 (dropout) bf16 autocast": ("HF:gpt2", TOKENS, "bf16-autocast", "off", 1),
+    "convnext-tiny fp32": ("plan_gpu:convnext", ["--batch", "32", "--input-shape", "3,224,224"], "fp32", "off", 1),
+    "convnext-tiny bf16 autocast": ("plan_gpu:convnext", ["--batch", "32", "--input-shape", "3,224,224"],
+                                    "bf16-autocast", "off", 1),
 }
 
 
-def cli_args(name, hf_dir):
+def cli_args(name, hf_dirs):
     model, batch, prec, ck, k = ROWS[name]
-    return [hf_dir if model == "HF" else model, *batch, "--precision", prec, "--checkpointing", ck,
+    return [hf_dirs.get(model, model), *batch, "--precision", prec, "--checkpointing", ck,
             "--micro-batches", str(k), "--zero", "0", "--gpus", "1", "--gpu-memory", "1TB"]
 
 
@@ -189,20 +207,25 @@ def main():
     import tempfile
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing as mp
-    hf_dir = tempfile.mkdtemp()
-    Path(hf_dir, "config.json").write_text(json.dumps(LLAMA_HF))
-    try:
-        import transformers  # noqa: F401
-        have_hf = True
-    except ImportError:
-        have_hf = False
+    hf_dirs = {}
+    for key, cfg in HF_CONFIGS.items():
+        hf_dirs[key] = tempfile.mkdtemp()
+        Path(hf_dirs[key], "config.json").write_text(json.dumps(cfg))
+    have = {}
+    for module in ("transformers", "torchvision"):
+        try:
+            __import__(module)
+            have[module] = True
+        except ImportError:
+            have[module] = False
     allocs = ["expandable"] if args.expandable else ["default", "expandable"] if args.allocator == "both" \
         else [args.allocator]
     wanted = args.only.split("|")  # substrings, |-separated: a row is run if its name contains one
     names = [n for n in ROWS if any(n == w[:-1] if w.endswith("$") else w in n for w in wanted)  # "x$": exactly x
-             and (ROWS[n][0] != "HF" or have_hf)]
+             and (not ROWS[n][0].startswith("HF") or have["transformers"])
+             and (ROWS[n][0] != "plan_gpu:convnext" or have["torchvision"])]
     jobs = [(name, alloc) for name in names for alloc in allocs]  # a row under both allocators, then the next
-    argvs = {j: cli_args(j[0], hf_dir) + ["--allocator", j[1]] for j in jobs}
+    argvs = {j: cli_args(j[0], hf_dirs) + ["--allocator", j[1]] for j in jobs}
     # every plan first, in parallel worker processes (they hold CUDA contexts: all gone before measuring)
     with ProcessPoolExecutor(max_workers=min(8, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
         plans = dict(zip(jobs, pool.map(_plan, [argvs[j] for j in jobs])))

@@ -1,17 +1,20 @@
-"""Two questions the H200 raised about the planner's fake trace on CUDA, answered by listing ops (needs a GPU).
+"""Questions the H200 raised about the planner's fake trace, answered by listing ops (needs a GPU).
 
-    PYTHONPATH=. python3 bench/planner_gpu_diag.py
+    PYTHONPATH=. python3 bench/planner_gpu_diag.py [attention] [peak] [conv]
 
-1. ``mgpu-plan`` on a Hugging Face Llama config in fp32 planned 13.6% below ``max_memory_allocated``: which
-   attention kernels does the fake trace run, and which does the real step run? (A math-attention fallback
-   in the real step holds a (batch, heads, seq, seq) matrix per layer that a fused kernel does not.)
-2. Traced on ``device="cuda"`` the 1B decoder's optimizer step holds 4x the parameters in temporaries
-   ("other"), 1x traced on the CPU: which ops make them?
+1. attention: does ``planner_cuda.cuda_backend`` pick the kernel torch picks on this GPU
+   (``torch._fused_sdp_choice``) over dtypes x grouped heads x mask x causal x head sizes? Every mismatch
+   is printed.
+2. peak: the 168M decoder in bf16 autocast, traced on the CPU with ``kernels="cuda"`` and traced on this
+   GPU's fake tensors under torch's own dispatch (no ``planner_cuda`` emulation): bytes alive at the peak by the op that made them, side by side (where the two
+   traces differ, the CPU trace runs some op as the GPU does not).
+3. conv: the ResNet of bench/plan_gpu.py on this GPU, fp32 and bf16 autocast + checkpointing: the bytes
+   each op takes beyond what it leaves behind (its workspace: max allocated during the op minus allocated
+   after), against the planner's ``cudnn_workspace`` for convolutions, and where the reserve grows.
 """
 import collections
-import json
+import contextlib
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,88 +24,153 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from mgpu_helpers import planner_trace  # noqa: E402
-from mgpu_helpers.planner import SIZES, decoder, lm_loss, token_batch  # noqa: E402
+from mgpu_helpers.planner_cuda import cuda_backend  # noqa: E402
+from mgpu_helpers.planner_layouts import cudnn_workspace  # noqa: E402
 from mgpu_helpers.planner_trace import trace_step  # noqa: E402
 
+MiB = 2 ** 20
 
-class Ops(TorchDispatchMode):
-    def __init__(self, match=("attention", "softmax", "bmm", "sdp")):
+
+def attention():
+    from torch.nn.attention import SDPBackend
+    names = {int(SDPBackend.FLASH_ATTENTION): "flash", int(SDPBackend.CUDNN_ATTENTION): "flash",
+             int(SDPBackend.EFFICIENT_ATTENTION): "efficient", int(SDPBackend.MATH): "math"}
+    rows = bad = 0
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        for hk in (16, 4):
+            for mask in (False, True):
+                for causal in (False, True):
+                    for d in (64, 80, 128, 256, 320, 30):
+                        if mask and causal:
+                            continue
+                        q = torch.randn(2, 16, 128, d, dtype=dt, device="cuda", requires_grad=True)
+                        k, v = (torch.randn(2, hk, 128, d, dtype=dt, device="cuda", requires_grad=True)
+                                for _ in range(2))
+                        m = torch.ones(2, 1, 128, 128, dtype=torch.bool, device="cuda") if mask else None
+                        gqa = hk != 16
+                        real = names.get(int(torch._fused_sdp_choice(q, k, v, m, 0.0, causal, enable_gqa=gqa)), "?")
+                        ours = cuda_backend(q, k, v, m, 0.0, causal, gqa)
+                        rows += 1
+                        if real != ours:
+                            bad += 1
+                            print(f"1. mismatch: {dt} heads 16/{hk} mask {mask} causal {causal} head {d}: "
+                                  f"torch {real}, planner {ours}")
+    print(f"1. attention kernels: {rows - bad} of {rows} cases as torch chooses")
+
+
+def peak():
+    from mgpu_helpers.tools.plan_sources import make_batch, output_loss, resolve
+    src = resolve("plan_gpu:decoder")
+    batch = make_batch(src, 4, 512, None, None)
+    cls = planner_trace.FakeTracker
+    orig_dispatch, orig_add, orig_sample = cls.__torch_dispatch__, cls._add, cls._sample
+    state = {}
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        state["op"] = str(func)
+        return orig_dispatch(self, func, types, args, kwargs)
+
+    def add(self, st, cat):
+        orig_add(self, st, cat)
+        state["made"][st._cdata] = state.get("op", "?")
+
+    def sample(self):
+        before = self._peak
+        orig_sample(self)
+        if self._peak > before:
+            state["at_peak"] = collections.Counter()
+            for key, rec in self._recs.items():
+                state["at_peak"][(state["made"].get(key, "before the step"), rec.cat)] += rec.nbytes
+    cls.__torch_dispatch__, cls._add, cls._sample = dispatch, add, sample
+    out, emulation = {}, planner_trace.CudaKernels
+    try:
+        for dev in ("cpu", "cuda"):
+            state.clear()
+            state["made"] = {}
+            if dev == "cuda":  # torch's own CUDA dispatch, not the planner's emulation of it
+                planner_trace.CudaKernels = contextlib.nullcontext
+            tr = trace_step(src.model_fn, batch, loss_fn=output_loss, precision="bf16-autocast", device=dev,
+                            kernels="cuda", round_to=512)
+            out[dev] = (tr.shard(0, 1).peak_bytes, state.get("at_peak", collections.Counter()))
+    finally:
+        cls.__torch_dispatch__, cls._add, cls._sample = orig_dispatch, orig_add, orig_sample
+        planner_trace.CudaKernels = emulation
+    print(f"2. decoder bf16 autocast peak: traced on cpu {out['cpu'][0]:,} B, on cuda {out['cuda'][0]:,} B")
+    keys = sorted(set(out["cpu"][1]) | set(out["cuda"][1]), key=lambda k: -max(out["cpu"][1][k], out["cuda"][1][k]))
+    print(f"   {'made by':<58} {'category':<16} {'cpu MiB':>9} {'cuda MiB':>9}")
+    for k in keys:
+        a, b = out["cpu"][1][k], out["cuda"][1][k]
+        if a != b or a > 50 * MiB:
+            print(f"   {k[0][:58]:<58} {k[1]:<16} {a / MiB:>9.1f} {b / MiB:>9.1f}{'  <-' if a != b else ''}")
+
+
+class OpWorkspace(TorchDispatchMode):
+    """Each op's bytes beyond what it leaves (max allocated during it minus allocated after)."""
+
+    def __init__(self):
         super().__init__()
-        self.match, self.seen = match, collections.Counter()
+        self.rows = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if any(m in name for m in self.match):
-            self.seen[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def attention_ops():
-    try:
-        from mgpu_helpers.tools.plan_sources import make_batch, output_loss, resolve
-        from plan_gpu import LLAMA_HF
-    except ImportError as e:
-        return print("1. skipped:", e)
-    d = tempfile.mkdtemp()
-    Path(d, "config.json").write_text(json.dumps(LLAMA_HF))
-    try:
-        source = resolve(d)
-    except Exception as e:  # noqa: BLE001 - transformers missing: say so
-        return print("1. skipped:", type(e).__name__, e)
-    batch = make_batch(source, 4, 512, None, None)
-    ops = Ops()
-    orig = planner_trace.train_step
-
-    def logged(*a, **k):
-        with ops:
-            return orig(*a, **k)
-    planner_trace.train_step = logged
-    try:
-        trace_step(source.model_fn, batch, loss_fn=output_loss, precision="fp32", device="cuda", round_to=512)
-    finally:
-        planner_trace.train_step = orig
-    print("1. fake trace (cuda), fp32:", dict(ops.seen))
-    with torch.device("cuda"):
-        model = source.model_fn()
-    x, y = (torch.zeros(t.shape, dtype=t.dtype, device="cuda") for t in batch)
-    real = Ops()
-    torch.cuda.reset_peak_memory_stats()
-    with real:
-        output_loss(model(x), y).backward()
-    print("1. real step (cuda), fp32:", dict(real.seen), f"peak {torch.cuda.max_memory_allocated():,} B")
-    cfg = getattr(model, "config", None) or next((m.config for m in model.modules() if hasattr(m, "config")), None)
-    print("   attention implementation:", getattr(cfg, "_attn_implementation", "?"))
-
-
-def step_ops(devs=("cuda", "cpu")):
-    log = []
-    orig = planner_trace.FakeTracker.__torch_dispatch__
-
-    def logged(self, func, types, args=(), kwargs=None):
-        before = self._total
-        out = orig(self, func, types, args, kwargs)
-        if self._total != before and self._phase == "step":
-            log.append((str(func), self._total - before))
+        r0 = torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+        out = func(*args, **(kwargs or {}))
+        ws = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        grew = torch.cuda.memory_reserved() - r0
+        planned = cudnn_workspace(func, args) if func in planner_trace._CONVS else None
+        if ws > 0 or grew > 0 or planned is not None:
+            self.rows.append((str(func), ws, planned, grew, _shapes(args)))
         return out
-    planner_trace.FakeTracker.__torch_dispatch__ = logged
-    try:
-        for dev in devs:
-            log.clear()
-            tr = trace_step(decoder("1B"), token_batch(4, 1024, SIZES["1B"][0]), loss_fn=lm_loss,
-                            precision="bf16-autocast", device=dev, round_to=512)
-            p = tr.shard(0, 1)
-            c = collections.Counter()
-            for f, d in log:
-                c[f] += d
-            n = sum(s[0] * s[1] for s in tr.param_sizes)
-            print(f"2. 1B bf16-autocast traced on {dev}: peak {p.peak_bytes:,} in {p.peak_phase}, other at peak "
-                  f"{p.breakdown['other'] / n:.2f} x parameters; step ops, net bytes:",
-                  [(f, round(v / n, 2)) for f, v in c.most_common(6)])
-    finally:
-        planner_trace.FakeTracker.__torch_dispatch__ = orig
+
+
+def _shapes(args):
+    return " ".join("x".join(map(str, a.shape)) for a in args[:3] if isinstance(a, torch.Tensor))
+
+
+def conv():
+    from plan_gpu import resnet
+    from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, train_step
+    from mgpu_helpers.tools.plan_sources import output_loss
+    for prec, ck in (("fp32", False), ("bf16-autocast", True)):
+        torch.manual_seed(0)
+        model = resnet().cuda()
+        if ck:
+            apply_checkpointing(model)
+        opt = make_optimizer(model, "adam")
+        batch = (torch.zeros(64, 3, 224, 224, device="cuda"), torch.zeros(64, dtype=torch.long, device="cuda"))
+        train_step(model, opt, batch, output_loss, precision=prec)  # warm-up: Adam's state, cuDNN's plans
+        mode = OpWorkspace()
+        with mode:
+            train_step(model, opt, batch, output_loss, precision=prec)
+        print(f"3. conv net {prec}{' + ckpt' if ck else ''}: ops with a workspace, a planned one, or a reserve "
+              f"that grew (MiB)")
+        print(f"   {'op':<44} {'ws real':>8} {'planned':>8} {'grew':>7}  shapes")
+        agg = collections.defaultdict(lambda: [0, 0, 0, 0.0, 0.0])
+        for name, ws, planned, grew, shapes in mode.rows:
+            print(f"   {name[:44]:<44} {ws / MiB:>8.1f} {'-' if planned is None else f'{planned / MiB:8.1f}':>8} "
+                  f"{grew / MiB:>7.1f}  {shapes}")
+            a = agg[name]
+            a[0] += 1
+            a[1] = max(a[1], ws)
+            a[2] += grew
+            a[3] += ws
+            a[4] += planned or 0
+        for name, (n, mx, grew, tot, pl) in agg.items():
+            print(f"   total {name[:38]:<38} {n:>4} ops: ws max {mx / MiB:.1f}, sum {tot / MiB:.1f}, planned sum "
+                  f"{pl / MiB:.1f}; reserve grew {grew / MiB:.1f}")
+        del model, opt, batch
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    print("torch", torch.__version__)
-    attention_ops()
-    step_ops()
+    print("torch", torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+    if not torch.cuda.is_available():
+        sys.exit("planner_gpu_diag.py needs a CUDA GPU")
+    todo = sys.argv[1:] or ["attention", "peak", "conv"]
+    for name in todo:
+        try:
+            {"attention": attention, "peak": peak, "conv": conv}[name]()
+        except Exception as e:  # one question failing must not hide the others' answers
+            import traceback
+            traceback.print_exc()
+            print(f"{name}: failed: {type(e).__name__}: {e}")

@@ -225,13 +225,15 @@ def conv_scratch(func, args) -> int:
     return out_b + in_b * (2 if w.shape[1] % 8 else 1)  # in-channels off oneDNN's blocks: a padded input copy
 
 
-# cuDNN's workspace, taken and given back inside one convolution on a GPU, as a multiple of the
-# convolution's largest activation (input or output, in the dtype it runs in). Calibrated on the H200
-# (torch 2.11+cu130, bench/plan_gpu.py): a ResNet-50 layout at batch 64 x 224^2 with checkpointing, whose
-# peak falls inside a recomputed convolution, allocated ~100 MiB beyond its tensors and cuBLAS's
-# workspaces where the largest activation of those convolutions is 102.8 MB: 1.0 (without
-# checkpointing the peak falls between convolutions, and the workspace is not in it).
-CUDNN_WORKSPACE_FRACTION = 1.0
+# cuDNN's workspace, taken and given back inside one convolution on a GPU, from the convolution's largest
+# activation (input or output, in the dtype it runs in). Measured op by op on the H200 (torch 2.11+cu130,
+# cuDNN's default heuristics; bench/planner_gpu_diag.py conv): ResNet-50's 212 convolutions at batch
+# 64 x 224^2, forward and backward, fp32 and bf16 autocast + checkpointing. The workspace ranges from 0
+# (1x1 convolutions on large maps) to 1.54x the largest activation (a strided 1x1's backward: 302.0 MiB
+# for 196 MiB), and small convolutions add up to ~23 MiB (a 3x3's backward at 7x7: 29.5 MiB for 6.1 MiB).
+# The plan takes the envelope of all 212: at least what any of them took (an under-estimate is the
+# dangerous direction; the over-estimate is largest on the small ones, where it is a few MiB of a step).
+CUDNN_WORKSPACE_FRACTION, CUDNN_WORKSPACE_EXTRA = 1.55, 26 * 2**20
 
 
 def cudnn_workspace(func, args) -> int:
@@ -246,7 +248,7 @@ def cudnn_workspace(func, args) -> int:
         spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
                    zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
         biggest = max(biggest, x.shape[0] * w.shape[0] * math.prod(spatial) * x.element_size())
-    return int(CUDNN_WORKSPACE_FRACTION * biggest)
+    return int(CUDNN_WORKSPACE_FRACTION * biggest) + CUDNN_WORKSPACE_EXTRA
 
 
 # FSDP2 copies gradients into its reduce-scatter buffer with ``torch._chunk_cat(grads, out=buffer)``. When the

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from .planner_cuda import CudaKernels, recompute_contexts
 from .planner_layouts import (_CONVS, chunk_cat_scratch, conv_scratch,  # noqa: F401 (calibrated lines
                               cudnn_workspace, is_chunk_cat)               # live with the rules)
 from .runtime.tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
@@ -46,7 +47,7 @@ class Checkpointed(nn.Module):
         self.block = block
 
     def forward(self, *args, **kwargs):
-        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.block, *args, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
 
 
 def apply_checkpointing(model: nn.Module) -> nn.Module:
@@ -227,8 +228,9 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
     ``fsdp``: ``dict(world_size=, rank=, **planner_fsdp.apply_fsdp options)`` traces that rank's step of
     the model wrapped by FSDP2 in a fake process group instead (``planner_fsdp``): two steps, the second
     counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run).
-    ``kernels``: whose convolution scratch to count, "cpu" (oneDNN) or "cuda" (cuDNN's workspace); default
-    the device's -- ``mgpu-plan`` traces on a machine without a GPU and plans for one."""
+    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): a convolution's scratch
+    (oneDNN's or cuDNN's workspace) and, for "cuda", the attention kernel a GPU would choose
+    (``planner_cuda``) -- ``mgpu-plan`` traces on any machine and plans for a GPU."""
     if kernels not in (None, "cpu", "cuda"):
         raise ValueError(f"kernels must be None, 'cpu' or 'cuda', got {kernels!r}")
     source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
@@ -265,13 +267,16 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
         raise TypeError(f"{'model_fn' if not callable(model_fn) else 'loss_fn'} must be callable")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     round_to = round_to or (CUDA_BLOCK if device.type == "cuda" else 1)
+    kernels = kernels or device.type
     if fsdp is not None:  # the mesh is made outside the fake mode (it reads real rank tensors)
         from torch.distributed.device_mesh import init_device_mesh
 
         from .planner_fsdp import FSDPFakeTracker, apply_fsdp
         mesh = init_device_mesh(device.type, (fsdp["world_size"],))
         fsdp_options = {k: v for k, v in fsdp.items() if k not in ("world_size", "rank")}
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    # kernels="cuda": attention, RMSNorm, dropout, cross-entropy run as on a GPU, on any host (planner_cuda)
+    gpu_kernels = CudaKernels() if kernels == "cuda" else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=False), gpu_kernels:
         x, y = _fake_batch(batch, device)
         if len(x) % micro_batches:
             raise ValueError(f"micro_batches={micro_batches} does not divide the batch of {len(x)} samples")

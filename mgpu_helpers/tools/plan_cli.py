@@ -130,7 +130,7 @@ def _plans_of(a, s, prec, ck, k):
     try:
         trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
                            micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512,
-                           kernels="cuda")  # a GPU's plan: cuDNN's workspaces, wherever it is traced
+                           device="cpu", kernels="cuda")  # a GPU's plan, the same on any host (planner_cuda)
     except PlanInputError:
         raise
     except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for

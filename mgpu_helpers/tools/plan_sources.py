@@ -7,6 +7,7 @@ to fix; ``mgpu-plan`` prints it and exits 2.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -53,7 +54,28 @@ class CausalLM(nn.Module):
         self.model = model
 
     def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        with _one_sequence_per_row():
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+@contextlib.contextmanager
+def _one_sequence_per_row():
+    """Tell transformers' mask code what a real step of the planner's batch finds: no packed sequences.
+
+    It reads the position ids' values to find sequences packed into one row; a fake tensor has no values,
+    so it assumes packing and builds a (batch, 1, seq, seq) mask, which makes attention expand grouped
+    key/value heads and skip ``is_causal``. The real step of the same tokens finds one sequence per row and
+    passes no mask (measured on the H200: the fake trace ran a fused kernel, the real step the math one)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:  # an older transformers without packed-sequence detection
+        yield
+        return
+    masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
 
 
 def _hf_config(path: Path):

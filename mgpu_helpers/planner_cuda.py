@@ -1,0 +1,179 @@
+"""What a GPU runs differently from a CPU, chosen on any host (the planner's fake trace, ``kernels="cuda"``).
+
+Some of torch's functions pick their kernels by device, and what a kernel keeps for backward differs. A
+plan traced on a CPU would follow the CPU's choices, not a GPU's. Measured on the H200 (torch 2.11), four
+functions made the difference:
+
+- ``F.scaled_dot_product_attention``: a fused kernel (flash, cuDNN, memory-efficient) saves its output and
+  one log-sum-exp per row; the math fallback saves the (batch, heads, seq, seq) softmax of every layer. A
+  Hugging Face Llama with grouped-query heads in fp32 planned 11.5% *below* the allocator: no fused CUDA
+  kernel takes fp32 with grouped heads, so the GPU ran math while the trace ran a fused kernel.
+- ``F.rms_norm``: CUDA runs one fused kernel that saves the input and one rstd per row; the CPU composes
+  pow, mean, rsqrt and two products and saves the normalised input too. The 168M decoder planned 3.2%
+  (fp32) and 3.8% (bf16 autocast) *above* the allocator when traced on the CPU.
+- ``F.dropout``: CUDA's fused kernel saves a one-byte mask; the CPU saves a mask of the input's dtype.
+- ``F.cross_entropy`` under autocast: CPU autocast casts the logits to fp32 first; CUDA's takes the
+  log-softmax in bf16 and casts its result (measured: the bf16 decoder planned 3.0% above otherwise).
+
+Under ``kernels="cuda"`` the trace runs each as CUDA does (``CudaKernels``): attention goes to the kernel
+CUDA would choose (``cuda_backend``: torch's ``sdp_utils.cpp`` rules for sm80 and newer, torch 2.11-2.13)
+and runs that kernel's own op on the fake tensors, whose meta function gives the tensors it returns and
+saves; RMSNorm and dropout run as the fused kernels' ops; cross-entropy follows CUDA autocast's casts.
+``bench/planner_gpu_diag.py`` compares ``cuda_backend`` with torch's own choice on a real GPU, and a trace
+so made with one under torch's own CUDA dispatch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def cuda_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) -> str:
+    """The kernel torch picks on an sm80+ GPU for dense (batch, heads, seq, head_dim) inputs.
+
+    Priority flash (or cuDNN's, which keeps the same tensors), then memory-efficient, then math:
+    - flash: fp16/bf16, no explicit mask, q/k/v head sizes equal and at most 256, grouped heads allowed;
+    - memory-efficient: fp16/bf16/fp32, any mask, head sizes divisible by 8 (fp16/bf16) or 4 (fp32), but
+      no grouped heads (``check_batch_size_and_num_heads_dense<false>``);
+    - math: everything else.
+    On Hopper with cuDNN newer than 9.15, torch tries cuDNN's kernel first, which also takes a mask and
+    grouped heads in fp16/bf16 (the H200 of this course: 92 of 108 cases as above, the 16 others masked
+    half-precision calls that ran cuDNN's). The plan keeps the rules of every sm80+ GPU: the same tensors
+    for a mask without grouped heads (memory-efficient's), math's larger figure for a mask with them (an
+    over-estimate on Hopper, the safe direction)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested:
+        return MATH
+    if any(t.stride(-1) != 1 for t in (q, k, v)) or min(q.shape[-2], k.shape[-2]) == 0:
+        return MATH
+    hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
+    grouped = not (hq == hk == hv)
+    if grouped and not (enable_gqa and hk == hv and hq % hk == 0):
+        return MATH  # differing heads without enable_gqa: only math broadcasts them
+    dq, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    half = q.dtype in _HALF
+    causal_ok = not is_causal or q.shape[-2] == k.shape[-2] or q.shape[-2] == 1
+    if half and attn_mask is None and dq == dk == dv <= 256 and causal_ok:
+        return FLASH
+    align = 8 if half else 4
+    if not grouped and (half or q.dtype == torch.float32) and dq == dk and dq % align == 0 and dv % align == 0:
+        return EFFICIENT
+    return MATH
+
+
+def _pad_last(t, multiple):
+    extra = -t.shape[-1] % multiple
+    return F.pad(t, (0, extra)) if extra else t
+
+
+def gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` as a GPU runs it: autocast's cast, then the chosen kernel's op."""
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):  # autocast casts scaled_dot_product_attention's inputs (on CPU and CUDA)
+        dt = torch.get_autocast_dtype(dev)
+        query, key, value = (t.to(dt) if t.is_floating_point() else t for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(dt)
+    with torch.autocast(dev, enabled=False):  # the kernel's own ops are not autocast again
+        choice = cuda_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        if choice == FLASH:  # flash pads the head size to a multiple of 8 and slices the output back
+            d = query.shape[-1]
+            q, k, v = (_pad_last(t, 8) for t in (query, key, value))
+            sc = scale if scale is not None else d ** -0.5
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
+                                                                     scale=sc)[0]
+            return out[..., :d] if out.shape[-1] != d else out
+        if choice == EFFICIENT:
+            bias = attn_mask
+            if bias is not None:
+                if bias.dtype == torch.bool:  # a boolean mask becomes an additive one of the inputs' dtype
+                    bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill_(
+                        bias.logical_not(), float("-inf"))
+                if bias.shape[-1] % 8:  # the kernel reads the bias in aligned rows (preprocess_mask)
+                    bias = _pad_last(bias, 8)[..., :key.shape[-2]]
+                bias = bias.expand(query.shape[0], query.shape[1], query.shape[-2], key.shape[-2])
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """CUDA's ``_fused_rms_norm`` as the allocator sees it: the output and one fp32 rstd per row; saved
+    for backward: the input, the weight and rstd (its values do not matter in a fake trace)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dims):
+        rstd = x.new_empty(x.shape[:x.dim() - dims] + (1,) * dims, dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), (torch.empty_like(weight) if ctx.needs_input_grad[1] else None), None
+
+
+def gpu_rms_norm(input, normalized_shape, weight=None, eps=None):
+    """``F.rms_norm`` as a GPU runs it: autocast runs it in fp32, then one fused kernel."""
+    dev = input.device.type
+    if torch.is_autocast_enabled(dev):  # rms_norm is on autocast's fp32 list
+        input = input.float()
+        weight = weight.float() if weight is not None and weight.is_floating_point() else weight
+    with torch.autocast(dev, enabled=False):
+        dims = len(normalized_shape) if not isinstance(normalized_shape, int) else 1
+        if weight is None:
+            weight = input.new_empty(())  # no weight: nothing to keep (a 0-d stand-in)
+        return _FusedRMSNorm.apply(input, weight, dims)
+
+
+def gpu_dropout(input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as a GPU runs it: the fused kernel, which keeps a boolean mask."""
+    if not training or p == 0 or p == 1 or input.numel() == 0:  # CUDA's unfused cases: as everywhere
+        return F.dropout(input, p, training, inplace)  # (this mode is off inside its own handler)
+    return torch.ops.aten.native_dropout(input, p, True)[0]
+
+
+def gpu_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                      reduction="mean", label_smoothing=0.0):
+    """``F.cross_entropy`` under CUDA's autocast: not on CUDA's lists, so it decomposes; its log-softmax is
+    asked for in the logits' own dtype (kept: bf16 log-probabilities) and ``nll_loss``, on the fp32 list,
+    casts them to fp32. CPU autocast lists ``cross_entropy_loss`` itself and casts the logits first."""
+    dev = input.device.type
+    if (not torch.is_autocast_enabled(dev) or label_smoothing or size_average is not None or reduce is not None
+            or target.is_floating_point() or not input.is_floating_point()):
+        return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+    with torch.autocast(dev, enabled=False):
+        logp = torch.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=input.dtype)
+        weight = weight.float() if weight is not None else None
+        return F.nll_loss(logp.float(), target, weight, ignore_index=ignore_index, reduction=reduction)
+
+
+class CudaKernels(TorchFunctionMode):
+    """Within it, attention, RMSNorm, dropout and cross-entropy run as on a GPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return gpu_sdpa(*args, **kwargs)
+        if func is F.rms_norm or func is torch.rms_norm:
+            return gpu_rms_norm(*args, **kwargs)
+        if func is F.dropout or func is torch.dropout:
+            return gpu_dropout(*args, **kwargs)
+        if func is F.cross_entropy:
+            return gpu_cross_entropy(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def recompute_contexts():
+    """``context_fn`` for ``torch.utils.checkpoint``: the recomputation in backward runs under ``CudaKernels``
+    again when the forward did. The autograd engine does not carry function modes into backward, and a
+    recomputation under other kernels saves other tensors (checkpoint refuses them)."""
+    active = any(isinstance(m, CudaKernels) for m in _get_current_function_mode_stack())
+    return contextlib.nullcontext(), (CudaKernels() if active else contextlib.nullcontext())

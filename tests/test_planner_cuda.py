@@ -1,0 +1,184 @@
+"""planner_cuda: the fake trace runs attention, RMSNorm, dropout and cross-entropy as a GPU does, on a CPU."""
+import collections
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mgpu_helpers import planner_cuda as pc
+from mgpu_helpers.planner import SIZES, decoder, lm_loss, token_batch
+from mgpu_helpers.planner_cuda import EFFICIENT, FLASH, MATH, CudaKernels, cuda_backend
+from mgpu_helpers.planner_trace import trace_step
+
+
+class Ops(TorchDispatchMode):
+    """Every aten op run, with its outputs' dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = collections.Counter()
+        self.dtypes = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.seen[str(func)] += 1
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(first, torch.Tensor):
+            self.dtypes[str(func)] = first.dtype
+        return out
+
+
+def qkv(dtype, kv_heads=16, head=64, seq=32):
+    q = torch.empty(2, 16, seq, head, dtype=dtype)
+    k, v = (torch.empty(2, kv_heads, seq, head, dtype=dtype) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype, kv_heads, mask, head, want", [
+    (torch.float32, 16, False, 64, EFFICIENT),   # fp32: no flash; memory-efficient takes it
+    (torch.float32, 4, False, 64, MATH),         # fp32 with grouped heads: no fused kernel (the H200's HF row)
+    (torch.bfloat16, 4, False, 64, FLASH),       # flash takes grouped heads
+    (torch.bfloat16, 16, True, 64, EFFICIENT),   # a mask: not flash (sm80 rules), memory-efficient
+    (torch.bfloat16, 4, True, 64, MATH),         # a mask and grouped heads: math's larger figure (safe)
+    (torch.bfloat16, 16, False, 320, EFFICIENT),  # flash stops at head size 256
+    (torch.float32, 16, False, 30, MATH),        # not a multiple of 4: no memory-efficient kernel
+])
+def test_cuda_backend_follows_torchs_sm80_rules(dtype, kv_heads, mask, head, want):
+    q, k, v = qkv(dtype, kv_heads, head)
+    m = torch.ones(2, 1, 32, 32, dtype=torch.bool) if mask else None
+    assert cuda_backend(q, k, v, m, 0.0, not mask, kv_heads != 16) == want
+
+
+def test_grouped_heads_without_enable_gqa_are_math_only():
+    q, k, v = qkv(torch.bfloat16, kv_heads=4)
+    assert cuda_backend(q, k, v, None, 0.0, True, enable_gqa=False) == MATH
+
+
+@pytest.mark.parametrize("dtype, kv_heads, want_op", [
+    (torch.float32, 16, "aten._scaled_dot_product_efficient_attention.default"),
+    (torch.bfloat16, 4, "aten._scaled_dot_product_flash_attention.default"),
+    (torch.float32, 4, "aten._safe_softmax.default"),
+])
+def test_fake_attention_runs_the_chosen_kernels_ops_forward_and_backward(dtype, kv_heads, want_op):
+    with FakeTensorMode():
+        q, k, v = (t.requires_grad_() for t in qkv(dtype, kv_heads))
+        ops = Ops()
+        with ops, CudaKernels():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != 16)
+            out.sum().backward()
+        assert out.shape == q.shape and out.dtype == dtype and k.grad.shape == k.shape
+    assert ops.seen[want_op] == 1
+    assert not any("for_cpu" in name for name in ops.seen)  # never the CPU's flash kernel
+
+
+def test_math_route_computes_what_torch_computes():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 16, 32), torch.randn(2, 2, 16, 32), torch.randn(2, 2, 16, 32)
+    with CudaKernels():
+        ours = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
+def test_autocast_casts_attention_inputs_as_cuda_autocast_does():
+    with FakeTensorMode():
+        q, k, v = qkv(torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16), CudaKernels():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.bfloat16
+
+
+def saved_bytes(fn, *args):
+    """Bytes autograd keeps for backward of ``fn(*args)``: each storage once."""
+    kept = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        kept[st._cdata] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return sum(kept.values()), out
+
+
+def test_rms_norm_keeps_what_cudas_fused_kernel_keeps():
+    """CUDA's fused RMSNorm keeps the input, the weight and one fp32 rstd per row; the CPU's composite also
+    keeps the normalised input."""
+    rows, width = 64, 256
+    with FakeTensorMode():
+        x = torch.empty(rows, width, requires_grad=True)
+        w = torch.empty(width, requires_grad=True)
+        cpu, _ = saved_bytes(F.rms_norm, x, (width,), w, 1e-6)
+        with CudaKernels():
+            gpu, y = saved_bytes(F.rms_norm, x, (width,), w, 1e-6)
+        assert gpu == rows * width * 4 + width * 4 + rows * 4
+        assert cpu - gpu == rows * width * 4
+        y.sum().backward()
+        assert y.shape == x.shape and x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+def test_dropout_keeps_a_boolean_mask():
+    with FakeTensorMode():
+        x = torch.empty(8, 8, requires_grad=True)
+        ops = Ops()
+        with ops, CudaKernels():
+            F.dropout(x, 0.1, training=True).sum().backward()
+            F.dropout(x, 0.1, training=False)  # eval: nothing dropped, nothing kept
+    assert ops.seen["aten.native_dropout.default"] == 1
+
+
+def test_cross_entropy_under_autocast_takes_the_log_softmax_in_bf16_as_cuda_does():
+    torch.manual_seed(0)
+    logits, target = torch.randn(16, 50, dtype=torch.bfloat16), torch.randint(0, 50, (16,))
+    ops = Ops()
+    with torch.autocast("cpu", dtype=torch.bfloat16), ops, CudaKernels():
+        loss = F.cross_entropy(logits, target)
+    assert ops.dtypes["aten._log_softmax.default"] == torch.bfloat16 and loss.dtype == torch.float32
+    want = F.nll_loss(torch.log_softmax(logits, 1).float(), target)  # bf16 log-probabilities, an fp32 loss
+    torch.testing.assert_close(loss, want, rtol=0, atol=1e-6)
+
+
+def test_checkpointed_blocks_recompute_under_the_same_kernels():
+    """The autograd engine does not carry function modes into backward: recompute_contexts re-enters
+    CudaKernels, or checkpoint refuses the recomputation's tensors."""
+    for precision in ("fp32", "bf16-autocast"):
+        tr = trace_step(decoder("tiny"), token_batch(4, 32, SIZES["tiny"][0]), loss_fn=lm_loss, precision=precision,
+                        checkpointing=True, device="cpu", kernels="cuda")
+        assert tr.shard(0, 1).peak_bytes > 0
+
+
+def test_hugging_face_attention_gets_the_arguments_of_a_real_step(tmp_path, monkeypatch):
+    """transformers cannot read a fake tensor's position ids; without plan_sources' fix it builds a mask
+    and expands grouped heads, which a real step of the same tokens does not."""
+    pytest.importorskip("transformers")
+    from mgpu_helpers.tools.plan_sources import make_batch, output_loss, resolve
+    cfg = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    source = resolve(str(tmp_path))
+    batch = make_batch(source, 2, 16, None, None)
+    calls, original = [], F.scaled_dot_product_attention
+
+    def logged(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append((attn_mask is None, bool(is_causal), enable_gqa, k.shape[1]))
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", logged)
+    trace_step(source.model_fn, batch, loss_fn=output_loss, device="cpu", kernels="cpu")
+    fake = list(calls)
+    calls.clear()
+    model = source.model_fn()
+    x, y = (torch.zeros(t.shape, dtype=t.dtype) for t in batch)
+    output_loss(model(x), y).backward()
+    assert fake and fake == calls and calls[0] == (True, True, True, 2)  # no mask, causal, grouped heads
+
+
+def test_a_plan_traced_with_cuda_kernels_differs_from_the_cpus_where_they_differ():
+    batch = token_batch(4, 64, SIZES["tiny"][0])
+    gpu = trace_step(decoder("tiny"), batch, loss_fn=lm_loss, device="cpu", kernels="cuda").shard(0, 1)
+    cpu = trace_step(decoder("tiny"), batch, loss_fn=lm_loss, device="cpu", kernels="cpu").shard(0, 1)
+    assert gpu.peak_bytes < cpu.peak_bytes  # fused RMSNorm keeps less
+    assert pc.recompute_contexts()[1].__class__.__name__ == "nullcontext"  # outside the mode: nothing re-entered
