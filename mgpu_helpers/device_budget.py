@@ -63,13 +63,13 @@ EXPANDABLE_PAGE = 2 * MiB
 # The replay (planner_allocator) against the H200's measured reserve (max reserved - max allocated; torch 2.11,
 # bench/plan_gpu.py, plans traced on a CPU): transformer rows within 0.7 points of the allocated peak
 # (default allocator; expandable: 1.0), so a margin of that size keeps "fits" on the safe side, its own line.
-# Conv nets under the default allocator reserve more than the replay finds (18.3 / 14.8 / 9.1% of the
-# allocated peak where 8.0 / 4.8 / 2.5% were replayed, ResNet-50 fp32 / bf16 / batch 16): the segments
-# are made in the first step, where cuDNN's workspaces are not those of the steady step (no segment grew in
-# the second, measured op by op). Measured, that reserve is 3.4-5.3x the largest convolution activation:
-# the plan takes at least the upper end.
+# Conv nets under the default allocator reserve more than the replay finds (ResNet-50 fp32 / bf16 / batch
+# 16: 18.3 / 14.8 / 9.1% of the allocated peak where 8.0 / 4.8 / 2.5% were replayed; ConvNeXt-Tiny fp32:
+# 17.1 where 7.8): the segments are made in the first step, whose cuDNN workspaces are not the steady
+# step's (no segment grew in the second, measured op by op). Measured, that reserve is 0.12-0.20x the
+# bytes of activations (and other temporaries) at the peak: the plan takes at least the upper end.
 REPLAY_MARGIN = {"default": 0.01, "expandable": 0.015}
-CONV_RESERVE_PER_ACTIVATION = 5.3
+CONV_RESERVE_OF_ACTIVATIONS = 0.20
 
 SOURCES = {
     "allocated by tensors": "the planner's fake-tensor trace of one steady-state step (planner.plan)",
@@ -82,9 +82,9 @@ SOURCES = {
                                     "allocated peak",
     "reserve margin": "the replay was up to 0.7 (default) / 1.0 (expandable) points of the allocated peak below "
                       "the H200's reserve (bench/plan_gpu.py transformer rows): 1 / 1.5 points more",
-    "allocator reserve (conv nets)": "the default allocator's reserve of a conv net: 5.3 x its largest convolution "
-                                     "activation, where the replay finds less (H200, ResNet-50: 3.4-5.3x; the "
-                                     "first step's cuDNN workspaces make the segments)",
+    "allocator reserve (conv nets)": "the default allocator's reserve of a conv net: 0.20 x its activations at the "
+                                     "peak, where the replay finds less (H200, ResNet-50 and ConvNeXt: 0.12-0.20x; "
+                                     "the first step's cuDNN workspaces make the segments)",
     "cuDNN conv workspace": f"{CONV_WORKSPACE_FRACTION:.2f} x the largest convolution activation "
                             "(FACTS.md: H200, batch 64x224^2, ~112 MB fp32 / ~62 MB bf16)",
     "cuDNN conv workspace (traced)": "the trace takes and frees it inside each convolution: 1.55 x its largest "
@@ -161,7 +161,7 @@ def replayed(trace, batch_sizes=(), *, arch: str = "hopper", allocator: str = "d
 
 def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch: str = "hopper",
            conv_activation_bytes: int = 0, allocator: str = "default", replay: dict | None = None,
-           conv_workspace_bytes: int | None = None) -> DeviceBudget:
+           conv_workspace_bytes: int | None = None, activation_bytes: int = 0) -> DeviceBudget:
     """The device total of one rank whose tensors peak at ``tensor_peak`` bytes (a planner figure).
 
     ``conv_activation_bytes``: the largest activation (input or output) of any convolution in its compute
@@ -169,7 +169,8 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
     ``allocator``: "default" or "expandable" (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
     ``replay``: :func:`replayed`'s fractions for the traced step (else the calibrated reserve fraction).
     ``conv_workspace_bytes``: cuDNN's workspace at the peak, when the trace modelled it (it is then part of
-    ``tensor_peak`` and moves to its own line); else a fraction of ``conv_activation_bytes``."""
+    ``tensor_peak`` and moves to its own line); else a fraction of ``conv_activation_bytes``.
+    ``activation_bytes``: activations and other temporaries at the peak (a conv net's reserve floor)."""
     if allocator not in ("default", "expandable"):
         raise ValueError(f"allocator must be 'default' or 'expandable', got {allocator!r}")
     ws = int(conv_workspace_bytes or 0)
@@ -190,8 +191,9 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
     kind = "conv" if conv_activation_bytes else "transformer"
     if replay is not None:
         reserve, source = int(replay["reserve"] * allocated), SOURCES["allocator reserve (replayed)"]
-        if allocator == "default" and CONV_RESERVE_PER_ACTIVATION * conv_activation_bytes > reserve:
-            reserve, source = int(CONV_RESERVE_PER_ACTIVATION * conv_activation_bytes), \
+        if allocator == "default" and conv_activation_bytes and \
+                CONV_RESERVE_OF_ACTIVATIONS * activation_bytes > reserve:
+            reserve, source = int(CONV_RESERVE_OF_ACTIVATIONS * activation_bytes), \
                 SOURCES["allocator reserve (conv nets)"]
         lines.append(("allocator reserve", reserve, source))
         lines.append(("reserve margin", int(REPLAY_MARGIN[allocator] * allocated), SOURCES["reserve margin"]))

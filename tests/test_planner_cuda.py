@@ -182,3 +182,19 @@ def test_a_plan_traced_with_cuda_kernels_differs_from_the_cpus_where_they_differ
     cpu = trace_step(decoder("tiny"), batch, loss_fn=lm_loss, device="cpu", kernels="cpu").shard(0, 1)
     assert gpu.peak_bytes < cpu.peak_bytes  # fused RMSNorm keeps less
     assert pc.recompute_contexts()[1].__class__.__name__ == "nullcontext"  # outside the mode: nothing re-entered
+
+
+def test_autocast_casts_as_cudas_lists_do():
+    """CUDA autocast runs pow, layer_norm, softmax, sum ... in fp32; CPU autocast leaves them in bf16."""
+    with FakeTensorMode():
+        x = torch.empty(4, 8, dtype=torch.bfloat16)
+        w = torch.empty(8, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cpu = [torch.pow(x, 3), F.layer_norm(x, (8,)), F.softmax(x, -1), x.sum(), x ** 3]
+            with CudaKernels():
+                gpu = [torch.pow(x, 3), F.layer_norm(x, (8,)), F.softmax(x, -1), x.sum(), x ** 3]
+                linear = F.linear(x.float(), w)  # on both lists alike: bf16
+                kept = torch.tanh(x)             # on neither: the input's dtype
+    assert [t.dtype for t in cpu] == [torch.bfloat16] * 5
+    assert [t.dtype for t in gpu] == [torch.float32] * 5
+    assert linear.dtype == torch.bfloat16 and kept.dtype == torch.bfloat16

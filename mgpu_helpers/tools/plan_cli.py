@@ -148,7 +148,8 @@ def _plans_of(a, s, prec, ck, k):
             p = trace.shard(st, n)
             b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"],
                           conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
-                          conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes))
+                          conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes),
+                          activation_bytes=p.breakdown.get("activations", 0) + p.breakdown.get("other", 0))
             cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
             plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,
                               tensor_peak=b.lines[0][1], peak_phase=p.peak_phase,
