@@ -39,7 +39,7 @@ benches)
 plan)
   run() { local b=$1; local start=$(date +%s); env -u OUT timeout "${2:-300}" python3 bench/$b ${3:-} >"$OUT/${b%.py}${4:-}.txt" 2>&1
           echo "=== bench/$b ${3:-}: exit $?, $(( $(date +%s) - start )) s" >>"$OUT/${b%.py}${4:-}.txt"; }
-  run plan_gpu.py 330; run plan_gpu.py 200 --expandable _expandable
+  run plan_gpu.py 300 "--allocator default"; run plan_gpu.py 300 --expandable _expandable
   for f in "$OUT"/*.txt; do echo "##### $f"; tail -c 3500 "$f"; done
   ;;
 ranks)

@@ -195,25 +195,35 @@ def cuda_autocast_policy(func, args, kwargs):
     return None
 
 
+def _autocast_listed(func) -> bool:
+    name = getattr(func, "__name__", "")
+    name = _ALIASES.get(name, name)
+    return name in CUDA_AUTOCAST_FP32 or name in CUDA_AUTOCAST_FP32_DTYPE
+
+
 class CudaKernels(TorchFunctionMode):
     """Within it, attention, RMSNorm, dropout and cross-entropy run as on a GPU, and autocast casts as
-    CUDA's does."""
+    CUDA's does. Every torch call of the traced step comes through here: a dict lookup decides (a 70B
+    plan makes millions of calls)."""
+
+    _ROUTES = {F.scaled_dot_product_attention: gpu_sdpa, F.rms_norm: gpu_rms_norm, torch.rms_norm: gpu_rms_norm,
+               F.dropout: gpu_dropout, torch.dropout: gpu_dropout, F.cross_entropy: gpu_cross_entropy}
+    _listed = {}  # func -> on one of CUDA autocast's lists that the CPU's lack (filled as calls come)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return gpu_sdpa(*args, **kwargs)
-        if func is F.rms_norm or func is torch.rms_norm:
-            return gpu_rms_norm(*args, **kwargs)
-        if func is F.dropout or func is torch.dropout:
-            return gpu_dropout(*args, **kwargs)
-        if func is F.cross_entropy:
-            return gpu_cross_entropy(*args, **kwargs)
-        cast = cuda_autocast_policy(func, args, kwargs)
-        if cast is not None:  # cast as CUDA autocast does, then run without CPU autocast's own casts
-            first = args[0] if args else next(iter(kwargs.values()))
-            with torch.autocast(first.device.type, enabled=False):
-                return func(*cast[0], **cast[1])
+        route = self._ROUTES.get(func)
+        if route is not None:
+            return route(*args, **kwargs)
+        listed = self._listed.get(func)
+        if listed is None:
+            listed = self._listed[func] = _autocast_listed(func)
+        if listed:
+            cast = cuda_autocast_policy(func, args, kwargs)
+            if cast is not None:  # cast as CUDA autocast does, then run without CPU autocast's own casts
+                first = args[0] if args else next(iter(kwargs.values()))
+                with torch.autocast(first.device.type, enabled=False):
+                    return func(*cast[0], **cast[1])
         return func(*args, **kwargs)
 
 
