@@ -126,7 +126,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 def gpu_rms_norm(input, normalized_shape, weight=None, eps=None):
     """``F.rms_norm`` as a GPU runs it: autocast runs it in fp32, then one fused kernel."""
     dev = input.device.type
-    if torch.is_autocast_enabled(dev):  # rms_norm is on autocast's fp32 list
+    if torch.is_autocast_enabled(dev):  # in fp32, as layer_norm (newer autocast lists name rms_norm too)
         input = input.float()
         weight = weight.float() if weight is not None and weight.is_floating_point() else weight
     with torch.autocast(dev, enabled=False):
@@ -180,25 +180,26 @@ def _cast(x, dtype):
     return x
 
 
-def cuda_autocast_policy(func, args, kwargs):
-    """(args, kwargs) as CUDA autocast would pass them on, or None where CPU autocast does the same."""
-    name = _ALIASES.get(getattr(func, "__name__", ""), getattr(func, "__name__", ""))
+def _listed_name(func) -> str:
+    """The op's name if it is on one of CUDA autocast's lists that the CPU's lack, else ""."""
+    name = getattr(func, "__name__", "")
+    name = _ALIASES.get(name, name)
+    return name if name in CUDA_AUTOCAST_FP32 or name in CUDA_AUTOCAST_FP32_DTYPE else ""
+
+
+def cuda_autocast_policy(name, args, kwargs):
+    """(args, kwargs, device type) as CUDA autocast would pass op ``name`` its arguments, or None where
+    autocast is off (or CPU autocast would do the same)."""
     first = args[0] if args else next(iter(kwargs.values()), None)
     if not isinstance(first, torch.Tensor) or first.device.type not in ("cpu", "cuda") \
             or not torch.is_autocast_enabled(first.device.type):
         return None
     if name in CUDA_AUTOCAST_FP32:
-        return _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
-    if name in CUDA_AUTOCAST_FP32_DTYPE and first.is_floating_point() and kwargs.get("dtype") is None \
-            and not any(isinstance(a, torch.dtype) for a in args):
-        return args, {**kwargs, "dtype": torch.float32}
+        return _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}, \
+            first.device.type
+    if first.is_floating_point() and kwargs.get("dtype") is None and not any(isinstance(a, torch.dtype) for a in args):
+        return args, {**kwargs, "dtype": torch.float32}, first.device.type
     return None
-
-
-def _autocast_listed(func) -> bool:
-    name = getattr(func, "__name__", "")
-    name = _ALIASES.get(name, name)
-    return name in CUDA_AUTOCAST_FP32 or name in CUDA_AUTOCAST_FP32_DTYPE
 
 
 class CudaKernels(TorchFunctionMode):
@@ -208,22 +209,21 @@ class CudaKernels(TorchFunctionMode):
 
     _ROUTES = {F.scaled_dot_product_attention: gpu_sdpa, F.rms_norm: gpu_rms_norm, torch.rms_norm: gpu_rms_norm,
                F.dropout: gpu_dropout, torch.dropout: gpu_dropout, F.cross_entropy: gpu_cross_entropy}
-    _listed = {}  # func -> on one of CUDA autocast's lists that the CPU's lack (filled as calls come)
+    _listed = {}  # func -> _listed_name(func) (filled as calls come)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         route = self._ROUTES.get(func)
         if route is not None:
             return route(*args, **kwargs)
-        listed = self._listed.get(func)
-        if listed is None:
-            listed = self._listed[func] = _autocast_listed(func)
-        if listed:
-            cast = cuda_autocast_policy(func, args, kwargs)
-            if cast is not None:  # cast as CUDA autocast does, then run without CPU autocast's own casts
-                first = args[0] if args else next(iter(kwargs.values()))
-                with torch.autocast(first.device.type, enabled=False):
-                    return func(*cast[0], **cast[1])
+        name = self._listed.get(func)
+        if name is None:
+            name = self._listed[func] = _listed_name(func)
+        cast = cuda_autocast_policy(name, args, kwargs) if name else None
+        if cast is not None:  # cast as CUDA autocast does, then run without CPU autocast's own casts
+            args, kwargs, device = cast
+            with torch.autocast(device, enabled=False):
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
