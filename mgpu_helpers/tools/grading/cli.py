@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.submissions.is_dir():
         print(f"mgpu-grade: {a.submissions} is not a directory", file=sys.stderr)
         return 2
-    course = [nb for nb in load_course(a.solutions) if nb.exercises]  # nothing to grade in the others
+    whole = load_course(a.solutions)
+    course = [nb for nb in whole if nb.exercises]  # nothing to grade in the others
+    ungraded = {nb.name for nb in whole} - {nb.name for nb in course}
     if not course:
         print(f"mgpu-grade: no solution notebooks (NN_name.ipynb) with exercises in {a.solutions}", file=sys.stderr)
         return 2
@@ -119,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     students = sorted(d.name for d in a.submissions.iterdir() if d.is_dir() and not d.name.startswith("."))
     for s in students:
         extra = sorted({p.name for p in (a.submissions / s).glob("*.ipynb")} - {nb.name for nb in course})
-        if extra:
-            print(f"mgpu-grade: {s}: ignored {', '.join(extra)} (not a notebook of this course)")
+        foreign = [n for n in extra if n not in ungraded]
+        if foreign:
+            print(f"mgpu-grade: {s}: ignored {', '.join(foreign)} (not a notebook of this course)")
     judges: queue.Queue = queue.Queue()
     jobs = max(1, a.jobs)
     modules = sorted({m for m in ctx.modules.values() if m})

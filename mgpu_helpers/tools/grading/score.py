@@ -119,16 +119,23 @@ def _catastrophe(kind: str, ex: str, ctx: Context, run: RunResult) -> tuple[str,
     }[kind]
 
 
+def _first_line(text: str, limit: int = 240) -> str:
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def _cell_problem(r: dict | None) -> str:
+    """Why a check cell did not pass, as one sentence (never a traceback: feedback is read by a student)."""
     if r is None:
-        return "it did not run"
+        return "the cell did not run"
     if r["outcome"] in ("skipped", "xfailed", "xpassed"):
-        return f"it was {r['outcome']}, and only a pass counts"
+        return f"the cell was {r['outcome']}, and only a pass counts"
     if r["status"] not in (None, "ok") or r["ename"]:
-        return f"it raised {r['ename'] or 'an error'}: {r['evalue'] or ''}".rstrip(": ")
+        what = _first_line(r["evalue"] or "")
+        return f"the cell raised {r['ename'] or 'an error'}" + (f" ({what})" if what else "")
     if r["failure"] and "outputs differ" in r["failure"]:
-        return "its output differs from the reference (does your function print?)"
-    return (r["failure"] or "it failed").splitlines()[0]
+        return "the cell's output differs from the reference (does your function print?)"
+    return _first_line(r["failure"] or "the cell failed")
 
 
 def _status(ok: bool, msg: str) -> str:
@@ -151,8 +158,9 @@ def _normal(ex, spec, run, layout, verdict) -> tuple[str, str]:
         return "memory-limit", f"{msg} (the memory limit was hit)"
     if not ok:
         return ("error" if verdict.get("error") else _status(ok, msg)), msg
-    return "failed", (f"Exercise {ex}: the results of `{spec.function}` are right, but its check cell did not "
-                      f"pass in the notebook: {_cell_problem(rec)}")
+    # The two disagree: the outside judge accepts the harvested results, the kernel's check cell did not pass.
+    return "failed", (f"Exercise {ex}: the judge accepts what `{spec.function}` returned, but the check cell in "
+                      f"the notebook did not pass: {_cell_problem(rec)}.")
 
 
 def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, sub: Submission,
