@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from .planner_cuda import CudaKernels, recompute_contexts
-from .planner_layouts import (_CONVS, chunk_cat_scratch, conv_scratch,  # noqa: F401 (calibrated lines
-                              cudnn_workspace, is_chunk_cat)               # live with the rules)
+from .planner_kernels import cpu_kernel_scratch, probed
+from .planner_layouts import _CONVS, conv_scratch, cudnn_workspace  # noqa: F401 (the calibrated lines)
 from .runtime.tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
 
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (planner_layouts: all layouts)
@@ -147,10 +147,10 @@ class FakeTracker(MemoryTracker):
             if devs == {"cpu"}:
                 return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        chunk_cat = self._active and self.kernels == "cpu" and is_chunk_cat(func)
-        if self._active and (func in _CONVS or chunk_cat):
-            extra = chunk_cat_scratch(func, args, kwargs) if chunk_cat else \
-                (conv_scratch if self.kernels == "cpu" else cudnn_workspace)(func, args)
+        cpu = self.kernels == "cpu"
+        if self._active and (probed(func) if cpu else func in _CONVS):
+            # measured on this CPU (planner_kernels), or cuDNN's calibrated workspace on a GPU
+            extra = cpu_kernel_scratch(func, args, kwargs) if cpu else cudnn_workspace(func, args)
             extra = -(-extra // self.round_to) * self.round_to
             if extra:  # taken and given back inside the op: a transient sample, labelled "other"
                 rec = _Scratch()

@@ -153,7 +153,9 @@ class AllocationReference(_Series):
                                "only one can record at a time -- exit it first")
         if self.device.type == "cpu":
             _count_every_thread()
-        self._prof = profile(activities=acts, profile_memory=True, record_shapes=False)
+        # acc_events: one recording cycle anyway; without it torch 2.11 warns on stderr ("Profiler clears
+        # events at the end of each cycle") once per process, a line nbval would see in a cell's output
+        self._prof = profile(activities=acts, profile_memory=True, record_shapes=False, acc_events=True)
         self._quiet = _no_c10_warnings()
         self._quiet.__enter__()
         with _quiet_stderr():

@@ -79,8 +79,11 @@ def _start_method(backend, threads=None):
         return os.environ["MGPU_START_METHOD"]
     if not sys.platform.startswith("linux"):
         return "spawn"  # macOS: fork and forkserver children may crash in system frameworks
-    fork_ok = (backend == "gloo" and not torch.cuda.is_initialized() and torch.cuda.device_count() == 0
-               and (threads or 1) == 1)
+    # A CUDA build counts as "with a GPU" even where none is visible (CUDA_VISIBLE_DEVICES=""): on the H200
+    # host's Xeon, torch 2.11+cu130 with no GPU visible, forked ranks still hit "Unable to handle autograd's
+    # threading in combination with fork-based multiprocessing" once the caller had run a backward.
+    fork_ok = (backend == "gloo" and not torch.backends.cuda.is_built() and not torch.cuda.is_initialized()
+               and torch.cuda.device_count() == 0 and (threads or 1) == 1)
     return "fork" if fork_ok else "forkserver"
 
 
