@@ -244,6 +244,8 @@ def test_backend_choice_with_fake_gpus(monkeypatch):
                                           "(nccl needs one GPU per rank)")
     assert launch._start_method("nccl") == "forkserver"  # nccl ranks never fork
     assert launch._start_method("gloo") == "forkserver"  # nor do any with a GPU visible
+    assert describe(2) == (f"forkserver, gloo (2 ranks but 1 GPU(s): using gloo on CPU (nccl needs one GPU "
+                           f"per rank)), {max(1, CORES // 2)} thread{'s' * (CORES >= 4)}/rank")
 
 
 def test_a_cuda_build_never_forks_ranks(monkeypatch):
@@ -252,8 +254,6 @@ def test_a_cuda_build_never_forks_ranks(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.delenv("MGPU_START_METHOD", raising=False)
     assert launch._start_method("gloo") == "forkserver"
-    assert describe(2) == (f"forkserver, gloo (2 ranks but 1 GPU(s): using gloo on CPU (nccl needs one GPU "
-                           f"per rank)), {max(1, CORES // 2)} thread{'s' * (CORES >= 4)}/rank")
 
 
 def test_fall_back_note_once_and_never_on_stdout(monkeypatch, capsys):
