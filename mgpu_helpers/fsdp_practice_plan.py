@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch.nn import functional as F
 
 from .fsdp_practice import MODEL, Net
@@ -33,7 +34,7 @@ def plan_knobs(world_size: int, knobs: dict, model_kw=None):
     return plan(functools.partial(Net, **mkw), batch, loss_fn=F.cross_entropy, optimizer="adam",
                 precision=PRECISION[k["precision"]], zero_stage=3, world_size=world_size, device="cpu",
                 reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"] or 1,
-                offload=k["offload"])
+                offload=k["offload"], threads=torch.get_num_threads())  # measure() runs ranks in this process
 
 
 __all__ = ["plan_knobs"]

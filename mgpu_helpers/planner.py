@@ -40,6 +40,7 @@ from .planner_layouts import (LAYOUTS, METHOD, OPTIONS, ZERO_STAGES, _bytes, _ch
                               _check_trace_args, rank_timeline)
 from .planner_trace import (PRECISIONS, OPTIMIZERS, Trace, apply_checkpointing, make_optimizer, trace_step,  # noqa: F401
                             train_step, warm_up)
+from .planner_kernels import step_threads
 from .runtime.tracker import CATEGORIES, MemoryTracker
 
 __all__ = ["plan", "Plan", "model_state_bytes", "trace_step", "train_step", "decoder", "step_cost",
@@ -158,7 +159,7 @@ Trace.shard = shard
 
 
 def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_stage=0, world_size=1,
-         micro_batches=1, checkpointing=False, device=None, round_to=None, **options) -> Plan:
+         micro_batches=1, checkpointing=False, device=None, round_to=None, threads=None, **options) -> Plan:
     """Per-rank memory of one steady-state training step of ``model_fn()`` on ``batch`` (module docs).
 
     ``model_fn()`` builds the model; the planner calls it under ``FakeTensorMode`` (or it may build on the
@@ -175,8 +176,22 @@ def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_s
     ``prefetch=1`` (units all-gathered ahead; FSDP2 prefetches one in backward by default);
     ``mp_policy=None`` (a ``MixedPrecisionPolicy`` or its keyword dict; ``precision="fsdp-mixed"`` is
     ``param_dtype=bf16, reduce_dtype=fp32``); ``offload=False`` (``CPUOffloadPolicy``: on a CPU plan,
-    host and device are the same memory, so the figure is their sum)."""
+    host and device are the same memory, so the figure is their sum).
+
+    ``threads``: the threads a CPU step's kernels run on (oneDNN's bf16 matmul scratch is per thread,
+    ``planner_kernels``): by default ``run_ranks``' share per rank for ``world_size`` > 1, this process's
+    for one; give it when the step runs elsewhere (``fsdp_practice`` measures its ranks in this process)."""
     o = _check_args(zero_stage, world_size, precision, options)  # before tracing: fail fast, nothing half-done
+    if threads is None and world_size > 1:
+        from .runtime.launch import rank_threads
+        threads = rank_threads(world_size, "gloo")
+    with step_threads(threads):
+        return _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size, micro_batches,
+                     checkpointing, device, round_to, o)
+
+
+def _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size, micro_batches, checkpointing,
+          device, round_to, o) -> Plan:
     trace_kw = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                     micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to)
     if zero_stage == 3:

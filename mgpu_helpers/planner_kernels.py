@@ -15,11 +15,17 @@ The naive alternative, a line fitted per op (kept as :func:`derived_scratch` for
 profiler already on in this process, or ``MGPU_PLAN_PROBE=0``), is right on the ISA it was fitted on only.
 
 A kernel run twice: the first call plans oneDNN's primitive (and caches it), the second is what every
-later step does; the figure is the second's. Threads: the probe runs with this process's thread count,
-which is the ranks' when they are planned here (``runtime.launch`` gives each rank its share of cores).
+later step does; the figure is the second's.
+
+**Threads.** oneDNN's bf16 matmul scratch is per thread: on the H200 host's Xeon (AMX) an addmm of
+256x64 by 64x256 borrowed 13,312 B at 1 thread and 207,232 B at 16, linearly; with
+``ONEDNN_MAX_CPU_ISA=AVX2``, nothing (bench/probe_threads.py). So the probe runs the kernel with the
+thread count the planned step runs with: :func:`step_threads` sets it (``planner.plan`` does, for ranks
+that ``run_ranks`` starts: its default share of the cores per rank); by default, this process's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -37,6 +43,21 @@ PROBED = {aten.convolution.default, aten.convolution_backward.default,
           aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 
 _CACHE: dict = {}   # signature -> bytes; per process (the ISA and the build do not change under it)
+_THREADS: list = [None]  # the planned step's thread count; None: this process's
+
+
+@contextlib.contextmanager
+def step_threads(n: int | None):
+    """Probe kernels as a step running on ``n`` threads takes them (None: this process's thread count)."""
+    old, _THREADS[0] = _THREADS[0], n
+    try:
+        yield
+    finally:
+        _THREADS[0] = old
+
+
+def _threads() -> int:
+    return _THREADS[0] or torch.get_num_threads()
 
 
 def probed(func) -> bool:
@@ -49,7 +70,7 @@ def _signature(func, args, kwargs):
             return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad)
         return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype)) else repr(x)
     leaves, spec = tree_flatten((args, kwargs))
-    return (str(func), str(spec), tuple(key(x) for x in leaves), torch.get_num_threads())
+    return (str(func), str(spec), tuple(key(x) for x in leaves), _threads())
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -69,7 +90,7 @@ def measured_scratch(func, args, kwargs) -> int:
     from .runtime.alloc_reference import AllocationReference
     sig = _signature(func, args, kwargs or {})
     if sig not in _CACHE:
-        with _disable_current_modes(), torch.no_grad():
+        with _disable_current_modes(), torch.no_grad(), _set_threads(_threads()):
             real_args, real_kwargs = tree_map(lambda x: _real(x) if isinstance(x, torch.Tensor) else x,
                                               (args, kwargs or {}))
             func(*real_args, **real_kwargs)  # the first call plans (and caches) oneDNN's primitive
@@ -78,6 +99,18 @@ def measured_scratch(func, args, kwargs) -> int:
             del out
         _CACHE[sig] = max(0, ref.peak_bytes - ref.final_bytes)
     return _CACHE[sig]
+
+
+@contextlib.contextmanager
+def _set_threads(n: int):
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
 
 
 def derived_scratch(func, args, kwargs) -> int:

@@ -147,6 +147,13 @@ def _threads(method, world_size, threads):
     return threads or (1 if method == "fork" else max(1, _cores() // world_size))
 
 
+def rank_threads(world_size: int, backend: str = "auto") -> int:
+    """The threads each of ``world_size`` ranks gets from ``run_ranks`` by default on this machine (what a
+    CPU plan of those ranks assumes: some CPU kernels' scratch is per thread)."""
+    chosen, _ = _choose_backend(backend, world_size)
+    return _threads(_start_method(chosen), world_size, None)
+
+
 def describe(world_size=2, backend="auto", threads=None):
     """How ``run_ranks(fn, world_size)`` would start, e.g. 'fork, gloo, 1 thread/rank'."""
     backend, note = _choose_backend(backend, world_size)
