@@ -23,9 +23,16 @@ $(STAMP): pyproject.toml
 lab: $(STAMP)
 	$(PY) -m mgpu_helpers.tools.lab $(ARGS)
 
+# Then the CPU-figure tests (planned = measured by the profiler) once more under a lower oneDNN ISA than this
+# CPU's (AVX-512 -> AVX2, AVX2 -> SSE4.1; tools/cpu_isa.py): CPU plans come from the CPU's own kernels.
 test: $(STAMP)
 	$(VENV)/bin/mgpu-course release --check
 	$(PY) -m pytest -n 2 --dist loadfile
+	@isa=$$($(PY) -m mgpu_helpers.tools.cpu_isa --lower); \
+	if [ -n "$$isa" ]; then \
+	  echo "CPU figures again with ONEDNN_MAX_CPU_ISA=$$isa ($$($(PY) -m mgpu_helpers.tools.cpu_isa))"; \
+	  ONEDNN_MAX_CPU_ISA=$$isa $(PY) -m pytest -n 2 --dist loadfile -q -m cpu_figures tests; \
+	fi
 
 # The learner's path in headless Chromium (tests/browser): needs Playwright for Python (the `browser`
 # extra) and Debian's chromium, installed here with apt-get when missing and we are root. Not part of

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from .planner_cuda import CudaKernels, recompute_contexts
-from .planner_kernels import cpu_kernel_scratch, probed
+from .planner_kernels import cpu_kernel_scratch, measure_pending, probed
 from .planner_layouts import _CONVS, conv_scratch, cudnn_workspace  # noqa: F401 (the calibrated lines)
 from .runtime.tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
 
@@ -237,14 +237,18 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
                   micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to,
                   kernels=kernels)
     traced = {"zero-mixed": "bf16"}.get(precision, precision)  # planner_layouts.zero_mixed: rules over bf16
-    if fsdp is not None:
+    def once():
+        if fsdp is None:
+            return _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing, device,
+                          round_to, None, kernels)
         from .planner_fsdp import fake_group
         with fake_group(fsdp["world_size"], fsdp["rank"]):
-            trace = _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing,
-                           device, round_to, fsdp, kernels)
-    else:
-        trace = _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing, device,
-                       round_to, None, kernels)
+            return _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing,
+                          device, round_to, fsdp, kernels)
+
+    trace = once()
+    if measure_pending():  # ops met for the first time in this process, now measured on this CPU: again
+        trace = once()
     trace.config["layout"] = precision
     trace.source = source  # what Trace.shard(3, n) runs under FSDP2
     return trace

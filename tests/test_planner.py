@@ -76,6 +76,7 @@ def test_plan_equals_tracker_on_the_real_step(model, precision, checkpointing, k
     assert sum(p.breakdown.values()) == p.peak_bytes and set(p.breakdown) == set(CATEGORIES)
 
 
+@pytest.mark.cpu_figures
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("precision,checkpointing", [("fp32", False), ("bf16-autocast", False), ("bf16-autocast", True),
                                                      ("bf16", False)])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mgpu_helpers.planner import plan
 from mgpu_helpers.planner_models import convnet, decoder, image_batch, lm_loss, tied_frozen, token_batch
-from mgpu_helpers.planner_kernels import cpu_kernel_scratch
+from mgpu_helpers.planner_kernels import probe
 from mgpu_helpers.planner_validate import table, validate
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
 
@@ -30,10 +30,14 @@ ROWS = [  # model, method, world, layout: what each row holds the planner to
     ("tied+frozen", "zero1", 4, "fp32"),           # a tied weight counted once, frozen ones not stepped
     ("tied+frozen", "fsdp2", 2, "fp32"),
 ]
+# the rows whose CPU kernels differ by ISA (bf16 matmuls, oneDNN convolutions): run again by make test under a
+# lower oneDNN ISA (tools/cpu_isa.py)
+ISA_ROWS = [("decoder", "zero1", 2, "bf16-autocast"), ("decoder", "fsdp2-root", 2, "fsdp-mixed"), ("conv", "ddp", 2, "fp32")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,method,world,layout", ROWS, ids=["-".join(map(str, r)) for r in ROWS])
+@pytest.mark.parametrize("model,method,world,layout", [
+    pytest.param(*r, id="-".join(map(str, r)), marks=[pytest.mark.cpu_figures] if r in ISA_ROWS else []) for r in ROWS])
 def test_every_rank_within_two_percent_of_a_real_step(model, method, world, layout):
     model_fn, batch, loss_fn = MODELS[model]
     rows = validate(model_fn, batch, loss_fn=loss_fn, model=model, methods=(method,), world_sizes=(world,),
@@ -52,6 +56,7 @@ def test_without_the_buckets_ddp_would_be_under():
     assert all(bare.peak_bytes / r["measured"] - 1 < -0.10 for r in rows), table(rows)
 
 
+@pytest.mark.cpu_figures
 @pytest.mark.parametrize("shape", [(8, 32, 32, 32, 3), (4, 16, 16, 64, 3), (8, 3, 32, 32, 3), (8, 32, 64, 16, 3),
                                    (8, 32, 32, 16, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,14 +82,15 @@ def test_conv_scratch_line_is_what_onednn_takes(shape, dtype):
     y_bytes = ops["y"].numel() * ops["y"].element_size()
     args_f = (x, w, None, [1, 1], [k // 2] * 2, [1, 1], False, [0, 0], 1)
     args_b = (ops["y"], x, w, None, [1, 1], [k // 2] * 2, [1, 1], False, [0, 0], 1, [True, True, False])
-    planned = max(y_bytes + cpu_kernel_scratch(torch.ops.aten.convolution.default, args_f, {}),
+    planned = max(y_bytes + probe(torch.ops.aten.convolution.default, args_f),
                   # backward: the output and its all-ones gradient, the input and weight gradients, scratch
                   2 * y_bytes + x.numel() * x.element_size() + w.numel() * w.element_size()
-                  + cpu_kernel_scratch(torch.ops.aten.convolution_backward.default, args_b, {}))
+                  + probe(torch.ops.aten.convolution_backward.default, args_b))
     assert planned >= taken, (planned, taken)
     assert planned <= 1.05 * taken + 4096, (planned, taken)
 
 
+@pytest.mark.cpu_figures
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_chunk_cat_scratch_line_is_what_the_cpu_kernel_takes(grad_dtype):
     """FSDP2 copies gradients into its fp32 reduce-scatter buffer with _chunk_cat: converting bf16 inputs, the
