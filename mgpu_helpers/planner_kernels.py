@@ -112,13 +112,20 @@ def _real(t: _Spec) -> torch.Tensor:
 
 
 _PENDING: dict = {}  # signature -> (func, specs, threads, grad mode): met by a trace, not yet measured
+# Ops whose tensors hold more than this are not run here: a 7B model planned on a laptop would run its
+# matmuls for real (notebook 11's 1B trace timed out). They get the fallback lines; what is per thread
+# (oneDNN's bf16 matmul scratch, ~70 KiB a thread on AMX) is small beside such a step.
+PROBE_BYTES = 16 * 2**20
 
 
 def measured_scratch(func, args, kwargs):
     """Bytes the real CPU kernel of ``func`` holds inside the op beyond what it leaves allocated, for these
-    arguments (only their metadata is used), or None while it waits for :func:`measure_pending`."""
+    arguments (only their metadata is used); None while it waits for :func:`measure_pending`, and for ops
+    too large to run here (:data:`PROBE_BYTES`) or on tensor subclasses (DTensor): the fallback's."""
     leaves = tree_flatten((args, kwargs or {}))[0]
     if any(isinstance(x, torch.Tensor) and not _plain(x) for x in leaves):
+        return None
+    if sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor)) > PROBE_BYTES:
         return None
     specs = tree_map(lambda x: _Spec(x) if isinstance(x, torch.Tensor) else x, (args, kwargs or {}))
     sig = _signature(func, specs)
