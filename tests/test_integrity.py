@@ -87,7 +87,7 @@ def test_delegating_to_any_package_callable_scores_zero(ex):
 @pytest.mark.parametrize("ex", EXERCISES)
 def test_study_mode_says_the_same(ex):
     check = REGISTRY[ex]
-    module, name, obj = next((m, n, o) for m, n, o in CALLABLES if m == "mgpu_helpers.sharding_fsdp")
+    module, name, obj = next((m, n, o) for m, n, o in CALLABLES if m == "mgpu_helpers.sharding.fsdp")
     _, answer = next(submissions(module, name, obj))
     with pytest.raises(CheckFailure, match="the course's own implementation"):
         check(answer)

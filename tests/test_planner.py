@@ -7,7 +7,7 @@ from torch import nn
 from mgpu_helpers import sharding
 from mgpu_helpers.planner import (SIZES, cached_trace, decoder, lm_loss, model_state_bytes, plan,
                                   step_cost, token_batch)
-from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, train_step, warm_up
+from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up
 from mgpu_helpers.runtime.tracker import CATEGORIES, MemoryTracker
 
 
@@ -127,7 +127,7 @@ def test_sharding_rules():
 def test_zero1_partition_is_zero_redundancy_optimizers():
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from mgpu_helpers.planner_layouts import zero_partition
+    from mgpu_helpers.planner.layouts import zero_partition
     numels = [5, 9, 9, 1, 7, 3, 3, 12]
     ours = zero_partition(numels, 3)
     params = [nn.Parameter(torch.zeros(k)) for k in numels]
@@ -161,7 +161,7 @@ def test_step_cost_rule():
 def test_nothing_real_is_allocated_for_a_7b_build(monkeypatch):
     # The planner's build of Llama-2-7B's shapes would need 27 GB if real; under fake tensors it is free.
     model_fn = decoder("7B")
-    from mgpu_helpers.planner_trace import FakeTensorMode, _check_fake
+    from mgpu_helpers.planner.trace import FakeTensorMode, _check_fake
     with FakeTensorMode():
         m = model_fn()
         _check_fake(m)
@@ -197,7 +197,7 @@ def test_bad_input_names_the_argument():
 
 def test_bad_plans_fail_before_anything_is_traced(monkeypatch):
     import mgpu_helpers.planner as planner
-    from mgpu_helpers import planner_trace
+    from mgpu_helpers.planner import trace as planner_trace
     model_fn, batch, loss_fn = MODELS["mlp"]
     calls = []
     monkeypatch.setattr(planner_trace, "_trace", lambda *a, **k: calls.append(1))  # nothing half-computed
