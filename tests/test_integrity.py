@@ -24,7 +24,8 @@ NOTEBOOKS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 LESSONS = sorted({nbformat.read(p, as_version=4).metadata["mgpu"]["module"] for p in NOTEBOOKS})
 for _lesson in LESSONS:
     load_checks(f"mgpu_helpers.{_lesson}")
-MODULES = [info.name for info in pkgutil.walk_packages(mgpu_helpers.__path__, "mgpu_helpers.")]
+MODULES = [info.name for info in pkgutil.walk_packages(mgpu_helpers.__path__, "mgpu_helpers.")
+           if not info.name.endswith(".__main__")]  # a package's script entry runs when imported
 EXERCISES = sorted(REGISTRY, key=lambda ex: tuple(int(x) for x in ex.split(".")))
 
 

@@ -105,7 +105,7 @@ def _context(method):
 # Imported once by the forkserver (a missing one is skipped): torch's distributed parts the notebooks'
 # ranks use, and the course's helper modules -- all but the authoring, grading and JupyterLab tooling.
 _PACKAGE = __package__.rpartition(".")[0]                       # mgpu_helpers
-_NOT_IN_RANKS = {"tools", "widgets", "references"}             # tooling, the calculator, judges' references
+_NOT_IN_RANKS = {"tools", "references"}                        # tooling, judges' references
 
 
 def _course_modules(path=os.path.dirname(os.path.dirname(__file__)), prefix=_PACKAGE):
