@@ -152,8 +152,10 @@ def test_lessons_never_import_their_checks_and_references_never_a_check():
 # --- every `python -m` / `torchrun -m` command the docs show -----------------------------------------------------
 
 def _documented_commands() -> dict[str, str]:
-    """module -> one command line that names it, from the package's docstrings, README.md and AUTHORING.md."""
-    texts = [ROOT / "README.md", ROOT / "AUTHORING.md", ROOT / "Makefile", *sorted(PKG.rglob("*.py"))]
+    """module -> one command line that names it, from the package's docstrings, README.md, AUTHORING.md and
+    the solution notebooks (their markdown shows the scripts too)."""
+    texts = [ROOT / "README.md", ROOT / "AUTHORING.md", ROOT / "Makefile", *sorted(PKG.rglob("*.py")),
+             *sorted((ROOT / "solutions").glob("*.ipynb"))]
     found = {}
     for path in texts:
         for m in re.finditer(r"-m (mgpu_helpers(?:\.\w+)*)((?: [a-z_]+)?)", path.read_text()):
