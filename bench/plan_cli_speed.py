@@ -44,7 +44,7 @@ def main():
             env_extra = {}
         else:  # a module:function for the built-in decoder at 70B's width and depth
             Path(tmp, "llama70b_builtin.py").write_text(
-                "from mgpu_helpers.planner_models import Decoder\n"
+                "from mgpu_helpers.planner.models import Decoder\n"
                 "def build():\n    return Decoder(32000, 8192, 80, 64, 28672)\n")
             model, env_extra = "llama70b_builtin:build", {}
             print("transformers is not installed: planning the built-in decoder of 70B's shape (no GQA)")

@@ -17,7 +17,7 @@ allocated line (tensors + batch + cuBLAS + cuDNN workspaces); goal within 2%. *d
 uses on the device after the step (``mem_get_info`` used, minus what was used before the child started:
 the GPU must be otherwise idle), against the plan's device total; goal within 5%. Also printed: the
 measured workspace beyond tensors and the allocator's reserve as a fraction -- what to set in
-``mgpu_helpers/device_budget.py`` if a line is off -- the 16 bytes/parameter rule, and accelerate's
+``mgpu_helpers/planner/budget.py`` if a line is off -- the 16 bytes/parameter rule, and accelerate's
 "training with Adam" estimate where accelerate is installed.
 """
 import argparse
@@ -33,11 +33,11 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-from mgpu_helpers import device_budget as db  # noqa: E402
+from mgpu_helpers.planner import budget as db  # noqa: E402
 from mgpu_helpers.tools.plan_cli import parse_args, run  # noqa: E402
 from mgpu_helpers.tools.plan_sources import make_batch, output_loss, resolve  # noqa: E402
-from mgpu_helpers.planner_models import Decoder  # noqa: E402
-from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, train_step  # noqa: E402
+from mgpu_helpers.planner.models import Decoder  # noqa: E402
+from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step  # noqa: E402
 
 LLAMA_HF = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
             "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -269,7 +269,7 @@ def main():
         print(f"{a} allocator, worst |error|: allocated {100 * wa:.2f}% (goal 2%), device total {100 * wd:.2f}% "
               "(goal 5%)")
     print("ws real: allocated peak beyond planned tensors + batch (cuBLAS + cuDNN + allocator rounding); reserve: "
-          "max reserved over max allocated, planned (planner_allocator's replay) and real. 16 B/param: the rule "
+          "max reserved over max allocated, planned (planner.allocator's replay) and real. 16 B/param: the rule "
           "of thumb; accelerate: weights x 4 (estimate-memory's 'Training using Adam'), '-' where accelerate is "
           "not installed.")
 

@@ -45,7 +45,7 @@ def main():
     for stage in range(4):
         for world in (1, 2, 4, 8, 16, 32, 64):
             if stage == 3 and world not in args.fsdp_worlds:
-                continue  # stage 3 is FSDP2 run on fake tensors: one trace per world size (planner_fsdp)
+                continue  # stage 3 is FSDP2 run on fake tensors: one trace per world size (planner.fsdp)
             p = trace.shard(stage, world)
             ms = p.model_state
             cf = model_state_bytes(n, zero_stage=stage, world_size=world, precision="fp32")

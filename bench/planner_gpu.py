@@ -15,8 +15,8 @@ import time
 import torch
 
 from mgpu_helpers.planner import lm_loss, plan, token_batch
-from mgpu_helpers.planner_models import Decoder
-from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, train_step
+from mgpu_helpers.planner.models import Decoder
+from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step
 
 SHAPE = (32000, 1024, 8, 16, 2816)
 CONFIGS = {"fp32": dict(precision="fp32"), "bf16 autocast": dict(precision="bf16-autocast"),

@@ -2,11 +2,11 @@
 
     PYTHONPATH=. python3 bench/planner_gpu_diag.py [attention] [peak] [conv]
 
-1. attention: does ``planner_cuda.cuda_backend`` pick the kernel torch picks on this GPU
+1. attention: does ``planner.cuda.cuda_backend`` pick the kernel torch picks on this GPU
    (``torch._fused_sdp_choice``) over dtypes x grouped heads x mask x causal x head sizes? Every mismatch
    is printed.
 2. peak: the 168M decoder in bf16 autocast, traced on the CPU with ``kernels="cuda"`` and traced on this
-   GPU's fake tensors under torch's own dispatch (no ``planner_cuda`` emulation): bytes alive at the peak by the op that made them, side by side (where the two
+   GPU's fake tensors under torch's own dispatch (no ``planner.cuda`` emulation): bytes alive at the peak by the op that made them, side by side (where the two
    traces differ, the CPU trace runs some op as the GPU does not).
 3. conv: the ResNet of bench/plan_gpu.py on this GPU, fp32 and bf16 autocast + checkpointing: the bytes
    each op takes beyond what it leaves behind (its workspace: max allocated during the op minus allocated
@@ -23,10 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-from mgpu_helpers import planner_trace  # noqa: E402
-from mgpu_helpers.planner_cuda import cuda_backend  # noqa: E402
-from mgpu_helpers.planner_layouts import cudnn_workspace  # noqa: E402
-from mgpu_helpers.planner_trace import trace_step  # noqa: E402
+from mgpu_helpers.planner import trace as planner_trace  # noqa: E402
+from mgpu_helpers.planner.cuda import cuda_backend  # noqa: E402
+from mgpu_helpers.planner.accounting import _CONVS, cudnn_workspace  # noqa: E402
+from mgpu_helpers.planner.trace import trace_step  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -117,7 +117,7 @@ class OpWorkspace(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         ws = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         grew = torch.cuda.memory_reserved() - r0
-        planned = cudnn_workspace(func, args) if func in planner_trace._CONVS else None
+        planned = cudnn_workspace(func, args) if func in _CONVS else None
         if ws > 0 or grew > 0 or planned is not None:
             self.rows.append((str(func), ws, planned, grew, _shapes(args)))
         return out
@@ -129,7 +129,7 @@ def _shapes(args):
 
 def conv():
     from plan_gpu import resnet
-    from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, train_step
+    from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step
     from mgpu_helpers.tools.plan_sources import output_loss
     for prec, ck in (("fp32", False), ("bf16-autocast", True)):
         torch.manual_seed(0)

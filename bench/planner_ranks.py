@@ -4,13 +4,13 @@
     PYTHONPATH=. python bench/planner_ranks.py --quick         # fp32 only, world 2
     PYTHONPATH=. python bench/planner_ranks.py --model conv --world 4
 
-Models: a Llama-shaped decoder (``planner_models.decoder``), a conv net with BatchNorm, a decoder with a
+Models: a Llama-shaped decoder (``planner.models.decoder``), a conv net with BatchNorm, a decoder with a
 tied head and a frozen block. Methods: DDP, ZeroRedundancyOptimizer + DDP, FSDP2 per block + root and
 root only; layouts fp32, bf16 autocast, and FSDP2's MixedPrecisionPolicy (bf16 params, fp32 reduce);
 then torch's non-default options (gradient_as_bucket_view=True, reshard_after_forward=False, prefetch=2,
 CPUOffloadPolicy).
 The reference: ``torch.profiler`` memory events with c10's all-thread running total
-(``mgpu_helpers.planner_validate``), the third step's peak. Bar: |planned / measured - 1| <= 2% per rank,
+(``mgpu_helpers.planner.validation``), the third step's peak. Bar: |planned / measured - 1| <= 2% per rank,
 and the planner never under by more. Runs on the CPU (gloo): no GPU needed or used.
 """
 import argparse
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 # that moment is timing, not the step (the table says "first run ..." where it happened).
 REMEASURE = dict(remeasure=3, tolerance=0.005)
 
-from mgpu_helpers.planner_models import convnet, decoder, image_batch, lm_loss, tied_frozen, token_batch
-from mgpu_helpers.planner_validate import table, validate
+from mgpu_helpers.planner.models import convnet, decoder, image_batch, lm_loss, tied_frozen, token_batch
+from mgpu_helpers.planner.validation import table, validate
 
 MODELS = {
     "decoder": (decoder("tiny"), token_batch(4, 32, 512), lm_loss),

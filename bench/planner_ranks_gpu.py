@@ -8,10 +8,10 @@ gloo, every process with its own caching allocator, so ``max_memory_allocated()`
 (FACTS.md: FSDP2, DDP and ZeroRedundancyOptimizer train that way on one H200). The measured figure is the
 third step's peak minus what was allocated before the model was built (the batch, and cuBLAS's two
 workspaces -- the forward's handle and autograd's backward thread's -- made first on purpose: they are
-``device_budget``'s "cuBLAS workspace" line, not tensors; the "ws" column shows what they took, 64 MiB
+``planner.budget``'s "cuBLAS workspace" line, not tensors; the "ws" column shows what they took, 64 MiB
 expected on Hopper). Planned: ``plan(..., device="cuda")`` (512-byte blocks, CUDA's autocast rules; stage 3
 runs FSDP2 on fake CUDA tensors; cuDNN's workspace traced inside each convolution,
-``planner_layouts.cudnn_workspace``).
+``planner.accounting.cudnn_workspace``).
 """
 import argparse
 import os
@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from mgpu_helpers.planner import plan
-from mgpu_helpers.planner_models import convnet, decoder, image_batch, lm_loss, tied_frozen, token_batch
-from mgpu_helpers.planner_trace import train_step
-from mgpu_helpers.planner_validate import METHODS, wrap
+from mgpu_helpers.planner.models import convnet, decoder, image_batch, lm_loss, tied_frozen, token_batch
+from mgpu_helpers.planner.trace import train_step
+from mgpu_helpers.planner.validation import METHODS, wrap
 
 MODELS = {
     "decoder": (decoder("small"), lambda: token_batch(4, 256, 4096), lm_loss),

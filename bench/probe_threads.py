@@ -1,11 +1,11 @@
-"""How much a CPU kernel borrows inside one op (planner_kernels.measured_scratch), by thread count: bf16 and
+"""How much a CPU kernel borrows inside one op (planner.kernels.probe), by thread count: bf16 and
 fp32 matmuls of a small decoder's shapes. Run under several ONEDNN_MAX_CPU_ISA values to compare ISAs:
     python bench/probe_threads.py"""
 import os
 
 import torch
 
-from mgpu_helpers.planner_kernels import measured_scratch
+from mgpu_helpers.planner.kernels import probe as measured_scratch
 
 aten = torch.ops.aten
 print("ISA", os.environ.get("ONEDNN_MAX_CPU_ISA", "native"), "torch", torch.__version__, "cores", os.cpu_count())

@@ -20,7 +20,7 @@ from torch.nn import functional as F  # noqa: E402
 
 from mgpu_helpers.runtime.launch import rank_device, run_ranks  # noqa: E402
 from mgpu_helpers.sharding import make_batch  # noqa: E402
-from mgpu_helpers.sharding_fsdp import STAGE, build, formula  # noqa: E402
+from mgpu_helpers.sharding.fsdp import STAGE, build, formula  # noqa: E402
 from mgpu_helpers.checks.references.sharding import reference_reduce_scatter  # noqa: E402
 from mgpu_helpers.runtime.tracker import MemoryTracker  # noqa: E402
 

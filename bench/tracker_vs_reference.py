@@ -16,8 +16,8 @@ from torch.nn import functional as F
 
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
 from mgpu_helpers.runtime.launch import run_ranks
-from mgpu_helpers.planner_models import Decoder, lm_loss, token_batch
-from mgpu_helpers.planner_validate import wrap as validate_wrap
+from mgpu_helpers.planner.models import Decoder, lm_loss, token_batch
+from mgpu_helpers.planner.validation import wrap as validate_wrap
 from mgpu_helpers.runtime.tracker import MemoryTracker
 
 PHASES = ("forward", "backward", "step", "end")
@@ -49,7 +49,7 @@ WRAP = {"ddp": "ddp", "zero1+ddp": "zero1", "fsdp2-root": "fsdp2-root", "fsdp2-b
 
 
 def wrap(model, method):
-    """(model, the optimizer the tracker watches, what steps), wrapped by ``planner_validate.wrap``."""
+    """(model, the optimizer the tracker watches, what steps), wrapped by ``planner.validation.wrap``."""
     if method == "none":
         return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True), None
     model, opt = validate_wrap(model, WRAP[method])

@@ -5,9 +5,10 @@ Counting collectives: ``AllReduceCount`` (DDP comm hook) and ``CollectiveCounter
 ``no_sync_context(model)`` skips gradient sync for DDP and FSDP2 and refuses anything else;
 ``peak_vs_effective_batch`` measures memory. The checks of 5.1 and 5.2 are in ``checks.accumulation``.
 
-Run DDP ``no_sync`` accumulation on 2 ranks (all-reduces counted, gradients against one process) as a script::
+Run DDP ``no_sync`` accumulation on 2 ranks (all-reduces counted, gradients against one process) as a script;
+it judges with the checks, so it lives with them (a lesson module never imports its checks)::
 
-    torchrun --nproc-per-node 2 -m mgpu_helpers.accumulation
+    torchrun --nproc-per-node 2 -m mgpu_helpers.checks accumulation
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
-from .runtime.launch import torchrun_main
 from .memory import mlp
 from .runtime.tracker import MemoryTracker
 
@@ -143,7 +143,3 @@ def peak_vs_effective_batch(effective=(16, 32, 64, 128, 256), micro=16, tokens=1
     finally:
         torch.set_num_threads(threads)
 
-
-if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m mgpu_helpers.accumulation
-    from mgpu_helpers.checks.accumulation import script
-    torchrun_main(script)

@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .runtime.launch import torchrun_main
+from .runtime.launch import script_args, torchrun_main
 
 
 class SlowDataset(Dataset):
@@ -168,4 +168,5 @@ def _script(rank, world, n=10):
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m mgpu_helpers.data_loading
+    script_args(__doc__)
     torchrun_main(_script)

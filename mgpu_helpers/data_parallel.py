@@ -235,5 +235,6 @@ def _torchrun_demo(rank, world_size):
 
 
 if __name__ == "__main__":
-    from .runtime.launch import torchrun_main
+    from .runtime.launch import script_args, torchrun_main
+    script_args(__doc__)
     torchrun_main(_torchrun_demo)

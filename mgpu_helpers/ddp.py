@@ -4,7 +4,9 @@ Data parallelism keeps a full replica of the model on every rank, gives each ran
 global batch and averages the gradients with ``all_reduce`` after backward, so that every rank takes
 the same optimizer step as one process on the whole batch would. The learner writes that average
 (exercise 4.1), then the bucketed version DDP really uses (4.2): fewer, larger collectives. Their checks
-are in ``checks.ddp``.
+are in ``checks.ddp``. The notebook's demonstrations are here too: collectives drawn, a gloo
+all_reduce that waits for its worker thread, and the launch traps (``mp.spawn`` from a notebook, fork
+after CUDA).
 
 Run as a script (torch DDP on 2 ranks against a single process on the full batch)::
 
@@ -13,8 +15,15 @@ Run as a script (torch DDP on 2 ranks against a single process on the full batch
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
 
+import matplotlib.pyplot as plt
 import torch
 import torch._dynamo  # noqa: F401  DDP's first construction imports ~800 modules (1.4 s); doing it once
 import torch.distributed as dist  # here, in the notebook kernel, spares every forked rank that cost.
@@ -22,8 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .ddp_demos import draw_collectives, fork_after_cuda, settled_all_reduce, spawn_from_notebook  # noqa: F401
-from .runtime.launch import rank_device, run_ranks, torchrun_main
+from .runtime.launch import rank_device, run_ranks, script_args, torchrun_main
 
 # --- models and data: the same on every rank, from a seed ------------------------------------------
 
@@ -60,6 +68,99 @@ def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return flat_grads(model)
 
 
+# --- the notebook's demonstrations: collectives drawn, all_reduce settled, the launch traps -----------
+
+@contextlib.contextmanager
+def settled_all_reduce():
+    """Within the ``with``, ``dist.all_reduce`` returns only once the backend has let go of the tensor:
+    gloo's worker thread drops its reference a moment *after* all_reduce returns, so a measurement would
+    see -- or not, by chance -- a buffer the program no longer holds."""
+    real = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        held = tensor._use_count()
+        out = real(tensor, *args, **kwargs)
+        while tensor._use_count() > held:  # the worker thread still holds it: let it run
+            time.sleep(0)
+        return out
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
+# --- pictures of collectives ------------------------------------------------------------------------
+
+def draw_collectives(results: dict[str, tuple[list, list]]):
+    """One row per collective: each rank's tensor before (left) and after (right), one box per element.
+    ``results`` maps a name to (before, after), each a list over ranks of lists of numbers. A box's colour
+    says where its value comes from: the rank that held it before (a copy, as broadcast and all_gather
+    make), or grey when the collective computed it from every rank (a reduction: the name says "reduce")."""
+    n_ranks = max(len(b) for b, _ in results.values())
+    colours = [plt.get_cmap("tab10")(r) for r in range(n_ranks)]
+    combined = "#B0B0B0"
+    fig, axes = plt.subplots(len(results), 2, figsize=(9, 1.5 * len(results) + 0.9), squeeze=False)
+    for row, (name, (before, after)) in zip(axes, results.items()):
+        for ax, tensors, when in zip(row, (before, after), ("before", "after")):
+            for r, t in enumerate(tensors):
+                for j, v in enumerate(t):
+                    if when == "before":
+                        colour = colours[r]
+                    elif "reduce" in name:
+                        colour = combined
+                    else:  # a copy: the colour of the rank whose tensor held this value
+                        colour = next((colours[s] for s, src in enumerate(before) if v in src), combined)
+                    ax.add_patch(plt.Rectangle((j, -r - 1), 0.92, 0.85, color=colour, alpha=.55))
+                    ax.text(j + 0.46, -r - 0.57, f"{v:g}", ha="center", va="center", fontsize=9)
+            ax.set_xlim(0, max(len(t) for t in before + after))
+            ax.set_ylim(-len(tensors), 0)
+            ax.set_yticks([-r - 0.57 for r in range(len(tensors))], [f"rank {r}" for r in range(len(tensors))])
+            ax.set_xticks([])
+            ax.set_title(f"{name}: {when}", fontsize=10)
+            ax.spines[:].set_visible(False)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=.55) for c in colours + [combined]]
+    fig.legend(handles, [f"rank {r}'s data" for r in range(n_ranks)] + ["computed from every rank (a reduction)"],
+               loc="lower center", ncol=n_ranks + 1, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+# --- what goes wrong when launching ranks -----------------------------------------------------------
+
+def _errors_of(code: str) -> list[str]:
+    """Run ``code`` in a fresh interpreter whose ``__main__`` cannot be imported (like a notebook's);
+    return the last line of each traceback it printed, then its exit code."""
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    lines = [line for line in p.stderr.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
+    return [re.sub(r"<module '__main__' \(.*\)>", "<module '__main__'>", x) for x in lines] + [  # as 3.11 .. 3.13
+        f"exit code {p.returncode}"]
+
+
+def spawn_from_notebook() -> list[str]:
+    """``torch.multiprocessing.spawn`` of a function defined in ``__main__``: the child's error, the parent's."""
+    return _errors_of("""
+        import torch.multiprocessing as mp
+        def work(rank):                         # defined in __main__, which the child cannot import
+            print("rank", rank, "ran")
+        mp.spawn(work, nprocs=1)
+    """)
+
+
+def fork_after_cuda() -> list[str]:
+    """(GPU only) Fork a child after CUDA is initialised in the parent: the child's error."""
+    return _errors_of("""
+        import multiprocessing as mp, torch
+        torch.zeros(1, device="cuda")           # the parent initialises CUDA...
+        def child():
+            torch.zeros(1, device="cuda")       # ...and a forked child cannot
+        p = mp.get_context("fork").Process(target=child); p.start(); p.join()
+        raise SystemExit(p.exitcode)
+    """)
+
+
 # --- the script: torch DDP against one process on the full batch ------------------------------------
 
 def _demo(rank: int, world_size: int) -> str:
@@ -77,6 +178,7 @@ def _demo(rank: int, world_size: int) -> str:
 
 
 if __name__ == "__main__":
+    script_args(__doc__)
     if "RANK" in os.environ:
         torchrun_main(_demo)
     else:

@@ -55,9 +55,10 @@ def hello(rank: int, world_size: int) -> str:
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        from .runtime.launch import torchrun_main
+    from .runtime.launch import script_args, torchrun_main
 
+    script_args(__doc__)
+    if "RANK" in os.environ:
         torchrun_main(hello)
     else:
         print_environment()

@@ -10,6 +10,7 @@ in ``checks.profiling``.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import pickle
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .memory import make_optimizer, mlp
+from .runtime.tracker import MemoryTracker
 
 MiB = 2**20
 PHASES = ("forward", "backward", "optimizer")
@@ -195,3 +197,28 @@ def top_memory_ops(prof, k: int = 6) -> list[tuple[str, int]]:
     """torch.profiler: the ``k`` ops that allocated the most (self CPU memory, bytes), ties by name."""
     rows = [(e.key, int(e.self_cpu_memory_usage)) for e in prof.key_averages() if e.self_cpu_memory_usage > 0]
     return sorted(rows, key=lambda r: (-r[1], r[0]))[:k]
+
+
+# --- exercise 2.1's scenario (its check runs it, its reference measures it) --------------------------------
+
+def _inputs(case):
+    model = mlp(case["widths"], seed=case["seed"])
+    g = torch.Generator().manual_seed(case["seed"])
+    x = torch.randn(case["batch"], case["widths"][0], generator=g)
+    return model, (x, torch.randint(0, case["widths"][-1], (case["batch"],), generator=g))
+
+
+@contextlib.contextmanager
+def scenario(case: dict):
+    """A tracker that already holds a baseline and an earlier, larger peak, and one training-like step to
+    measure: ``with scenario(case) as (step, tracker): ...``."""
+    model, (x, y) = _inputs(case)
+
+    def step():
+        F.cross_entropy(model(x), y).backward()  # the gradients stay allocated after the step
+
+    with MemoryTracker() as t:
+        baseline = torch.zeros(case["baseline"], dtype=torch.uint8)  # noqa: F841 - allocated before the step
+        spike = torch.empty(case["spike"], dtype=torch.uint8)
+        del spike                                                      # an earlier peak, above the step's
+        yield step, t

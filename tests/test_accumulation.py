@@ -155,6 +155,6 @@ def test_grading_split_round_trips_through_torch_save(check, ex, name, tmp_path)
 
 @pytest.mark.slow
 def test_script_runs_under_torchrun():
-    proc = run_torchrun("mgpu_helpers.accumulation")
+    proc = run_torchrun("mgpu_helpers.checks", args=["accumulation"])
     assert "gradients equal the single-process big batch" in proc.stdout
     assert "= one sync" in proc.stdout

@@ -80,7 +80,9 @@ def test_committed_solutions_follow_the_schema():
         assert validate(nb, p.name) == []
         assert nb.metadata["mgpu"]["notebook"] == p.name[:2]
         module = nb.metadata["mgpu"]["module"]
-        assert (root.parent / "mgpu_helpers" / f"{module}.py").exists(), f"{p.name}: no helper module {module}.py"
+        face = root.parent / "mgpu_helpers" / module  # a module, or a package whose __init__ is the face
+        assert face.with_suffix(".py").exists() or (face / "__init__.py").exists(), \
+            f"{p.name}: no helper module {module}.py or package {module}/"
         first = nb.cells[0].source
         for heading in ("What you will learn", "Prerequisites", "Runs on"):
             assert heading in first, f"{p.name}: first cell lacks '{heading}'"

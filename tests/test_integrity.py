@@ -24,7 +24,8 @@ NOTEBOOKS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 LESSONS = sorted({nbformat.read(p, as_version=4).metadata["mgpu"]["module"] for p in NOTEBOOKS})
 for _lesson in LESSONS:
     load_checks(f"mgpu_helpers.{_lesson}")
-MODULES = [info.name for info in pkgutil.walk_packages(mgpu_helpers.__path__, "mgpu_helpers.")]
+MODULES = [info.name for info in pkgutil.walk_packages(mgpu_helpers.__path__, "mgpu_helpers.")
+           if not info.name.endswith(".__main__")]  # a package's script entry runs when imported
 EXERCISES = sorted(REGISTRY, key=lambda ex: tuple(int(x) for x in ex.split(".")))
 
 
@@ -87,7 +88,7 @@ def test_delegating_to_any_package_callable_scores_zero(ex):
 @pytest.mark.parametrize("ex", EXERCISES)
 def test_study_mode_says_the_same(ex):
     check = REGISTRY[ex]
-    module, name, obj = next((m, n, o) for m, n, o in CALLABLES if m == "mgpu_helpers.sharding_fsdp")
+    module, name, obj = next((m, n, o) for m, n, o in CALLABLES if m == "mgpu_helpers.sharding.fsdp")
     _, answer = next(submissions(module, name, obj))
     with pytest.raises(CheckFailure, match="the course's own implementation"):
         check(answer)

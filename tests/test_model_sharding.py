@@ -115,5 +115,5 @@ def test_grading_split_judges_outside(check):
 
 
 def test_script_under_torchrun():
-    out = run_torchrun("mgpu_helpers.model_sharding", nproc=2).stdout
+    out = run_torchrun("mgpu_helpers.checks", nproc=2, args=["model_sharding"]).stdout
     assert "world size 2" in out and out.count(": True") == 2, out

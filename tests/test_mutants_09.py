@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 import mgpu_helpers.checks.model_sharding  # noqa: F401  (registers 9.1 and 9.2)
-from mgpu_helpers import pipeline
+from mgpu_helpers.model_sharding import pipeline
 from mgpu_helpers.tools.authoring import mutant_fails_every_seed
 from testkit import marked, mistake_params, solution_passes_stub_fails
 

@@ -26,7 +26,7 @@ for _p in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
     for _ex, _c in exercise_cells(_nb).items():
         SOLUTIONS[_ex] = exec_cell(_c.source)[_c.metadata["mgpu"]["function"]]
 REACHABLE = [i.name for i in pkgutil.walk_packages(mgpu_helpers.__path__, "mgpu_helpers.")
-             if ".tools" not in i.name and ".references" not in i.name]
+             if ".tools" not in i.name and ".references" not in i.name and not i.name.endswith(".__main__")]
 
 
 def _required(fn):

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_helpers import device_budget as db
-from mgpu_helpers.planner_layouts import CUDNN_WORKSPACE_EXTRA, CUDNN_WORKSPACE_FRACTION
+from mgpu_helpers.planner import budget as db
+from mgpu_helpers.planner.accounting import CUDNN_WORKSPACE_EXTRA, CUDNN_WORKSPACE_FRACTION
 from mgpu_helpers.tools.plan_cli import main
 from mgpu_helpers.planner import lm_loss, token_batch, decoder, SIZES
-from mgpu_helpers.planner_trace import trace_step
+from mgpu_helpers.planner.trace import trace_step
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["tiny", "--batch", "8", "--seq", "64", "--micro-batches", "1", "--checkpointing", "off"]
@@ -67,7 +67,7 @@ def convmod(tmp_path, monkeypatch):
     sys.modules.pop("plan_convnets", None)
 
 
-# --- device_budget ---------------------------------------------------------------------------------
+# --- planner.budget ---------------------------------------------------------------------------------
 
 def test_memory_sizes_need_a_unit_and_gb_is_decimal():
     assert db.parse_memory("80GB") == 80 * 10**9
@@ -159,7 +159,7 @@ def test_conv_net_from_module_function_gets_a_cudnn_workspace_line(capsys, convm
                        "--precision", "fp32", "--micro-batches", "1", "--gpu", "L4")
     lines = {ln["name"]: ln["bytes"] for ln in r["plans"][0]["lines"]}
     largest = 4 * 16 * 16 * 16 * 4  # the stem's fp32 output (4x16x16x16) is larger than its 4x3x32x32 input
-    # traced inside each convolution (planner_layouts.cudnn_workspace); this net's peak falls inside the stem's
+    # traced inside each convolution (planner.accounting.cudnn_workspace); this net's peak falls inside the stem's
     ws = int(CUDNN_WORKSPACE_FRACTION * largest) + CUDNN_WORKSPACE_EXTRA
     assert lines["cuDNN conv workspace"] == -(-ws // 512) * 512  # a block of the allocator
     assert lines["cuBLAS workspace"] == 2 * db.CUBLAS_WORKSPACE["other"]  # an L4 is not Hopper; two handles

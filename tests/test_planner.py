@@ -5,14 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from mgpu_helpers import sharding
 from mgpu_helpers.planner import (SIZES, cached_trace, decoder, lm_loss, model_state_bytes, plan,
                                   step_cost, token_batch)
-from mgpu_helpers import planner_trace
-from mgpu_helpers.planner_trace import apply_checkpointing, make_optimizer, train_step, warm_up
+from mgpu_helpers.planner import accounting
+from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
-from torch.profiler import record_function
 from mgpu_helpers.runtime.tracker import CATEGORIES, MemoryTracker
 
 
@@ -66,7 +66,7 @@ def test_plan_equals_tracker_on_the_real_step(model, precision, checkpointing, k
     # The tracker counts the storages tensor ops make; so does the plan, less the kernels' own scratch that
     # no tensor owns (oneDNN's bf16 matmuls borrow some on AVX-512-bf16 and AMX, none on AVX2): held
     # against the profiler, which sees it, in the next test.
-    monkeypatch.setattr(planner_trace, "cpu_kernel_scratch", lambda *a: 0)
+    monkeypatch.setattr(accounting, "cpu_kernel_scratch", lambda *a: 0)
     model_fn, batch, loss_fn = MODELS[model]
     p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=checkpointing,
              micro_batches=k, device="cpu")
@@ -82,7 +82,7 @@ def test_plan_equals_tracker_on_the_real_step(model, precision, checkpointing, k
                                                      ("bf16", False)])
 def test_plan_holds_against_the_profiler_on_this_cpu(model, precision, checkpointing):
     """The reference that sees every allocation, this CPU's kernels' scratch included: the plan (which
-    measures that scratch op by op here, planner_kernels) within 0.5% on AVX2, AVX-512, AVX-512-bf16, AMX."""
+    measures that scratch op by op here, planner.kernels) within 0.5% on AVX2, AVX-512, AVX-512-bf16, AMX."""
     model_fn, batch, loss_fn = MODELS[model]
     if precision == "bf16":
         batch = (batch[0].bfloat16(), batch[1]) if batch[0].is_floating_point() else batch
@@ -104,7 +104,7 @@ def test_plan_holds_against_the_profiler_on_this_cpu(model, precision, checkpoin
 
 
 def test_pure_bf16_plan_equals_tracker(monkeypatch):
-    monkeypatch.setattr(planner_trace, "cpu_kernel_scratch", lambda *a: 0)  # tensors only, as the tracker
+    monkeypatch.setattr(accounting, "cpu_kernel_scratch", lambda *a: 0)  # tensors only, as the tracker
     model_fn, batch, loss_fn = MODELS["mlp"]
     p = plan(model_fn, batch, loss_fn=loss_fn, precision="bf16", device="cpu")
     assert p.peak_bytes == tracked(model_fn, (batch[0].bfloat16(), batch[1]), loss_fn, "bf16", False, 1)[0]
@@ -164,7 +164,7 @@ def test_sharding_rules():
 def test_zero1_partition_is_zero_redundancy_optimizers():
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from mgpu_helpers.planner_layouts import zero_partition
+    from mgpu_helpers.planner.layouts import zero_partition
     numels = [5, 9, 9, 1, 7, 3, 3, 12]
     ours = zero_partition(numels, 3)
     params = [nn.Parameter(torch.zeros(k)) for k in numels]
@@ -198,7 +198,7 @@ def test_step_cost_rule():
 def test_nothing_real_is_allocated_for_a_7b_build(monkeypatch):
     # The planner's build of Llama-2-7B's shapes would need 27 GB if real; under fake tensors it is free.
     model_fn = decoder("7B")
-    from mgpu_helpers.planner_trace import FakeTensorMode, _check_fake
+    from mgpu_helpers.planner.trace import FakeTensorMode, _check_fake
     with FakeTensorMode():
         m = model_fn()
         _check_fake(m)
@@ -234,7 +234,7 @@ def test_bad_input_names_the_argument():
 
 def test_bad_plans_fail_before_anything_is_traced(monkeypatch):
     import mgpu_helpers.planner as planner
-    from mgpu_helpers import planner_trace
+    from mgpu_helpers.planner import trace as planner_trace
     model_fn, batch, loss_fn = MODELS["mlp"]
     calls = []
     monkeypatch.setattr(planner_trace, "_trace", lambda *a, **k: calls.append(1))  # nothing half-computed

@@ -1,14 +1,14 @@
-"""planner_allocator: the caching allocator's rules (c10/cuda/CUDACachingAllocator.cpp), and the replay of
+"""planner.allocator: the caching allocator's rules (c10/cuda/CUDACachingAllocator.cpp), and the replay of
 a traced step. The rules are checked case by case against the constants and the split/segment logic of
 the allocator's source; the H200 bench (bench/plan_gpu.py) checks the replay against the real allocator."""
 import pytest
 import torch
 from torch import nn
 
-from mgpu_helpers import device_budget as db
+from mgpu_helpers.planner import budget as db
 from mgpu_helpers.planner import lm_loss, token_batch, decoder
-from mgpu_helpers.planner_allocator import CachingAllocator, replay, round_size, segment_size
-from mgpu_helpers.planner_trace import trace_step
+from mgpu_helpers.planner.allocator import CachingAllocator, replay, round_size, segment_size
+from mgpu_helpers.planner.trace import trace_step
 
 MiB = 2**20
 

@@ -1,4 +1,4 @@
-"""planner_cuda: the fake trace runs attention, RMSNorm, dropout and cross-entropy as a GPU does, on a CPU."""
+"""planner.cuda: the fake trace runs attention, RMSNorm, dropout and cross-entropy as a GPU does, on a CPU."""
 import collections
 import json
 
@@ -9,10 +9,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mgpu_helpers import planner_cuda as pc
+from mgpu_helpers.planner import cuda as pc
 from mgpu_helpers.planner import SIZES, decoder, lm_loss, token_batch
-from mgpu_helpers.planner_cuda import EFFICIENT, FLASH, MATH, CudaKernels, cuda_backend
-from mgpu_helpers.planner_trace import trace_step
+from mgpu_helpers.planner.cuda import EFFICIENT, FLASH, MATH, CudaKernels, cuda_backend
+from mgpu_helpers.planner.trace import trace_step
 
 
 class Ops(TorchDispatchMode):

@@ -1,11 +1,11 @@
-"""ZeRO-3 planned by running FSDP2 on fake tensors (planner_fsdp): steady step, ranks, options."""
+"""ZeRO-3 planned by running FSDP2 on fake tensors (planner.fsdp): steady step, ranks, options."""
 import pytest
 import torch.distributed as dist
 
-import mgpu_helpers.planner_trace as planner_trace
+import mgpu_helpers.planner.trace as planner_trace
 from mgpu_helpers.planner import plan
-from mgpu_helpers.planner_fsdp import fake_group, rank_groups, shard_rows
-from mgpu_helpers.planner_models import decoder, lm_loss, tied_frozen, token_batch
+from mgpu_helpers.planner.fsdp import fake_group, rank_groups, shard_rows
+from mgpu_helpers.planner.models import decoder, lm_loss, tied_frozen, token_batch
 
 TINY = dict(model_fn=decoder("tiny"), batch=token_batch(4, 32, 512), loss_fn=lm_loss)
 
@@ -75,8 +75,8 @@ def test_stepping_the_local_shards_makes_the_bytes_dtensors_make(monkeypatch):
     """step_on_shards (the planner's shortcut past DTensor's sharding propagation in the optimizer step) must
     not change one byte: the same timeline as Adam stepping FSDP2's DTensor parameters, on an uneven rank too
     (its shards are re-padded by FSDP2's lazy init, after the optimizer was built)."""
-    import mgpu_helpers.planner_fsdp as pf
-    from mgpu_helpers.planner_trace import trace_step
+    import mgpu_helpers.planner.fsdp as pf
+    from mgpu_helpers.planner.trace import trace_step
 
     def timeline(rank):
         fsdp = dict(world_size=8, rank=rank, fsdp_units="blocks", reshard_after_forward=None, prefetch=1,

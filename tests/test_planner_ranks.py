@@ -1,6 +1,6 @@
 """plan() against real steps on 2 and 4 gloo ranks: every rank's measured peak within 2% (issue 18).
 
-The reference (``planner_validate``) is the profiler's allocation events with c10's all-thread total: it
+The reference (``planner.validation``) is the profiler's allocation events with c10's all-thread total: it
 sees DDP's buckets, FSDP2's re-grown storages and oneDNN's scratch. bench/planner_ranks.py prints the
 full table (three model families x four methods x three layouts x world 2 and 4); these are small rows of
 it, chosen so that each of the planner's mechanisms is held to a real step at least once.
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from mgpu_helpers.planner import plan
-from mgpu_helpers.planner_models import convnet, decoder, image_batch, lm_loss, tied_frozen, token_batch
-from mgpu_helpers.planner_kernels import probe
-from mgpu_helpers.planner_validate import table, validate
+from mgpu_helpers.planner.kernels import probe
+from mgpu_helpers.planner.models import convnet, decoder, image_batch, lm_loss, tied_frozen, token_batch
+from mgpu_helpers.planner.validation import table, validate
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
 
 MODELS = {
@@ -61,7 +61,7 @@ def test_without_the_buckets_ddp_would_be_under():
                                    (8, 32, 32, 16, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_scratch_line_is_what_onednn_takes(shape, dtype):
-    # The planner's figure for each convolution op (measured op by op on this CPU: planner_kernels) held
+    # The planner's figure for each convolution op (measured op by op on this CPU: planner.kernels) held
     # against the most the allocator holds across a whole forward + backward: never below what oneDNN took.
     b, cin, cout, hw, k = shape
     torch.set_num_threads(1)
@@ -95,7 +95,7 @@ def test_conv_scratch_line_is_what_onednn_takes(shape, dtype):
 def test_chunk_cat_scratch_line_is_what_the_cpu_kernel_takes(grad_dtype):
     """FSDP2 copies gradients into its fp32 reduce-scatter buffer with _chunk_cat: converting bf16 inputs, the
     CPU kernel copies each one first (the largest counts); same dtype, nothing. The profiler says how much."""
-    from mgpu_helpers.planner_layouts import chunk_cat_scratch
+    from mgpu_helpers.planner.kernels import chunk_cat_scratch
     from mgpu_helpers.runtime.alloc_reference import AllocationReference
     grads = [torch.randn(256, 512, dtype=grad_dtype), torch.randn(1000, dtype=grad_dtype),
              torch.randn(300, 512, dtype=grad_dtype)]

@@ -69,7 +69,7 @@ from testkit import run_torchrun  # noqa: E402
 from mgpu_helpers.runtime.launch import run_ranks  # noqa: E402
 from mgpu_helpers.sharding import linears, make_model, unique  # noqa: E402
 from mgpu_helpers.checks.sharding import check_8_2  # noqa: E402
-from mgpu_helpers.sharding_fsdp import fake_world, formula, measure, sweep, trains_like_one_process  # noqa: E402
+from mgpu_helpers.sharding.fsdp import fake_world, formula, measure, sweep, trains_like_one_process  # noqa: E402
 from mgpu_helpers.checks.references.sharding import reference_reduce_scatter  # noqa: E402
 
 WIDTHS = [16, 64, 64, 64, 10]
@@ -127,5 +127,5 @@ def test_sweep_matches_formula_for_zero2_and_fsdp2():
 
 
 def test_torchrun_entry():
-    out = run_torchrun("mgpu_helpers.sharding_fsdp").stdout
+    out = run_torchrun("mgpu_helpers.sharding").stdout
     assert out.count("equal one process") == 2 and "FSDP2 per block + root on 2 ranks" in out, out

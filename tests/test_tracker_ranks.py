@@ -18,8 +18,8 @@ from torch.nn import functional as F
 
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
 from mgpu_helpers.runtime.launch import run_ranks
-from mgpu_helpers.planner_models import Decoder, lm_loss, token_batch
-from mgpu_helpers.planner_validate import wrap
+from mgpu_helpers.planner.models import Decoder, lm_loss, token_batch
+from mgpu_helpers.planner.validation import wrap
 from mgpu_helpers.runtime.tracker import MemoryTracker
 
 METHODS = ("ddp", "zero1+ddp", "fsdp2-root", "fsdp2-blocks")
@@ -28,7 +28,7 @@ PHASES = ("forward", "backward", "step", "end")
 
 
 def build(method):
-    """(model, the optimizer the tracker watches, what steps): ``planner_validate.wrap``, the wrapping the
+    """(model, the optimizer the tracker watches, what steps): ``planner.validation.wrap``, the wrapping the
     planner's own validation runs; ZeroRedundancyOptimizer's step calls its local optimizer, so that is watched."""
     torch.manual_seed(0)
     model, opt = wrap(Decoder(512, 64, 2, 4, 172), WRAP[method])

@@ -6,7 +6,7 @@ import pytest
 matplotlib.use("Agg")
 
 from mgpu_helpers.planner import cached_trace  # noqa: E402
-from mgpu_helpers.widgets import calculator, render, settings_plan  # noqa: E402
+from mgpu_helpers.planner.capstone import calculator, render, settings_plan  # noqa: E402
 
 S = dict(size="tiny", batch_size=4, seq_len=32, precision="bf16-autocast")
 

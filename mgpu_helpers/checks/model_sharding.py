@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..pipeline import StepRecorder, Stuck, make_batch, make_model, single_process_step, stage_bounds
+from ..model_sharding.pipeline import StepRecorder, Stuck, make_batch, make_model, single_process_step, stage_bounds
 from ..runtime.launch import rank_device
-from ..tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
+from ..model_sharding.tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
 from .base import REGISTRY, CheckFailure, expect, expect_close, expect_equal, expect_type, run_learner_ranks
 from .remember import RemembersVerdict
 
@@ -308,7 +308,7 @@ check_9_2 = REGISTRY["9.2"]
 
 
 def script(rank, world):
-    """``torchrun --nproc-per-node 2 -m mgpu_helpers.model_sharding``: the references against one process."""
+    """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding``: the references against one process."""
     from .references.pipeline import gpipe_step
     from .references.tensor_parallel import TensorParallelMLP
     dev = rank_device()

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import random
 
-from ..planner import Plan, _summary, candidate_plans
+from ..planner import Plan, candidate_plans
+from ..planner.capstone import _summary
 from .base import REGISTRY, describe_value, expect, expect_equal
 from .remember import RemembersVerdict
 

@@ -1,37 +1,9 @@
 """Checks of notebook 02: 2.1 a peak-memory measurement, 2.2 the phase where a step peaks (against the tracker)."""
 from __future__ import annotations
 
-import contextlib
-
-import torch
-import torch.nn.functional as F
-
-from ..memory import make_optimizer, mlp
-from ..runtime.tracker import MemoryTracker
+from ..memory import make_optimizer
+from ..profiling import _inputs, scenario
 from .base import REGISTRY, Check, expect, expect_equal, expect_type, plain
-
-
-def _inputs(case):
-    model = mlp(case["widths"], seed=case["seed"])
-    g = torch.Generator().manual_seed(case["seed"])
-    x = torch.randn(case["batch"], case["widths"][0], generator=g)
-    return model, (x, torch.randint(0, case["widths"][-1], (case["batch"],), generator=g))
-
-
-@contextlib.contextmanager
-def scenario(case: dict):
-    """A tracker that already holds a baseline and an earlier, larger peak, and one training-like step to
-    measure: ``with scenario(case) as (step, tracker): ...``."""
-    model, (x, y) = _inputs(case)
-
-    def step():
-        F.cross_entropy(model(x), y).backward()  # the gradients stay allocated after the step
-
-    with MemoryTracker() as t:
-        baseline = torch.zeros(case["baseline"], dtype=torch.uint8)  # noqa: F841 - allocated before the step
-        spike = torch.empty(case["spike"], dtype=torch.uint8)
-        del spike                                                      # an earlier peak, above the step's
-        yield step, t
 
 
 class PeakMemory(Check):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ..accumulation import CollectiveCounter
-from ..sharding import Zero2, _ceil_div, all_gather_flat, linears, make_batch, make_model, unique
+from ..sharding.zero import Zero2, _ceil_div, all_gather_flat, linears, make_batch, make_model, unique
 from .base import REGISTRY, expect, expect_close, expect_equal, expect_type, run_learner_ranks
 from .remember import RemembersVerdict
 

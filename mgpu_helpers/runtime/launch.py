@@ -108,7 +108,7 @@ def _context(method):
 # Imported once by the forkserver (a missing one is skipped): torch's distributed parts the notebooks'
 # ranks use, and the course's helper modules -- all but the authoring, grading and JupyterLab tooling.
 _PACKAGE = __package__.rpartition(".")[0]                       # mgpu_helpers
-_NOT_IN_RANKS = {"tools", "widgets", "references"}             # tooling, the calculator, judges' references
+_NOT_IN_RANKS = {"tools", "references"}                        # tooling, judges' references
 
 
 def _course_modules(path=os.path.dirname(os.path.dirname(__file__)), prefix=_PACKAGE):
@@ -318,6 +318,19 @@ def torchrun_main(fn, *args, backend="auto", timeout=300.0):
     return result
 
 
+def script_args(doc: str, argv=None, *, add=None):
+    """The command line of a ``python -m`` / ``torchrun -m`` script of the course: ``--help`` prints ``doc``
+    (the module's docstring) and exits; ``add(parser)`` adds the script's own arguments, if any."""
+    import argparse
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    name = getattr(spec, "name", None) or "script"
+    parser = argparse.ArgumentParser(prog=f"python -m {name.removesuffix('.__main__')}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if add is not None:
+        add(parser)
+    return parser.parse_args(argv)
+
+
 def _demo(rank, world_size):
     t = torch.tensor([rank + 1.0], device=rank_device())
     dist.all_reduce(t)
@@ -325,4 +338,5 @@ def _demo(rank, world_size):
 
 
 if __name__ == "__main__":  # under torchrun (see the module docstring), or plain `python -m`
+    script_args(__doc__)
     torchrun_main(_demo) if "RANK" in os.environ else print(run_ranks(_demo, 2)[0])

@@ -124,7 +124,7 @@ class MemoryTracker(TorchDispatchMode):
         self._acc_peak = None  # the accounting's own peak, once the allocator's replaced it (CPU, exact)
         self._peak, self._peak_cats, self._peak_idx = 0, dict(self._cats), -1
         self._active, self._fwd_depth, self._in_opt, self._handles = False, 0, False, []
-        self.events = None  # a list: every size change in order (planner_allocator replays a fake trace's)
+        self.events = None  # a list: every size change in order (planner.allocator replays a fake trace's)
 
     def _params(self):
         ps = list(self.model.parameters()) if self.model is not None else []

@@ -8,7 +8,7 @@ For each (precision layout, checkpointing, micro-batches) the step is traced onc
 (``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
 (``Trace.shard``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
 peak plus the batch, kernel workspaces, the caching allocator's reserve, the CUDA context and NCCL's
-buffers, each its own line with its source (``mgpu_helpers.device_budget``). The cheapest plan that fits
+buffers, each its own line with its source (``mgpu_helpers.planner.budget``). The cheapest plan that fits
 follows the course's rule (notebook 11): fewest GPUs, then the lowest ``step_cost``.
 
 Exit status: 0 a plan fits, 1 nothing fits, 2 bad input (one line on stderr; MGPU_PLAN_DEBUG=1 shows the
@@ -24,7 +24,7 @@ import sys
 import torch
 from torch import nn
 
-from mgpu_helpers import device_budget as db
+from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import PlanInputError, make_batch, output_loss, resolve
 from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, step_cost, trace_step
 
@@ -106,7 +106,7 @@ def settings(a):
 
 def watch_convs(model_fn, seen):
     """``model_fn`` with forward hooks recording each convolution's largest activation (bytes, in the
-    dtype it ran in): cuDNN's workspace scales with it and no tensor holds it (device_budget)."""
+    dtype it ran in): cuDNN's workspace scales with it and no tensor holds it (planner.budget)."""
     def wrapped():
         model = model_fn()
         if isinstance(model, nn.Module):
@@ -130,7 +130,7 @@ def _plans_of(a, s, prec, ck, k):
     try:
         trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
                            micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512,
-                           device="cpu", kernels="cuda")  # a GPU's plan, the same on any host (planner_cuda)
+                           device="cpu", kernels="cuda")  # a GPU's plan, the same on any host (planner.cuda)
     except PlanInputError:
         raise
     except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for
@@ -267,7 +267,7 @@ def main(argv=None):
     a = parse_args(argv)
     try:
         r = run(a)
-    except (PlanInputError, ValueError) as e:  # ValueError: the planner's and device_budget's own checks
+    except (PlanInputError, ValueError) as e:  # ValueError: the planner's and planner.budget's own checks
         if os.environ.get("MGPU_PLAN_DEBUG"):
             raise
         print(f"mgpu-plan: error: {e}", file=sys.stderr)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mgpu_helpers.planner_models import SIZES, Decoder
+from mgpu_helpers.planner.models import SIZES, Decoder
 
 
 class PlanInputError(Exception):

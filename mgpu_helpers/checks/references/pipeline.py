@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ...pipeline import stage_bounds
+from ...model_sharding.pipeline import stage_bounds
 
 
 @contextlib.contextmanager

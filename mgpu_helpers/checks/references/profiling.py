@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from ...memory import make_optimizer
-from ...profiling import train_step
+from ...profiling import _inputs, scenario, train_step
 from ...runtime.tracker import MemoryTracker
-from ..profiling import _inputs, scenario
 
 
 def peak_figures(case: dict) -> dict:

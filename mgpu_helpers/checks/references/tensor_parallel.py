@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ...tensor_parallel import DenseMLP
+from ...model_sharding.tensor_parallel import DenseMLP
 
 
 class CopyToParallel(torch.autograd.Function):

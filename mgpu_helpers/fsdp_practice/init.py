@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fsdp_practice import MODEL, Net, make_model, profiled_peak, shard, storage_bytes
-from .runtime.launch import rank_device
+from .knobs import MODEL, Net, make_model, profiled_peak, shard, storage_bytes
+from ..runtime.launch import rank_device
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> None:
@@ -81,7 +81,7 @@ class SavedBytes:
 
 def saved_for_backward(rank, world_size, precision="fp32", rows=64, model_kw=None):
     """Bytes saved for backward in one forward of the FSDP2 model on this rank, by dtype."""
-    from .fsdp_practice import build
+    from .knobs import build
     model, _, _ = build({"precision": precision, "rows": rows}, model_kw)
     mkw = {**MODEL, **(model_kw or {})}
     x = torch.randn(rows, mkw["d_in"], device=rank_device())

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .fsdp_practice import MODEL, build, make_model
-from .fsdp_practice_measure import _quiet_stderr
-from .runtime.launch import rank_device
-from .sharding import make_batch
+from ..runtime.launch import rank_device
+from ..sharding.zero import make_batch
+from .instruments import _quiet_stderr
+from .knobs import MODEL, build, make_model
 
 COMPUTE = ("aten::mm", "aten::addmm", "aten::gelu", "aten::gelu_backward")
 

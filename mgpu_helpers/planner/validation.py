@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .runtime.alloc_reference import AllocationReference
-from .runtime.launch import run_ranks
-from .planner_trace import train_step
+from ..runtime.alloc_reference import AllocationReference
+from ..runtime.launch import run_ranks
+from .trace import train_step
 
 METHODS = {  # method: plan() options
     "ddp": dict(zero_stage=0),
@@ -54,7 +54,7 @@ def wrap(model, method, precision="fp32", device="cpu", **options):
     if method in ("fsdp2", "fsdp2-root"):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .planner_fsdp import apply_fsdp  # the very code plan() runs on fake tensors
+        from .fsdp import apply_fsdp  # the very code plan() runs on fake tensors
         fsdp = {k: v for k, v in options.items() if k in ("reshard_after_forward", "prefetch", "offload", "mp_policy")}
         apply_fsdp(model, init_device_mesh(device.type, (dist.get_world_size(),)) if device.type == "cpu" else
                    _shared_gpu_mesh(), precision=precision,
@@ -106,7 +106,7 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
     every combination (``error`` = planned / measured - 1: negative is an under-estimate, the dangerous
     direction). ``remeasure``: how many more times a run with a rank off by more than ``tolerance`` is
     measured (below)."""
-    from .planner import plan
+    from .plans import plan
     rows = []
     for precision in precisions:
         for method in methods:

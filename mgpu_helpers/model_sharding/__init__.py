@@ -2,20 +2,18 @@
 parallelism (one layer's weights across ranks, exercise 9.2). The machinery is in ``pipeline.py`` and
 ``tensor_parallel.py``, gathered here for the notebook; the checks are in ``checks.model_sharding``.
 
-Run as a script (a GPipe step and a tensor-parallel MLP over every rank, compared with one process)::
+The script (a GPipe step and a tensor-parallel MLP over every rank, compared with one process) judges
+with the checks' references, so it lives with the checks (a lesson module never imports its checks)::
 
-    torchrun --nproc-per-node 2 -m mgpu_helpers.model_sharding
+    torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 \\
-        -m mgpu_helpers.model_sharding          # on each of 2 nodes (tests/test_multinode.py: localhost)
-    python -m mgpu_helpers.model_sharding       # no torchrun: 2 ranks via run_ranks
+        -m mgpu_helpers.checks model_sharding   # on each of 2 nodes (tests/test_multinode.py: localhost)
+    python -m mgpu_helpers.checks model_sharding   # no torchrun: 2 ranks via run_ranks
 """
 from __future__ import annotations
 
-import os
-
 from .pipeline import (StepRecorder, Stuck, as_intervals, bubble_fraction, make_batch, make_model,  # noqa: F401
                        plot_timeline, single_process_step, stage_bounds, step_timeline, wall_timeline)
-from .runtime.launch import run_ranks, torchrun_main
 from .tensor_parallel import (AllReduceCounter, DenseMLP, make_mlp, param_bytes,  # noqa: F401
                               parameter_bytes_formula, torch_tensor_parallel)
 
@@ -23,11 +21,3 @@ __all__ = ["StepRecorder", "Stuck", "as_intervals", "bubble_fraction", "make_bat
            "single_process_step", "stage_bounds", "step_timeline", "wall_timeline", "AllReduceCounter", "DenseMLP",
            "make_mlp", "parameter_bytes_formula", "torch_tensor_parallel", "param_bytes"]
 
-
-if __name__ == "__main__":
-    from mgpu_helpers.checks.model_sharding import script
-
-    if "RANK" in os.environ:
-        torchrun_main(script)
-    else:
-        print(run_ranks(script, 2)[0])

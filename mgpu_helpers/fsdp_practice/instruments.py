@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
-from .runtime.launch import rank_device
+from ..runtime.launch import rank_device
 
 
 class CommLog(TorchDispatchMode):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from .runtime.tracker import MemoryTracker
+from ..runtime.tracker import MemoryTracker
 
 
 class DenseMLP(nn.Module):

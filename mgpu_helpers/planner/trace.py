@@ -5,10 +5,10 @@ data -- and runs one steady-state training step (:func:`train_step`, the same co
 under :class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at fake storages. Nothing
 real is allocated, so a 7B-parameter step traces on a laptop in seconds.
 
-Why a subclass: ``MemoryTracker`` counts storages on its device, and a fake tensor's storage lives on
-``meta`` whatever device the tensor claims, so the tracker sees nothing under a fake mode (FACTS.md).
-``FakeTracker`` counts meta storages of tensors that claim the planned device -- same categories, same
-rules, same 512-byte rounding -- which is why the planner equals the tracker on a real step.
+Why a subclass (``accounting``): ``MemoryTracker`` counts storages on its device, and a fake tensor's
+storage lives on ``meta`` whatever device the tensor claims, so the tracker sees nothing under a fake mode
+(FACTS.md). ``FakeTracker`` counts meta storages of tensors that claim the planned device -- same
+categories, same rules, same 512-byte rounding -- which is why the planner equals the tracker on a real step.
 
 The device is the machine's: fake CUDA tensors need a CUDA build (on a CPU build their in-place ops and
 CUDA autocast refuse), and CPU and CUDA autocast cast a few ops differently, so the planner traces
@@ -23,15 +23,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from .planner_cuda import CudaKernels, recompute_contexts
-from .planner_kernels import cpu_kernel_scratch, measure_pending, probed
-from .planner_layouts import _CONVS, conv_scratch, cudnn_workspace  # noqa: F401 (the calibrated lines)
-from .runtime.tracker import CATEGORIES, CUDA_BLOCK, MemoryTracker
+from ..runtime.tracker import CATEGORIES, CUDA_BLOCK
+from .accounting import FakeTracker
+from .cuda import CudaKernels, recompute_contexts
+from .kernels import measure_pending
 
-PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (planner_layouts: all layouts)
+PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (layouts: all layouts)
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 OPTIMIZERS = ("adam", "sgd", "momentum")
 FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the byte (tests/test_planner_fsdp.py)
@@ -122,56 +121,6 @@ def train_step(model, opt, batch, loss_fn, *, precision="fp32", micro_batches=1,
     return loss
 
 
-# --- accounting over fake storages -------------------------------------------------------------------
-
-class FakeTracker(MemoryTracker):
-    """``MemoryTracker`` over fake tensors on ``device``: counts their (meta) storages. Enter it inside the
-    ``FakeTensorMode`` that made the model."""
-
-    def __init__(self, model, optimizer, device, round_to, kernels=None):
-        super().__init__(model, optimizer, device="cpu", round_to=round_to)
-        self.device = torch.device("meta")  # where every fake storage lives
-        self.planned = torch.device(device).type
-        self.events = []  # the allocator's requests, in order: planner_allocator.replay
-        # kernels' own scratch inside a convolution: cuDNN's workspace on a GPU, oneDNN's on the CPU
-        self.kernels = self.planned if kernels is None else kernels
-        self.workspace_at_peak, self._ws_now = 0, 0
-
-    def _claim(self, tensors, cat, add=False):
-        super()._claim([t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == self.planned],
-                       cat, add)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.planned != "cpu":  # ops on CPU tensors only (Adam's step counters) use no GPU memory
-            devs = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            if devs == {"cpu"}:
-                return func(*args, **(kwargs or {}))
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        cpu = self.kernels == "cpu"
-        if self._active and (probed(func) if cpu else func in _CONVS):
-            # measured on this CPU (planner_kernels), or cuDNN's calibrated workspace on a GPU
-            extra = cpu_kernel_scratch(func, args, kwargs) if cpu else cudnn_workspace(func, args)
-            extra = -(-extra // self.round_to) * self.round_to
-            if extra:  # taken and given back inside the op: a transient sample, labelled "other"
-                rec = _Scratch()
-                rec.cat, rec.nbytes = "other", extra
-                with self._lock:
-                    self._ws_now = extra
-                    self._change(rec, extra)
-                    self._ws_now = 0
-                    self._change(rec, -extra)
-        return out
-
-    def _sample(self):
-        super()._sample()
-        if self._peak_idx == len(self._timeline) - 1:
-            self.workspace_at_peak = self._ws_now
-
-
-class _Scratch:  # a kernel's scratch: bytes no tensor owns (an event key for planner_allocator)
-    __slots__ = ("cat", "nbytes")
-
-
 # --- the trace -----------------------------------------------------------------------------------------
 
 @dataclass
@@ -188,7 +137,7 @@ class Trace:
     round_to: int
     config: dict = field(default_factory=dict)
     param_state_sizes: list = field(default_factory=list)  # per trainable parameter: its state's (numel, bytes)
-    events: list = field(default_factory=list, repr=False)  # every storage's size change (planner_allocator)
+    events: list = field(default_factory=list, repr=False)  # every storage's size change (planner.allocator)
 
 
 def _fake_batch(batch, device):
@@ -225,23 +174,24 @@ def _units(model, params):
 def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", micro_batches=1,
                checkpointing=False, device=None, round_to=None, fsdp=None, kernels=None) -> Trace:
     """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors.
-    ``fsdp``: ``dict(world_size=, rank=, **planner_fsdp.apply_fsdp options)`` traces that rank's step of
-    the model wrapped by FSDP2 in a fake process group instead (``planner_fsdp``): two steps, the second
+    ``fsdp``: ``dict(world_size=, rank=, **planner.fsdp.apply_fsdp options)`` traces that rank's step of
+    the model wrapped by FSDP2 in a fake process group instead (``planner.fsdp``): two steps, the second
     counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run).
     ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): a convolution's scratch
     (oneDNN's or cuDNN's workspace) and, for "cuda", the attention kernel a GPU would choose
-    (``planner_cuda``) -- ``mgpu-plan`` traces on any machine and plans for a GPU."""
+    (``planner.cuda``) -- ``mgpu-plan`` traces on any machine and plans for a GPU."""
     if kernels not in (None, "cpu", "cuda"):
         raise ValueError(f"kernels must be None, 'cpu' or 'cuda', got {kernels!r}")
     source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                   micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to,
                   kernels=kernels)
-    traced = {"zero-mixed": "bf16"}.get(precision, precision)  # planner_layouts.zero_mixed: rules over bf16
+    traced = {"zero-mixed": "bf16"}.get(precision, precision)  # planner.layouts.zero_mixed: rules over bf16
+
     def once():
         if fsdp is None:
             return _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing, device,
                           round_to, None, kernels)
-        from .planner_fsdp import fake_group
+        from .fsdp import fake_group
         with fake_group(fsdp["world_size"], fsdp["rank"]):
             return _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing,
                           device, round_to, fsdp, kernels)
@@ -275,10 +225,10 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
     if fsdp is not None:  # the mesh is made outside the fake mode (it reads real rank tensors)
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .planner_fsdp import FSDPFakeTracker, apply_fsdp
+        from .fsdp import FSDPFakeTracker, apply_fsdp
         mesh = init_device_mesh(device.type, (fsdp["world_size"],))
         fsdp_options = {k: v for k, v in fsdp.items() if k not in ("world_size", "rank")}
-    # kernels="cuda": attention, RMSNorm, dropout, cross-entropy run as on a GPU, on any host (planner_cuda)
+    # kernels="cuda": attention, RMSNorm, dropout, cross-entropy run as on a GPU, on any host (planner.cuda)
     gpu_kernels = CudaKernels() if kernels == "cuda" else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=False), gpu_kernels:
         x, y = _fake_batch(batch, device)
@@ -301,7 +251,7 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
             tracker = FSDPFakeTracker
         opt = make_optimizer(model, optimizer)
         if fsdp is not None:
-            from .planner_fsdp import step_on_shards
+            from .fsdp import step_on_shards
             step_on_shards(opt)
         if fsdp is None:
             warm_up(model, opt)

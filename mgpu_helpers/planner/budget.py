@@ -11,7 +11,7 @@ also holds, per process (rank):
     convolution workspaces (one convolution runs at a time, so the largest counts);
   * **the caching allocator's rounding and reserve.** A block larger than a request is not split when the
     rest is small (<= 1 MiB), and counts whole in ``max_memory_allocated``; segments are never given back,
-    so what is reserved is what the order of requests left behind. ``planner_allocator`` replays the traced
+    so what is reserved is what the order of requests left behind. ``planner.allocator`` replays the traced
     step's requests through the allocator's rules and gives both (the "allocator rounding" and
     "allocator reserve" lines); without a trace (notebook 11's calculator) the reserve is a calibrated
     fraction. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` grows one segment per pool, every block
@@ -60,7 +60,7 @@ CONV_WORKSPACE_FRACTION = 0.60
 RESERVE_FRACTION = {("default", "transformer"): 0.27, ("default", "conv"): 0.48,
                     ("expandable", "transformer"): 0.02, ("expandable", "conv"): 0.02}
 EXPANDABLE_PAGE = 2 * MiB
-# The replay (planner_allocator) against the H200's measured reserve (max reserved - max allocated; torch 2.11,
+# The replay (planner.allocator) against the H200's measured reserve (max reserved - max allocated; torch 2.11,
 # bench/plan_gpu.py, plans traced on a CPU): transformer rows within 0.7 points of the allocated peak
 # (default allocator; expandable: 1.0), so a margin of that size keeps "fits" on the safe side, its own line.
 # Conv nets under the default allocator reserve more than the replay finds (ResNet-50 fp32 / bf16 / batch
@@ -76,9 +76,9 @@ SOURCES = {
     "batch": "inputs and targets on the device: their shapes x dtypes",
     "cuBLAS workspace": "torch's default CUBLAS_WORKSPACE_CONFIG per handle: 32 MiB on Hopper, 8.125 MiB before; "
                         "two handles: forward thread + autograd's backward thread (H200: 64 MiB measured)",
-    "allocator rounding": "planner_allocator: the traced requests replayed through the caching allocator's rules "
+    "allocator rounding": "planner.allocator: the traced requests replayed through the caching allocator's rules "
                           "(blocks not split when the rest is <= 1 MiB count whole)",
-    "allocator reserve (replayed)": "planner_allocator: segments the replayed requests leave reserved above the "
+    "allocator reserve (replayed)": "planner.allocator: segments the replayed requests leave reserved above the "
                                     "allocated peak",
     "reserve margin": "the replay was up to 0.7 (default) / 1.0 (expandable) points of the allocated peak below "
                       "the H200's reserve (bench/plan_gpu.py transformer rows): 1 / 1.5 points more",
@@ -89,7 +89,7 @@ SOURCES = {
                             "(FACTS.md: H200, batch 64x224^2, ~112 MB fp32 / ~62 MB bf16)",
     "cuDNN conv workspace (traced)": "the trace takes and frees it inside each convolution: 1.55 x its largest "
                                      "activation + 26 MiB, the envelope of ResNet-50's 212 convolutions measured "
-                                     "on the H200 (planner_layouts.cudnn_workspace); this much is taken at the peak",
+                                     "on the H200 (planner.accounting.cudnn_workspace); this much is taken at the peak",
     "allocator reserve": "caching allocator above the allocated peak (FACTS.md, H200: transformers +2..27%, "
                          "conv nets +14..48%; upper end)",
     "allocator reserve (expandable)": "expandable_segments: 2 MiB pages + 2% (assumed; not yet measured)",
@@ -149,10 +149,10 @@ def cublas_workspaces(arch: str = "hopper") -> tuple[int, int]:
 
 
 def replayed(trace, batch_sizes=(), *, arch: str = "hopper", allocator: str = "default") -> dict:
-    """The caching allocator's rounding and reserve for a traced step (``planner_trace.Trace``), as
+    """The caching allocator's rounding and reserve for a traced step (``planner.trace.Trace``), as
     fractions that :func:`budget` applies: ``rounding`` of the exact allocated peak, ``reserve`` of the
     allocated peak. Exact for the traced step itself; sharded plans of it take the same fractions."""
-    from .planner_allocator import replay
+    from .allocator import replay
     r = replay(trace.events, batch=batch_sizes, workspaces=cublas_workspaces(arch),
                expandable=allocator == "expandable")
     return {"rounding": r["peak_allocated"] / r["exact_peak"] - 1,

@@ -1,10 +1,16 @@
-"""Notebook 11's memory calculator: the planner behind ipywidgets controls.
+"""What notebook 11 adds on top of the planner: exercise 11.1's grid of plans and the memory calculator.
+
+**Exercise 11.1** (the cheapest plan that fits): :func:`candidate_plans` is every plan of :data:`CHECK_GRID`
+for a decoder, each (model, batch, precision, checkpointing, micro-batches) traced once
+(:func:`cached_trace`) and sharded per (world size, ZeRO stage); check 11.1 draws its budgets from them.
+
+**The calculator**, the planner behind ipywidgets controls::
 
     calculator()          # in a notebook cell: controls, then the plot, updating on every change
 
 The drawing is a plain function, :func:`render` (settings in, figure and plan out), so it is tested
 without a browser (tests/test_widgets.py); :func:`calculator` only wires widgets to it. Each
-(model size, precision, checkpointing, micro-batches) is traced once (``planner.cached_trace``: a few
+(model size, precision, checkpointing, micro-batches) is traced once (:func:`cached_trace`: a few
 seconds the first time, 5-10 s for "7B"/"13B"); world size and ZeRO stage are derived from that trace
 in milliseconds, so moving those sliders never re-traces.
 
@@ -14,18 +20,56 @@ below the controls, replaced on every change.
 """
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
+import functools
 
-from . import device_budget as db
-from .planner import PRECISIONS, SIZES, ZERO_STAGES, cached_trace
-from .runtime.plots import COLORS, LABELS
+from . import budget as db
+from .layouts import ZERO_STAGES
+from .models import SIZES, decoder, lm_loss, token_batch
+from .plans import Plan
+from .trace import PRECISIONS, trace_step
 
-CAPACITY_GPUS = ("L4", "A100-80GB", "H200")  # device_budget.GPUS: real capacities in bytes
+CAPACITY_GPUS = ("L4", "A100-80GB", "H200")  # budget.GPUS: real capacities in bytes
 DEFAULTS = dict(size="1B", precision="bf16-autocast", zero_stage=0, world_size=1, checkpointing=False,
                 micro_batches=1, batch_size=4, seq_len=1024)
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MICRO_BATCHES = (1, 2, 4)
 
+
+# --- exercise 11.1: the cheapest plan that fits ----------------------------------------------------
+
+CHECK_MODEL, CHECK_BATCH = "tiny", (8, 64)  # (batch size, sequence length) of the check's plans
+CHECK_GRID = dict(world_size=(1, 2, 4, 8), zero_stage=ZERO_STAGES, checkpointing=(False, True),
+                  micro_batches=(1, 2))
+
+
+@functools.lru_cache(maxsize=None)
+def cached_trace(size, batch_size, seq_len, precision="bf16-autocast", checkpointing=False, micro_batches=1):
+    """One trace per (model, batch, precision, checkpointing, micro-batches); sharding reuses it."""
+    vocab = SIZES[size][0]
+    return trace_step(decoder(size), token_batch(batch_size, seq_len, vocab), loss_fn=lm_loss,
+                      precision=precision, checkpointing=checkpointing, micro_batches=micro_batches,
+                      device="cpu", round_to=512)
+
+
+def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocast", **grid) -> list[Plan]:
+    """Every plan of the grid (:data:`CHECK_GRID`, entries replaced by keyword) for a decoder of
+    ``size``; at world size 1 only stage 0 (at one rank there is nothing to shard)."""
+    g = {**CHECK_GRID, **grid}
+    return list(_plans(size, tuple(batch), precision, *(tuple(g[k]) for k in CHECK_GRID)))
+
+
+@functools.lru_cache(maxsize=None)
+def _plans(size, batch, precision, world_sizes, stages, ckpts, micro):
+    return tuple(cached_trace(size, *batch, precision, ck, k).shard(s, n)
+                 for n in world_sizes for s in stages if n > 1 or s == 0 for ck in ckpts for k in micro)
+
+
+def _summary(p):
+    return None if p is None else {k: p.config[k] for k in ("world_size", "zero_stage", "checkpointing",
+                                                            "micro_batches")}
+
+
+# --- the calculator ----------------------------------------------------------------------------------
 
 def settings_plan(settings: dict):
     """The planner's figures for one set of calculator settings (keys of :data:`DEFAULTS`)."""
@@ -44,6 +88,10 @@ def render(settings: dict, fig=None):
     """Draw the per-rank peak of every ZeRO stage at the chosen world size as stacked bars by category,
     the chosen stage outlined, with capacity lines; returns ``(fig, plan, line)``: the chosen settings'
     plan and a one-line verdict (which capacities it fits)."""
+    import matplotlib.pyplot as plt  # here, not at the top: importing the planner (mgpu-plan) needs no matplotlib
+
+    from ..runtime.plots import COLORS, LABELS
+
     s = {**DEFAULTS, **settings}
     plans = {st: settings_plan({**s, "zero_stage": st}) for st in ZERO_STAGES}
     fig = fig or plt.figure(figsize=(9, 4.2))
@@ -87,6 +135,7 @@ def render(settings: dict, fig=None):
 def calculator(**defaults):
     """The interactive calculator (needs ipywidgets and a live kernel). Returns the widget box."""
     import ipywidgets as W
+    import matplotlib.pyplot as plt
     from IPython.display import display
 
     s = {**DEFAULTS, **defaults}

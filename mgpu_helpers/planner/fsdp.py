@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .planner_trace import FakeTracker
+from .accounting import FakeTracker
 
 PRECISION_POLICY = {"fsdp-mixed": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 

@@ -7,8 +7,8 @@ training step taken after a warm-up step, so that Adam's state exists and the st
 
 Run as a script (ZeroRedundancyOptimizer and FSDP2 against one process, bytes per rank against the formula)::
 
-    torchrun --nproc-per-node 2 -m mgpu_helpers.sharding_fsdp
-    python -m mgpu_helpers.sharding_fsdp                       # no torchrun: 2 ranks via run_ranks
+    torchrun --nproc-per-node 2 -m mgpu_helpers.sharding
+    python -m mgpu_helpers.sharding                            # no torchrun: 2 ranks via run_ranks
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 
-from .runtime.launch import rank_device
-from .runtime.plots import COLORS, LABELS, unit_for
-from .sharding import Zero2, all_gather_flat, linears, make_batch, make_model, model_state_bytes
-from .runtime.tracker import MemoryTracker
+from ..runtime.launch import rank_device
+from ..runtime.plots import COLORS, LABELS, unit_for
+from ..runtime.tracker import MemoryTracker
+from .zero import Zero2, all_gather_flat, linears, make_batch, make_model, model_state_bytes
 
 STAGE = {"DDP (replica)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
          "FSDP2 per block + root": 3, "FSDP2 root only": 3}
@@ -197,13 +197,3 @@ def _demo(rank, world_size):
 __all__ = ["STAGE", "build", "measure", "sweep", "fake_world", "trains_like_one_process", "formula",
            "plot_per_rank", "plot_peaks", "all_gather_flat"]
 
-
-if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m mgpu_helpers.sharding_fsdp
-    import os
-
-    from mgpu_helpers.runtime.launch import run_ranks, torchrun_main
-
-    if "RANK" in os.environ:
-        torchrun_main(_demo)
-    else:
-        print(run_ranks(_demo, 2)[0])

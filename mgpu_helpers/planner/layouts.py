@@ -27,15 +27,13 @@ the gradients are views into the buckets, alive all step); stage 1 ``ZeroRedunda
 (whole parameters per rank, greedily: biggest first to the rank with the fewest elements so far, so the
 ranks differ -- every rank is planned, the worst reported); stage 2 the course's ZeRO-2 (notebook 08's
 ``Zero2``: gradients reduce-scattered as each unit finishes, then sharded, by rule); stage 3 FSDP2
-``fully_shard`` per block + root (``planner_fsdp``: run, not ruled). ``world_size=1`` plans the
+``fully_shard`` per block + root (``planner.fsdp``: run, not ruled). ``world_size=1`` plans the
 unwrapped step at stages 0-2 (no one wraps one device in DDP); stage 3 runs FSDP2 even at one rank.
 
-**Calibrated lines** for what no tensor owns: oneDNN's convolution scratch on the CPU (:func:`conv_scratch`,
-added by the planner's tracker as a transient inside each convolution op).
+The calibrated lines for what no tensor owns (oneDNN's convolution scratch, cuDNN's workspace) are in
+``planner.accounting``, beside the tracker that adds them.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -100,7 +98,7 @@ def _check_args(zero_stage, world_size, precision, options):
 
 
 def _check_trace_args(kw):
-    from .planner_trace import OPTIMIZERS
+    from .trace import OPTIMIZERS
     if kw["optimizer"] not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kw['optimizer']!r}")
     k = kw["micro_batches"]
@@ -189,86 +187,3 @@ def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=F
         state["optimizer"], state["gradients"] = part["o"], part["g"]
     state["total"] = sum(state.values())
     return t, state
-
-
-# --- what no tensor owns: oneDNN's convolution scratch on the CPU -------------------------------------
-
-_CONVS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
-
-
-def conv_scratch(func, args) -> int:
-    """Bytes oneDNN takes and frees inside one CPU convolution, beside its inputs and outputs: a calibrated
-    line, because no tensor owns them (the profiler sees them: ``planner_validate``). Measured with
-    torch 2.13's CPU build on 2-D convolutions, groups 1 (tests/test_planner_ranks.py re-measures them):
-    fp32, kernel > 1: forward the output's bytes (+ the weight's when in and out channels are equal:
-    a reordered copy), backward the output's + the input's (twice the input's when the in-channels are
-    not a multiple of 8, as an RGB stem: 0.73x seen); 1x1 kernels: nothing; 16-bit (autocast):
-    an im2col buffer, batch x in-channels x kernel area x output positions, forward and backward.
-    Other convolutions (grouped, 1-D/3-D, transposed) get the fp32 rule: a documented guess."""
-    if func is torch.ops.aten.convolution.default:
-        x, w, out_shape = args[0], args[1], None
-    else:
-        x, w, out_shape = args[1], args[2], args[0].shape
-    if w.dim() < 3 or all(k == 1 for k in w.shape[2:]):
-        return 0
-    e, area = x.element_size(), math.prod(w.shape[2:])
-    if out_shape is None:
-        stride, padding, dilation = args[3], args[4], args[5]
-        spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
-                   zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
-        out_shape = (x.shape[0], w.shape[0], *spatial)
-    out_b, in_b, w_b = math.prod(out_shape) * e, x.numel() * e, w.numel() * e
-    if e < 4:
-        return x.shape[0] * w.shape[1] * area * math.prod(out_shape[2:]) * e
-    if func is torch.ops.aten.convolution.default:
-        return out_b + (w_b if w.shape[0] == w.shape[1] else 0)
-    return out_b + in_b * (2 if w.shape[1] % 8 else 1)  # in-channels off oneDNN's blocks: a padded input copy
-
-
-# cuDNN's workspace, taken and given back inside one convolution on a GPU, from the convolution's largest
-# activation (input or output, in the dtype it runs in). Measured op by op on the H200 (torch 2.11+cu130,
-# cuDNN's default heuristics; bench/planner_gpu_diag.py conv): ResNet-50's 212 convolutions at batch
-# 64 x 224^2, forward and backward, fp32 and bf16 autocast + checkpointing. The workspace ranges from 0
-# (1x1 convolutions on large maps) to 1.54x the largest activation (a strided 1x1's backward: 302.0 MiB
-# for 196 MiB), and small convolutions add up to ~23 MiB (a 3x3's backward at 7x7: 29.5 MiB for 6.1 MiB).
-# The plan takes the envelope of all 212: at least what any of them took (an under-estimate is the
-# dangerous direction; the over-estimate is largest on the small ones, where it is a few MiB of a step).
-CUDNN_WORKSPACE_FRACTION, CUDNN_WORKSPACE_EXTRA = 1.55, 26 * 2**20
-
-
-def cudnn_workspace(func, args) -> int:
-    """Bytes cuDNN takes and frees inside one GPU convolution (forward or backward): a calibrated line."""
-    if func is torch.ops.aten.convolution.default:
-        x, w, out = args[0], args[1], None
-    else:
-        x, w, out = args[1], args[2], args[0]
-    biggest = max(x.numel(), out.numel() if out is not None else 0) * x.element_size()
-    if out is None:  # forward: the output's size from the arguments
-        stride, padding, dilation = args[3], args[4], args[5]
-        spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
-                   zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
-        biggest = max(biggest, x.shape[0] * w.shape[0] * math.prod(spatial) * x.element_size())
-    return int(CUDNN_WORKSPACE_FRACTION * biggest) + CUDNN_WORKSPACE_EXTRA
-
-
-# FSDP2 copies gradients into its reduce-scatter buffer with ``torch._chunk_cat(grads, out=buffer)``. When the
-# buffer's dtype differs from the gradients' (MixedPrecisionPolicy: bf16 gradients, fp32 reduce), the CPU
-# kernel first copies each gradient, one at a time, into a temporary of its own dtype: the largest input's
-# bytes are taken and given back inside the op (torch 2.13's CPU build, measured with the profiler;
-# same dtype: nothing). CUDA's kernel converts in place.
-# FSDP2 reaches it through its own custom op, ``fsdp::chunk_cat`` (tensors, dim, num_chunks, out).
-_CHUNK_CAT_OPS = ("fsdp::chunk_cat", "aten::_chunk_cat")
-
-
-def is_chunk_cat(func) -> bool:
-    return getattr(getattr(func, "_schema", None), "name", None) in _CHUNK_CAT_OPS
-
-
-def chunk_cat_scratch(func, args, kwargs) -> int:
-    """Bytes the CPU ``_chunk_cat`` kernel takes and frees converting its inputs to ``out``'s dtype."""
-    out = (kwargs or {}).get("out", args[3] if len(args) > 3 else None)
-    inputs = args[0] if args else ()
-    if out is None or not inputs:
-        return 0
-    return max((t.numel() * t.element_size() for t in inputs if t.dtype != out.dtype), default=0)
-

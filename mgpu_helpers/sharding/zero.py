@@ -1,4 +1,4 @@
-"""Notebook 08 -- sharding the training state: ZeRO stages 1-3 and FSDP2.
+"""Notebook 08 -- ZeRO by hand: the closed form and the course's ZeRO-2.
 
 Data parallelism (notebook 04) keeps a full copy of parameters, gradients and optimizer state on every
 rank. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
@@ -6,8 +6,8 @@ Models") removes that redundancy in stages: stage 1 shards the optimizer state o
 stage 2 also the gradients, stage 3 also the parameters. :func:`model_state_bytes` is that accounting
 in closed form; :class:`Zero2` runs ZeRO-2 around any model with a reduce-scatter written in exercise 8.2.
 The checks of 8.1 and 8.2 are in ``checks.sharding``; torch's versions (``ZeroRedundancyOptimizer``, FSDP2
-``fully_shard``) and their measured memory in ``sharding_fsdp``, which builds on this module (never the
-other way round) and is the script entry (``torchrun --nproc-per-node 2 -m mgpu_helpers.sharding_fsdp``).
+``fully_shard``) and their measured memory in ``sharding.fsdp``, which builds on this module (never the
+other way round).
 """
 from __future__ import annotations
 

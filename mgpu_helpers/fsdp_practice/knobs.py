@@ -1,32 +1,6 @@
-"""Notebook 12 -- FSDP2 in practice: the knobs of ``fully_shard`` and what each costs, measured per rank.
-
-Notebook 08 showed what ZeRO-3 shards. Here one model (residual MLP blocks, each its own ``fully_shard``
-unit, the root holding the embedding and head) is trained under each knob of FSDP2, and each rank's
-memory and communication for one steady training step are measured:
-
-* ``reshard_after_forward`` True / False / an int: peak bytes against bytes all-gathered;
-* explicit prefetch (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``);
-* ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` against ``torch.autocast`` over FSDP2;
-* ``CPUOffloadPolicy`` and ``torch.autograd.graph.save_on_cpu``; foreach vs fused Adam; meta-device init.
-
-Memory is counted two ways in the same step. :class:`~mgpu_helpers.runtime.tracker.MemoryTracker` gives the split
-by category but learns a storage only when it is made, so it misses the unsharded parameters FSDP2 frees
-with ``resize_(0)`` and re-grows every step (issue 18). ``torch.profiler`` with ``profile_memory=True``
-sees every allocation of the CPU allocator (FACTS.md: matched the tracker and the planner to 8 bytes), so
-the **peak** is the profiler's; the gap between the two is reported as its own row, never hidden. On a GPU
-the peak is ``torch.cuda.max_memory_allocated`` (the same semantics). Collectives are counted at the
-dispatcher (:class:`CommLog`): op, dtype, bytes in and out, on every rank. Both are in
-``fsdp_practice_measure``.
-
-Sweeps run one rank of a world of N inside this process (torch's fake process group, ``sharding_fsdp.
-fake_world``): allocations are real, collectives move no data -- right for bytes, useless for values.
-The timeline and overlap figures are in ``fsdp_practice_timeline``.
-
-Run as a script (every knob on 2 ranks, one table per rank)::
-
-    torchrun --nproc-per-node 2 -m mgpu_helpers.fsdp_practice
-    python -m mgpu_helpers.fsdp_practice                       # no torchrun: 2 ranks via run_ranks
-"""
+"""Notebook 12 -- the model, ``fully_shard`` under each knob, and one steady step measured per rank
+(``measure``, ``sweep``, ``knob_sweep``); the package's face (``fsdp_practice/__init__``) says what each knob
+is and how memory is counted."""
 from __future__ import annotations
 
 import contextlib
@@ -40,11 +14,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.nn import functional as F
 from torch.profiler import record_function
 
-from .fsdp_practice_measure import CommLog, profiled_peak, state_bytes, storage_bytes
-from .runtime.launch import rank_device
-from .sharding import make_batch
-from .sharding_fsdp import fake_world
-from .runtime.tracker import MemoryTracker
+from ..runtime.launch import rank_device
+from ..runtime.tracker import MemoryTracker
+from ..sharding.fsdp import fake_world
+from ..sharding.zero import make_batch
+from .instruments import CommLog, profiled_peak, state_bytes, storage_bytes
 
 MODEL = {"d": 128, "blocks": 4, "d_in": 32, "classes": 10}  # the notebook's model: 4 units of 131,712 bytes
 STATE = ("parameters", "gradients", "optimizer_state")
@@ -233,15 +207,6 @@ def _demo(rank, world_size):
         lines.append(f"  {knobs}: peak {m['peak']}, gathered {m['gathered']}")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    import os
-
-    from mgpu_helpers.runtime.launch import run_ranks, torchrun_main
-    if "LOCAL_RANK" in os.environ:
-        torchrun_main(_demo)
-    else:
-        print("\n".join(run_ranks(_demo, 2)))
 
 __all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes", "state_bytes",
            "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "KNOBS", "PHASES"]

@@ -13,8 +13,8 @@ import functools
 import torch
 from torch.nn import functional as F
 
-from .fsdp_practice import MODEL, Net
-from .sharding import make_batch
+from ..sharding.zero import make_batch
+from .knobs import MODEL, Net
 
 PRECISION = {"fp32": "fp32", "mp_policy": "fsdp-mixed", "autocast": "bf16-autocast"}
 
@@ -22,7 +22,7 @@ PRECISION = {"fp32": "fp32", "mp_policy": "fsdp-mixed", "autocast": "bf16-autoca
 def plan_knobs(world_size: int, knobs: dict, model_kw=None):
     """``planner.plan`` for :func:`fsdp_practice.measure`'s step under ``knobs`` on ``world_size`` ranks
     (one rank's batch of ``knobs.get("rows", 8)``): the planner's :class:`~mgpu_helpers.planner.Plan`."""
-    from .planner import plan
+    from ..planner import plan
 
     k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False, "rows": 8, **knobs}
     if not isinstance(k["reshard_after_forward"], bool) or set(k) - {"reshard_after_forward", "prefetch",

@@ -1,7 +1,7 @@
 """PyTorch's CUDA caching allocator, replayed over a planned step: what ``max_memory_allocated`` and
 ``max_memory_reserved`` will show, not only what the tensors hold.
 
-A fake-tensor trace (``planner_trace``) knows every storage the step makes and frees, in order, with its
+A fake-tensor trace (``planner.trace``) knows every storage the step makes and frees, in order, with its
 size -- exactly what the caching allocator is asked for. The allocator answers by rules that do not depend
 on the GPU (c10/cuda/CUDACachingAllocator.cpp, the constants below), so replaying the requests through the
 same rules predicts two figures a sum of tensor sizes cannot:
@@ -21,7 +21,7 @@ is counted, and the reserve is the high-water mark of the segment's end, fragmen
 
 What the replay does not know: other streams (one stream, as a single-GPU step without NCCL uses), the
 allocator's ``max_split_size_mb`` and ``roundup_power2_divisions`` options (off by default), and kernels'
-own workspaces, which ``device_budget`` adds as lines (cuBLAS's are requested here, at the first forward
+own workspaces, which ``planner.budget`` adds as lines (cuBLAS's are requested here, at the first forward
 and the first backward, because they stay allocated and shape the pools).
 """
 from __future__ import annotations

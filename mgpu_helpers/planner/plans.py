@@ -1,50 +1,42 @@
-"""Notebook 11 -- the memory planner: per-rank memory of a training step before anything is allocated.
+"""The plan: per-rank memory of a training step before anything is allocated (``planner.plan``).
 
     plan(model_fn, batch, loss_fn=..., precision="bf16-autocast", zero_stage=3, world_size=8)
 
-plans what torch runs, in a named memory layout (``planner_layouts``: ``LAYOUTS``; ``plan.layout``):
+plans what torch runs, in a named memory layout (``planner.layouts``: ``LAYOUTS``; ``plan.layout``):
 stage 0 DDP with its gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP (per rank: its
 partition is uneven), stage 2 the course's ZeRO-2, stage 3 FSDP2 ``fully_shard`` per block + root with
-FSDP2's defaults; options (``OPTIONS``) set what torch lets one set. ``model_state_bytes`` is notebook
-08's closed form, re-exported; ``decoder`` builds Llama-shaped models; check 11.1.
+FSDP2's defaults; options (``OPTIONS``) set what torch lets one set.
 
-**The step** (``planner_trace.train_step``): optimizer state already made, gradients None; per
+**The step** (``planner.trace.train_step``): optimizer state already made, gradients None; per
 micro-batch ``loss_fn(model(x), y) / micro_batches`` and backward; ``opt.step()``; ``zero_grad``.
 Counted from before the model was built: parameters, gradients, optimizer state, activations,
-temporaries, oneDNN's convolution scratch on a CPU (a calibrated line: ``planner_layouts.conv_scratch``);
+temporaries, oneDNN's convolution scratch on a CPU (a calibrated line: ``planner.accounting.conv_scratch``);
 not the batch (it exists before the model), not cuBLAS/cuDNN workspaces on a GPU. ``batch`` is one
 rank's batch. Optimizers: foreach ``Adam(lr=1e-3)``, ``SGD`` with or without momentum.
 
-**How.** Stages 0-2: one unsharded step traced under fake tensors (``planner_trace``: the course's
+**How.** Stages 0-2: one unsharded step traced under fake tensors (``planner.trace``: the course's
 tracker over fake storages, so at one rank it *is* the tracker's figure), then each rank's timeline by
-rule (``planner_layouts.rank_timeline``): DDP's buckets added (a flat copy of the gradients; with
+rule (``planner.layouts.rank_timeline``): DDP's buckets added (a flat copy of the gradients; with
 ``gradient_as_bucket_view=True`` the gradients live in them all step), ZeroRedundancyOptimizer's
 rank keeping its parameters' state and stepping only them, ZeRO-2's state and gradients in equal shards
 plus one unit's whole gradients in backward; the peak taken again (it moves: unsharded a 7B step peaks in
 Adam's step, sharded in backward). Stage 3: FSDP2 itself, run on the fake model in a fake process group
-(``planner_fsdp``), one trace per group of ranks with equal shards. Held against real steps on 2 and 4
-gloo ranks with a reference that sees every allocation (``planner_validate``, bench/planner_ranks.py):
+(``planner.fsdp``), one trace per group of ranks with equal shards. Held against real steps on 2 and 4
+gloo ranks with a reference that sees every allocation (``planner.validation``, bench/planner_ranks.py):
 within 2% per rank, in practice to a few bytes. Not modelled: fragmentation, NCCL's buffers.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from .sharding import model_state_bytes  # noqa: F401  notebook 08's closed form, the planner's reference
-from .planner_models import SIZES, Decoder, decoder, lm_loss, token_batch  # noqa: F401
-from .planner_layouts import (LAYOUTS, METHOD, OPTIONS, ZERO_STAGES, _bytes, _check_args,  # noqa: F401
-                              _check_trace_args, rank_timeline)
-from .planner_trace import (PRECISIONS, OPTIMIZERS, Trace, apply_checkpointing, make_optimizer, trace_step,  # noqa: F401
-                            train_step, warm_up)
-from .planner_kernels import step_threads
-from .runtime.tracker import CATEGORIES, MemoryTracker
+from ..runtime.tracker import CATEGORIES, MemoryTracker
+from .kernels import step_threads
+from .layouts import LAYOUTS, METHOD, _bytes, _check_args, _check_trace_args, rank_timeline
+from .trace import Trace, apply_checkpointing, make_optimizer, trace_step, train_step, warm_up
 
-__all__ = ["plan", "Plan", "model_state_bytes", "trace_step", "train_step", "decoder", "step_cost",
-           "PRECISIONS", "LAYOUTS", "OPTIONS", "ZERO_STAGES"]
 CLOSED_FORM_PRECISION = {"fp32": "fp32", "bf16-autocast": "fp32", "fp16-autocast": "fp32", "bf16": "bf16"}
 
 
@@ -108,8 +100,8 @@ def _worst(plans):
 
 
 def _fsdp_plan(trace_kw, world_size, options, config, layout):
-    """ZeRO-3: FSDP2 run on fake tensors, one trace per group of ranks with equal shards (planner_fsdp)."""
-    from .planner_fsdp import rank_groups
+    """ZeRO-3: FSDP2 run on fake tensors, one trace per group of ranks with equal shards (planner.fsdp)."""
+    from .fsdp import rank_groups
     fsdp = {k: options[k] for k in ("fsdp_units", "reshard_after_forward", "prefetch", "offload", "mp_policy")}
     per_rank = [None] * world_size
     for ranks in rank_groups(trace_kw["model_fn"], world_size, fsdp["fsdp_units"]):
@@ -128,7 +120,7 @@ def _fsdp_plan(trace_kw, world_size, options, config, layout):
 
 def shard(trace: Trace, zero_stage: int = 0, world_size: int = 1, **options) -> Plan:
     """The per-rank plan for ZeRO ``zero_stage`` on ``world_size`` ranks from an unsharded trace: stages
-    0-2 by rule (planner_layouts), stage 3 by running FSDP2 on the traced step's model (cached per trace).
+    0-2 by rule (planner.layouts), stage 3 by running FSDP2 on the traced step's model (cached per trace).
     ``options``: :data:`OPTIONS` (plan()'s docs)."""
     layout = trace.config.get("layout", trace.config["precision"])
     o = _check_args(zero_stage, world_size, layout, options)
@@ -179,11 +171,11 @@ def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_s
     host and device are the same memory, so the figure is their sum).
 
     ``threads``: the threads a CPU step's kernels run on (oneDNN's bf16 matmul scratch is per thread,
-    ``planner_kernels``): by default ``run_ranks``' share per rank for ``world_size`` > 1, this process's
+    ``planner.kernels``): by default ``run_ranks``' share per rank for ``world_size`` > 1, this process's
     for one; give it when the step runs elsewhere (``fsdp_practice`` measures its ranks in this process)."""
     o = _check_args(zero_stage, world_size, precision, options)  # before tracing: fail fast, nothing half-done
     if threads is None and world_size > 1:
-        from .runtime.launch import rank_threads
+        from ..runtime.launch import rank_threads
         threads = rank_threads(world_size, "gloo")
     with step_threads(threads):
         return _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size, micro_batches,
@@ -222,36 +214,3 @@ def measure_step(model_fn, batch, *, loss_fn, precision="fp32", checkpointing=Fa
     with MemoryTracker(model, opt) as mt:
         train_step(model, opt, batch, loss_fn, precision=precision, micro_batches=micro_batches, mark=mt.mark)
     return mt.peak_bytes, mt.peak_breakdown()
-
-# --- exercise 11.1: the cheapest plan that fits ----------------------------------------------------
-
-CHECK_MODEL, CHECK_BATCH = "tiny", (8, 64)  # (batch size, sequence length) of the check's plans
-CHECK_GRID = dict(world_size=(1, 2, 4, 8), zero_stage=ZERO_STAGES, checkpointing=(False, True),
-                  micro_batches=(1, 2))
-
-
-@functools.lru_cache(maxsize=None)
-def cached_trace(size, batch_size, seq_len, precision="bf16-autocast", checkpointing=False, micro_batches=1):
-    """One trace per (model, batch, precision, checkpointing, micro-batches); sharding reuses it."""
-    vocab = SIZES[size][0]
-    return trace_step(decoder(size), token_batch(batch_size, seq_len, vocab), loss_fn=lm_loss,
-                      precision=precision, checkpointing=checkpointing, micro_batches=micro_batches,
-                      device="cpu", round_to=512)
-
-
-def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocast", **grid) -> list[Plan]:
-    """Every plan of the grid (:data:`CHECK_GRID`, entries replaced by keyword) for a decoder of
-    ``size``; at world size 1 only stage 0 (at one rank there is nothing to shard)."""
-    g = {**CHECK_GRID, **grid}
-    return list(_plans(size, tuple(batch), precision, *(tuple(g[k]) for k in CHECK_GRID)))
-
-
-@functools.lru_cache(maxsize=None)
-def _plans(size, batch, precision, world_sizes, stages, ckpts, micro):
-    return tuple(cached_trace(size, *batch, precision, ck, k).shard(s, n)
-                 for n in world_sizes for s in stages if n > 1 or s == 0 for ck in ckpts for k in micro)
-
-
-def _summary(p):
-    return None if p is None else {k: p.config[k] for k in ("world_size", "zero_stage", "checkpointing",
-                                                            "micro_batches")}
