@@ -262,7 +262,6 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
     # The ranks' group times out after the launch does, so our TimeoutError names the hung ranks
     # first; theirs is a backstop (gloo's default, 30 minutes, kept orphans alive).
     pg_timeout = (timeout if timeout is not None else 1800) + 5
-    deadline = None if timeout is None else time.monotonic() + timeout
     # Rendezvous through a FileStore in a fresh temp file: no port to choose, hence none to race for,
     # and nothing listens here. A TCPStore here (port 0) was dropped: in 1 launch in 15 its server never
     # answered a rank's handshake (libuv and legacy backends alike), hanging the launch.
@@ -283,6 +282,9 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
                 procs[-1].start()
                 writer.close()  # now only the child holds it, so the child's exit shows as EOF on reader
                 dump_writer.close()
+        # From when the ranks exist: a forkserver's first start (its preloads: 9-10 s on the H200 host,
+        # more under load) returns from start() only once it forked them, and is not the ranks' time.
+        deadline = None if timeout is None else time.monotonic() + timeout
         return collect(procs, conns, dumps, timeout, deadline)
     finally:
         for p in procs:
