@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU-figure tests under several oneDNN ISAs on one machine, side by side (issue: the same course on every
 # learner's CPU). Usage: bash bench/cpu_isa_matrix.sh OUTDIR [ISA ...]   (NATIVE = no ONEDNN_MAX_CPU_ISA)
-# Where Jupyter packages are missing, carry wheels in .whl/ (see .whl's README note in AUTHORING.md).
+# Where Jupyter packages are missing (the H200 host), install nbval, nbclient and ipykernel first, e.g. from
+# wheels: pip install --no-index --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD
 set -u
 out=${1:?usage: cpu_isa_matrix.sh OUTDIR [ISA ...]}; shift
 isas=("$@"); [ ${#isas[@]} -eq 0 ] && isas=(NATIVE AVX512_CORE_AMX AVX512_CORE_BF16 AVX512_CORE AVX2)
