@@ -91,6 +91,14 @@ def test_ddp_no_sync_counts_one_sync_and_matches_the_big_batch():
         assert r["python all_reduce"] == {"allreduce_": 1}
 
 
+def _param_groups(state):
+    """FSDP2's parameter groups of one module: a list since torch 2.13, one optional group in 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
 def _fsdp_counts(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     model = mlp(WIDTHS, seed=1)
@@ -106,7 +114,7 @@ def _fsdp_counts(rank, world):
             accumulate(model, F.cross_entropy, x, y, K, skip=skip)
         out[name] = (c.reduce_scatters, c.all_gathers, flat_grads(model))
     out["sync restored"] = all(g.reduce_grads for m in model.modules() if hasattr(m, "_get_fsdp_state")
-                               for g in m._get_fsdp_state()._fsdp_param_groups)
+                               for g in _param_groups(m._get_fsdp_state()))
     return out
 
 

@@ -326,3 +326,16 @@ def test_seeds_are_secret_but_reproducible():
     assert seed_for(b"k", "ann", NB, "90.1", "") == seed_for(b"k", "ann", NB, "90.1", "")
     assert len({seed_for(b"k", "ann", NB, "90.1", ""), seed_for(b"k", "bob", NB, "90.1", ""),
                 seed_for(b"other", "ann", NB, "90.1", "")}) == 3
+
+
+def test_packages_installed_beside_the_environment_are_visible_to_the_kernel(tmp_path, monkeypatch):
+    """`pip install --target DIR` on PYTHONPATH (or `pip install --user`): the kernel's own packages (nbval,
+    ipykernel) live there, so the sandbox keeps that folder; a source checkout on sys.path is not kept."""
+    from mgpu_helpers.tools.grading.execute import needed_paths
+    site_dir, checkout = tmp_path / "site", tmp_path / "checkout"
+    (site_dir / "nbval-0.11.0.dist-info").mkdir(parents=True)
+    (checkout / "mgpu_helpers.egg-info").mkdir(parents=True)
+    (checkout / "solutions").mkdir()
+    monkeypatch.setattr("sys.path", [*__import__("sys").path, str(site_dir), str(checkout)])
+    keep = needed_paths([])
+    assert str(site_dir) in keep and str(checkout) not in keep
