@@ -412,6 +412,34 @@ def test_main_functions_shipped_by_value(monkeypatch, start):
     assert filename in str(info.value) and 'raise KeyError("spawned rank failed")' in str(info.value)
 
 
+SLOW_START = '''
+import time
+def restore(seconds):
+    time.sleep(seconds)  # what a rank's imports of the caller's modules cost under load
+    return seconds
+class SlowToUnpickle:
+    def __reduce__(self):
+        return (restore, (3.0,))
+def took(rank, world_size, seconds):
+    return seconds
+'''
+
+
+def test_timeout_counts_from_when_the_ranks_started(monkeypatch):
+    """A rank's start (imports, unpickling its job: 15+ s for dynamo under load on the H200 host) is not its
+    time: a 1.5 s timeout holds for ranks that took 3 s to start, and still fires for a rank that hangs."""
+    monkeypatch.setenv("MGPU_START_METHOD", "forkserver")
+    ns = {"__name__": "__main__"}
+    exec(compile(SLOW_START, "<slow-start>", "exec"), ns)
+    assert run_ranks(ns["took"], 2, ns["SlowToUnpickle"](), timeout=1.5) == [3.0, 3.0]
+    with pytest.raises(TimeoutError, match="timed out after 1.5 s; rank"):
+        run_ranks(_sleep_forever, 2, timeout=1.5)
+
+
+def _sleep_forever(rank, world_size):
+    time.sleep(3600)
+
+
 def test_forkserver_imports_module_functions(monkeypatch):
     monkeypatch.setenv("MGPU_START_METHOD", "forkserver")
     assert run_ranks(launch._demo, 2) == ["all_reduce sum over 2 ranks: 3"] * 2  # by reference, not by value

@@ -48,9 +48,20 @@ class RankTimeout(TimeoutError):
         self.summary, self.running, self.stacks = summary, running, stacks
 
 
-def collect(procs, conns, dumps, timeout, deadline):
-    """Each rank's result, in rank order; raise RankError or RankTimeout (the caller kills what is left)."""
+# How long ranks may take to start (imports, unpickling the job) before ``timeout`` runs: a spawned rank
+# imports torch and the caller's modules (sympy, dynamo: 15+ s on a loaded 16-core host without .pyc files).
+STARTUP_LIMIT = 300.0
+
+
+def collect(procs, conns, dumps, timeout, deadline=None):
+    """Each rank's result, in rank order; raise RankError or RankTimeout (the caller kills what is left).
+
+    ``timeout`` counts from when every rank said it is about to run fn (its "go", after its imports), not
+    from the launch: a cold start under load is not the ranks' time. Until then STARTUP_LIMIT bounds it."""
     results, pending, failures, returned = [None] * len(procs), set(range(len(procs))), {}, []
+    going = set()
+    if deadline is None and timeout is not None:
+        deadline = time.monotonic() + max(timeout, STARTUP_LIMIT)
     settle = None  # once something failed: when to stop waiting for the rest and judge
     while pending and (settle is None or time.monotonic() < settle):
         ends = [t for t in (deadline, settle) if t is not None]
@@ -58,11 +69,18 @@ def collect(procs, conns, dumps, timeout, deadline):
         if deadline is not None and time.monotonic() >= deadline:
             if failures:
                 break
-            raise _timed_out(procs, dumps, sorted(pending), timeout)
+            started = len(going) == len(procs)
+            raise _timed_out(procs, dumps, sorted(pending), timeout if started else max(timeout, STARTUP_LIMIT),
+                             "" if started else f" (rank(s) {_ranks(sorted(set(pending) - going))} never started)")
         waits = {**{conns[r]: r for r in pending}, **{procs[r].sentinel: r for r in pending}}
         for r in sorted({waits[obj] for obj in wait(list(waits), timeout=left)}):
             got = _receive(procs[r], conns[r])  # None: a spurious wake-up
             if got is None:
+                continue
+            if got["kind"] == "go":
+                going.add(r)
+                if len(going) == len(procs) and timeout is not None:
+                    deadline = time.monotonic() + timeout  # from here on the time is the ranks' own
                 continue
             pending.discard(r)
             if got["kind"] == "ok":
@@ -87,6 +105,8 @@ def _receive(proc, conn):
     if conn.poll():
         try:
             msg = pickle.loads(conn.recv_bytes())
+            if msg[0] == "go":
+                return {"kind": "go"}
             if msg[0] == "ok":
                 return {"kind": "ok", "result": msg[1]}
             return {"kind": "err", "time": msg[1], "what": msg[2], "traceback": msg[3], "seen": seen}
@@ -138,14 +158,14 @@ def _blame(failures, returned, running):
 
 # --- timeouts: each hung rank's Python stack -------------------------------------------------------
 
-def _timed_out(procs, dumps, running, timeout):
+def _timed_out(procs, dumps, running, timeout, why=""):
     for r in running:
         try:
             os.kill(procs[r].pid, DUMP_SIGNAL)
         except ProcessLookupError:
             pass
     texts = _read_dumps({r: dumps[r] for r in running})
-    lines = [f"run_ranks: timed out after {timeout:g} s; rank(s) {_ranks(running)} still running (killed)"]
+    lines = [f"run_ranks: timed out after {timeout:g} s{why}; rank(s) {_ranks(running)} still running (killed)"]
     stacks = {}
     for r in running:
         frames, launcher = _frames(texts[r])
