@@ -65,9 +65,6 @@ def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_af
     return model
 
 
-_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-
-
 def step_on_shards(opt) -> None:
     """Make ``opt`` (built over FSDP2's DTensor parameters) step on their local shards -- what DTensor's
     foreach ops do anyway (every parameter is Shard(0): the update is local), with the same tensors made
@@ -75,10 +72,6 @@ def step_on_shards(opt) -> None:
     and took two thirds of a 70B plan's time. ``opt.global_params`` keeps the DTensors (global counts).
     The shards are looked up at each step: FSDP2's lazy init may re-pad a shard into a new tensor."""
     opt.global_params = [p for g in opt.param_groups for p in g["params"]]
-    if _TORCH < (2, 13):
-        # torch 2.11's DTensor optimizer step makes more (and larger: a whole parameter's bytes) temporaries
-        # than the local step: the shortcut would plan fewer bytes than FSDP2 takes there. Step the DTensors.
-        return
     groups = [list(g["params"]) for g in opt.param_groups]
     step, zero_grad = opt.step, opt.zero_grad
 
