@@ -13,6 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from mgpu_helpers.tools import lab
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +43,7 @@ def test_no_display_means_no_browser(monkeypatch):
 
 
 def test_busy_port_printed_url_serves_notebook_00(tmp_path):
+    pytest.importorskip("jupyterlab")  # make lab installs it; a bare host (the H200's) has none
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
