@@ -149,6 +149,37 @@ def test_text_table_and_plot(capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_output_names_the_step_the_precision_the_cost_and_ddps_buckets(capsys):
+    code, out, err = run(capsys, *TINY, "--gpus", "2", "--zero", "0", "--gpu-memory", "1GB")
+    assert "step planned: the course's step: loss = cross_entropy(model(x), y)" in out
+    assert " bf16-autocast " in out and "bf16-amp" not in out  # one name for a precision everywhere
+    assert "cost: the course's relative step time" in out
+    # ZeRO-0 on 2 GPUs: DDP's buckets hold a flat fp32 copy of every gradient (4 B per parameter)
+    code, r = run_json(capsys, *TINY, "--gpus", "2", "--zero", "0,3", "--gpu-memory", "1GB")
+    params = r["model"]["parameters"]
+    buckets = {p["zero_stage"]: p["ddp_buckets"] for p in r["plans"]}
+    assert buckets[3] == 0 and 4 * params <= buckets[0] < 4 * params + 512 * 64  # rounded to the allocator's blocks
+    assert "of which DDP's gradient buckets" in out
+
+
+def test_device_lines_say_what_was_measured_on_which_gpu(capsys):
+    _, r = run_json(capsys, *TINY, "--gpus", "2", "--gpu", "H200")
+    h200 = {ln["name"]: ln["source"] for ln in r["plans"][-1]["lines"]}
+    _, r = run_json(capsys, *TINY, "--gpus", "2", "--gpu", "A100-80GB")
+    a100 = {ln["name"]: ln["source"] for ln in r["plans"][-1]["lines"]}
+    assert "carried over" not in h200["CUDA context"] and "H200" in h200["CUDA context"]
+    for line in ("CUDA context", "NCCL buffers"):
+        assert "carried over from the H200" in a100[line] and "A100-80GB" in a100[line], a100[line]
+    assert "for ampere: 8.125 MiB per handle" in a100["cuBLAS workspace"]
+    assert not any("issue" in src for lines in (h200, a100) for src in lines.values())
+    assert not any("issue" in src for _, _, src in db.GPUS.values())
+
+
+def test_a_bad_model_is_reported_before_a_missing_gpu(capsys):
+    code, out, err = run(capsys, "nosuch")
+    assert code == 2 and "unknown model 'nosuch'" in err and "--gpu" not in err.split("(")[0]
+
+
 def test_nothing_fits_exits_1_and_names_the_smallest_plan(capsys):
     code, out, _ = run(capsys, *TINY, "--gpu-memory", "100MB")
     assert code == 1 and "nothing fits 95.4 MiB per GPU; the smallest plan needs" in out

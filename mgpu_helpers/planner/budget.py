@@ -39,7 +39,7 @@ MiB, GiB, GB = 2**20, 2**30, 10**9
 GPUS = {
     "H200": (143771 * MiB, "hopper", "measured here: NVIDIA H200, driver 580.159.04 (README, Verified on)"),
     "H100-80GB": (81559 * MiB, "hopper", "nvidia-smi of H100 80GB HBM3 and H100 PCIe: 81559MiB"),
-    "A100-80GB": (81920 * MiB, "ampere", "nvidia-smi of A100 80GB: 81920MiB (issue 19)"),
+    "A100-80GB": (81920 * MiB, "ampere", "nvidia-smi of A100 80GB: 81920MiB"),
     "A100-40GB": (40960 * MiB, "ampere", "nvidia-smi of A100-SXM4-40GB and A100-PCIE-40GB: 40960MiB"),
     "L4": (23034 * MiB, "ada", "nvidia-smi of NVIDIA L4: 23034MiB"),
     "RTX-4090": (24564 * MiB, "ada", "nvidia-smi of GeForce RTX 4090: 24564MiB"),
@@ -112,12 +112,41 @@ def parse_memory(text: str) -> int:
     return int(round(value * base**power))
 
 
-def gpu(name: str) -> tuple[int, str, str]:
-    """(bytes, architecture, source) of a GPU in :data:`GPUS`; case and separators are forgiven."""
+def gpu_name(name: str) -> str:
+    """The key of :data:`GPUS` that ``name`` means; case and separators are forgiven."""
     key = {re.sub(r"[^a-z0-9]", "", k.lower()): k for k in GPUS}.get(re.sub(r"[^a-z0-9]", "", name.lower()))
     if key is None:
         raise ValueError(f"unknown GPU {name!r}: use one of {', '.join(GPUS)} or --gpu-memory with a unit")
-    return GPUS[key]
+    return key
+
+
+def gpu(name: str) -> tuple[int, str, str]:
+    """(bytes, architecture, source) of a GPU in :data:`GPUS`; case and separators are forgiven."""
+    return GPUS[gpu_name(name)]
+
+
+MEASURED_ON = "H200"  # the GPU whose figures the calibrated lines hold (torch 2.11.0+cu130, driver 580.159.04)
+
+
+def sources_for(gpu: str | None, arch: str) -> dict:
+    """:data:`SOURCES` as they hold for ``gpu``: what was measured on the H200 says so, and on another GPU
+    the lines that depend on its architecture, driver or CUDA version say they are carried over (cuBLAS's
+    workspace follows torch's rule for the architecture; the allocator's rules are the same everywhere)."""
+    out = dict(SOURCES)
+    if gpu == MEASURED_ON:
+        return out
+    where = f"on {gpu}" if gpu else "on a GPU given by its capacity (Hopper assumed: the larger workspace)"
+    one = CUBLAS_WORKSPACE["hopper" if arch == "hopper" else "other"]
+    out["cuBLAS workspace"] = (f"torch's default CUBLAS_WORKSPACE_CONFIG for {arch}: {one / MiB:g} MiB per handle, "
+                               "two handles (forward thread + autograd's backward thread: 2 x 32 MiB measured on "
+                               "the H200)")
+    out["CUDA context"] = (f"carried over from the H200 (747.6-767.6 MiB, torch 2.11+cu130, lazy module loading): "
+                           f"not measured {where}; a context depends on the architecture, driver and CUDA version "
+                           "(bench/plan_gpu.py measures it)")
+    out["NCCL buffers"] = (f"carried over from the H200 (one NCCL 2.28.9 process group, N > 1: 558 MiB): not "
+                           f"measured {where}; NCCL sizes its buffers by topology (NVLink, PCIe)")
+    out["reserve margin"] = SOURCES["reserve margin"] + " (the allocator's rules are the same on every GPU)"
+    return out
 
 
 @dataclass
@@ -161,7 +190,8 @@ def replayed(trace, batch_sizes=(), *, arch: str = "hopper", allocator: str = "d
 
 def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch: str = "hopper",
            conv_activation_bytes: int = 0, allocator: str = "default", replay: dict | None = None,
-           conv_workspace_bytes: int | None = None, activation_bytes: int = 0) -> DeviceBudget:
+           conv_workspace_bytes: int | None = None, activation_bytes: int = 0,
+           gpu: str | None = MEASURED_ON) -> DeviceBudget:
     """The device total of one rank whose tensors peak at ``tensor_peak`` bytes (a planner figure).
 
     ``conv_activation_bytes``: the largest activation (input or output) of any convolution in its compute
@@ -170,7 +200,9 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
     ``replay``: :func:`replayed`'s fractions for the traced step (else the calibrated reserve fraction).
     ``conv_workspace_bytes``: cuDNN's workspace at the peak, when the trace modelled it (it is then part of
     ``tensor_peak`` and moves to its own line); else a fraction of ``conv_activation_bytes``.
-    ``activation_bytes``: activations and other temporaries at the peak (a conv net's reserve floor)."""
+    ``activation_bytes``: activations and other temporaries at the peak (a conv net's reserve floor).
+    ``gpu``: a key of :data:`GPUS` (None: given by capacity): the lines' sources say what holds for it."""
+    SOURCES = sources_for(gpu, arch)  # noqa: N806 - the module's table, as it holds for this GPU
     if allocator not in ("default", "expandable"):
         raise ValueError(f"allocator must be 'default' or 'expandable', got {allocator!r}")
     ws = int(conv_workspace_bytes or 0)

@@ -28,7 +28,9 @@ from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import PlanInputError, make_batch, output_loss, resolve
 from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, step_cost, trace_step
 
-SHORT = {"fp32": "fp32", "bf16-autocast": "bf16-amp", "fp16-autocast": "fp16-amp", "bf16": "bf16"}
+COST = ("cost: the course's relative step time (1.00 = one GPU, no checkpointing, one micro-batch): +0.33 "
+        "checkpointing (the forward again), +0.10 per extra micro-batch, +0.02 per ZeRO stage and +0.50 for "
+        "ZeRO-3's second all-gather on several GPUs. A ranking, not seconds")
 
 
 def _ints(text, what):
@@ -81,10 +83,10 @@ def settings(a):
         raise PlanInputError("give the GPU: --gpu NAME (" + ", ".join(db.GPUS) + ") or --gpu-memory SIZE (80GB, 80GiB)")
     if a.gpu:
         capacity, arch, source = db.gpu(a.gpu)
-        gpu_name = a.gpu
+        gpu_name = gpu_key = db.gpu_name(a.gpu)
     else:
         capacity, arch, source = db.parse_memory(a.gpu_memory), "hopper", "--gpu-memory"
-        gpu_name = a.gpu_memory  # unknown architecture: Hopper's larger cuBLAS workspace (the safe side)
+        gpu_name, gpu_key = a.gpu_memory, None  # unknown architecture: Hopper's larger cuBLAS workspace (the safe side)
     micro = _ints(a.micro_batches, "--micro-batches") if a.micro_batches else [k for k in (1, 2, 4) if a.batch % k == 0]
     bad = [k for k in micro if a.batch % k]
     if bad:
@@ -100,7 +102,7 @@ def settings(a):
     if any(v not in ZERO_STAGES for v in stages):
         raise PlanInputError(f"--zero {a.zero!r}: stages among 0,1,2,3")
     ckpt = {"both": [False, True], "on": [True], "off": [False]}[a.checkpointing]
-    return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, micro=micro,
+    return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, gpu_key=gpu_key, micro=micro,
                 precisions=precisions, stages=sorted(set(stages)), gpus=_ints(a.gpus, "--gpus"), ckpt=ckpt)
 
 
@@ -146,15 +148,20 @@ def _plans_of(a, s, prec, ck, k):
     for n in s["gpus"]:
         for st in (s["stages"] if n > 1 else [0]):
             p = trace.shard(st, n)
-            b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"],
+            b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"], gpu=s["gpu_key"],
                           conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
                           conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes),
                           activation_bytes=p.breakdown.get("activations", 0) + p.breakdown.get("other", 0))
             cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
+            # DDP (stages 0-1 on several GPUs) keeps a flat copy of every gradient in its buckets, counted
+            # in "gradients": named on its own line (gradient_as_bucket_view=False, DDP's default)
+            buckets = p.model_state["gradients"] - trace.shard(st, 1).model_state["gradients"] \
+                if st in (0, 1) and n > 1 else 0
             plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,
                               tensor_peak=b.lines[0][1], peak_phase=p.peak_phase,
-                              peak_set_by=f"{p.peak_phase}: {cat} {100 * cb / max(p.peak_bytes, 1):.0f}%",
-                              breakdown=p.breakdown, model_state=p.model_state, allocated=b.allocated,
+                              peak_set_by=f"{p.peak_phase}: {cat.replace('_', ' ')} {100 * cb / max(p.peak_bytes, 1):.0f}%",
+                              breakdown=p.breakdown, ddp_buckets=buckets, model_state=p.model_state,
+                              allocated=b.allocated,
                               device_total=b.total, fits=b.fits(s["capacity"]),
                               step_cost=step_cost(world_size=n, zero_stage=st, checkpointing=ck, micro_batches=k),
                               lines=[dict(name=nm, bytes=v, source=src) for nm, v, src in b.lines]))
@@ -175,9 +182,9 @@ def _parameters(source) -> int:
 
 
 def run(a):
-    s = settings(a)
-    source = resolve(a.model)  # bad input fails here, before any worker starts
+    source = resolve(a.model)  # bad input fails here, before any worker starts: the model's first
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
+    s = settings(a)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
     keys = [(p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]
     from tqdm.auto import tqdm
@@ -204,59 +211,101 @@ def run(a):
                 optimizer=a.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
 
 
+PLAIN_STEP = "the course's step: loss = cross_entropy(model(x), y); loss.backward(); optimizer.step()"
+
+
+def _breakdown(best, G):
+    """The tensors at the peak by category, DDP's gradient buckets named (they count in "gradients")."""
+    rows = []
+    for cat, b in best["breakdown"].items():
+        if not b:
+            continue
+        note = ""
+        if cat == "gradients" and best.get("ddp_buckets"):
+            note = (f"of which DDP's gradient buckets {db.fmt_bytes(best['ddp_buckets'])}: a flat copy of every "
+                    f"gradient (ZeRO-{best['zero_stage']} on {best['gpus']} GPUs, gradient_as_bucket_view=False)")
+        rows.append(f"    {cat.replace('_', ' '):<20} {db.fmt_bytes(b):>11}   {note}".rstrip())
+    return rows
+
+
 def render_text(r):
     cap = r["gpu"]["capacity_bytes"]
     G, unit = (db.GiB, "GiB") if max(p["device_total"] for p in r["plans"]) >= 2 * db.GiB else (db.MiB, "MiB")
+    width = max(len("precision"), *(len(p["precision"]) for p in r["plans"]))
     out = [f"model: {r['model']['name']}: {r['model']['parameters']:,} trainable parameters; "
            f"optimizer {r['optimizer']}",
+           f"step planned: {r.get('step') or PLAIN_STEP}",
            f"batch per GPU: {' + '.join('x'.join(map(str, s)) for s in r['batch']['shapes'])} (inputs + targets)",
            f"GPU: {r['gpu']['name']}, {cap:,} B = {cap / db.GiB:.2f} GiB = {cap / 1e9:.2f} GB per device "
            f"({r['gpu']['source']}); allocator {r['allocator']}; {r['traces']} trace(s)", "",
-           f"{'gpus':>4} {'zero':>4} {'precision':<9} {'ckpt':>4} {'micro':>5} | {'tensors ' + unit:>11} "
+           f"{'gpus':>4} {'zero':>4} {'precision':<{width}} {'ckpt':>4} {'micro':>5} | {'tensors ' + unit:>11} "
            f"{'alloc ' + unit:>9} {'device ' + unit:>10} {'fits':>4} {'cost':>5} | peak set by"]
     for i, p in enumerate(r["plans"]):
-        mark = " <- cheapest" if i == r["cheapest"] else ""
-        out.append(f"{p['gpus']:>4} {p['zero_stage']:>4} {SHORT.get(p['precision'], p['precision']):<9} "
+        if i and p["gpus"] != r["plans"][i - 1]["gpus"]:
+            out.append("")  # one block per GPU count: 78 rows read as a few tables
+        mark = "  <- cheapest that fits" if i == r["cheapest"] else ""
+        out.append(f"{p['gpus']:>4} {p['zero_stage']:>4} {p['precision']:<{width}} "
                    f"{'on' if p['checkpointing'] else 'off':>4} {p['micro_batches']:>5} | {p['tensor_peak'] / G:>11.2f} "
                    f"{p['allocated'] / G:>9.2f} {p['device_total'] / G:>10.2f} {'yes' if p['fits'] else 'no':>4} "
                    f"{p['step_cost']:>5.2f} | {p['peak_set_by']}{mark}")
-    out.append("")
+    out += ["", "tensors: the step's tensors at their peak; alloc: what max_memory_allocated shows; device: what "
+            "the process takes on the GPU (fits compares it with the capacity)", COST, ""]
     if r["cheapest"] is None:
         best = min(r["plans"], key=lambda p: p["device_total"])
         out.append(f"nothing fits {db.fmt_bytes(cap)} per GPU; the smallest plan needs {db.fmt_bytes(best['device_total'])} "
-                   f"({best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, checkpointing "
+                   f"({best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, checkpointing "
                    f"{'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es)):")
     else:
         best = r["plans"][r["cheapest"]]
         out.append(f"cheapest plan that fits: {best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, "
                    f"checkpointing {'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es) "
-                   f"(fewest GPUs, then the lowest step cost). Per GPU:")
+                   f"(fewest GPUs, then the lowest cost). Per GPU:")
     for ln in best["lines"]:
         out.append(f"  {ln['name']:<22} {db.fmt_bytes(ln['bytes']):>11}   {ln['source']}")
+        if ln["name"] == "allocated by tensors":
+            out += _breakdown(best, G)
     out.append(f"  {'device total':<22} {db.fmt_bytes(best['device_total']):>11}   of {db.fmt_bytes(cap)} "
                f"({100 * best['device_total'] / cap:.0f}%)")
     return "\n".join(out)
 
 
 def save_plot(r, path):
+    """Device total per plan, stacked by line; plans that do not fit are faded and hatched, the cheapest
+    plan that fits is starred and named in the title."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     plans, G = r["plans"], db.GiB
     names = list(dict.fromkeys(ln["name"] for p in plans for ln in p["lines"]))
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(plans) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(plans) + 2), 4.8))
+    several = len({q["precision"] for q in plans}) > 1
     labels = [f"{p['gpus']}g Z{p['zero_stage']}{' ck' if p['checkpointing'] else ''} k{p['micro_batches']}"
-              f"{' ' + SHORT.get(p['precision'], '') if len({q['precision'] for q in plans}) > 1 else ''}" for p in plans]
+              f"{' ' + p['precision'] if several else ''}" for p in plans]
     bottom = [0.0] * len(plans)
-    for nm in names:
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for j, nm in enumerate(names):
         vals = [next((ln["bytes"] for ln in p["lines"] if ln["name"] == nm), 0) / G for p in plans]
-        ax.bar(range(len(plans)), vals, bottom=bottom, label=nm)
+        for i, (v, p) in enumerate(zip(vals, plans)):
+            ax.bar(i, v, bottom=bottom[i], color=colours[j % len(colours)], alpha=1.0 if p["fits"] else 0.35,
+                   hatch=None if p["fits"] else "//", edgecolor="white" if p["fits"] else "grey", linewidth=0.3,
+                   label=nm if i == 0 else None)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.axhline(r["gpu"]["capacity_bytes"] / G, color="black", linestyle="--", linewidth=1)
-    ax.text(len(plans) - 0.5, r["gpu"]["capacity_bytes"] / G, f"{r['gpu']['name']}", ha="right", va="bottom", fontsize=8)
+    cap = r["gpu"]["capacity_bytes"] / G
+    ax.axhline(cap, color="black", linestyle="--", linewidth=1)
+    ax.text(len(plans) - 0.5, cap, f"{r['gpu']['name']}: fits below", ha="right", va="bottom", fontsize=8)
+    if r["cheapest"] is not None:
+        i = r["cheapest"]
+        ax.annotate("cheapest\nthat fits", (i, bottom[i]), xytext=(0, 14), textcoords="offset points", ha="center",
+                    fontsize=7, arrowprops=dict(arrowstyle="->", linewidth=0.8))
     ax.set_xticks(range(len(plans)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("per GPU (GiB)")
-    ax.set_title(f"{r['model']['name']}: device total per plan", fontsize=9)
+    for i, t in enumerate(ax.get_xticklabels()):
+        if not plans[i]["fits"]:
+            t.set_color("grey")
+        if i == r["cheapest"]:
+            t.set_fontweight("bold")
+    ax.set_ylabel("device total per GPU (GiB)")
+    best = "" if r["cheapest"] is None else f"; cheapest that fits: {labels[r['cheapest']]}"
+    ax.set_title(f"{r['model']['name']}: device total per plan\n(faded, hatched: does not fit){best}", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
