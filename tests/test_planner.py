@@ -13,6 +13,7 @@ from mgpu_helpers.planner import (SIZES, cached_trace, decoder, lm_loss, model_s
 from mgpu_helpers.planner import accounting
 from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
+from testkit import record_figure
 from mgpu_helpers.runtime.tracker import CATEGORIES, MemoryTracker
 
 
@@ -101,6 +102,7 @@ def test_plan_holds_against_the_profiler_on_this_cpu(model, precision, checkpoin
             train_step(net, opt, batch, loss_fn, precision=precision)
         del net, opt
     measured = ref.peak_in("step")
+    record_figure(f"profiler {model} {precision}{' ckpt' if checkpointing else ''}", p.peak_bytes, measured)
     assert abs(p.peak_bytes / measured - 1) <= 0.01, (precision, checkpointing, p.peak_bytes, measured)
 
 

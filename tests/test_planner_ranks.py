@@ -14,6 +14,7 @@ from mgpu_helpers.planner.kernels import probe
 from mgpu_helpers.planner.models import convnet, decoder, image_batch, lm_loss, tied_frozen, token_batch
 from mgpu_helpers.planner.validation import table, validate
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
+from testkit import record_figure
 
 MODELS = {
     "decoder": (decoder("tiny"), token_batch(4, 32, 512), lm_loss),
@@ -44,6 +45,7 @@ def test_every_rank_within_two_percent_of_a_real_step(model, method, world, layo
                     precisions=(layout,), remeasure=3)  # up to 3 more runs while a rank is off (gloo's threads)
     assert len(rows) == world, table(rows)
     for r in rows:
+        record_figure(f"ranks {model} {method} {world} {layout} rank {r['rank']}", r["planned"], r["measured"])
         assert abs(r["error"]) <= 0.02, "\n" + table(rows)
 
 
