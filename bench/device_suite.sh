@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole pytest suite (tests/ and solutions/) on a host without Jupyter packages (the H200 host's Xeon),
+# under one oneDNN ISA, with the CPU figures' planned-vs-measured log. Usage:
+#   bash bench/device_suite.sh OUTDIR [ISA] [pytest args...]   (ISA: NATIVE or e.g. AVX512_CORE_BF16)
+# Needs .whl/ with the Jupyter wheels (nbval, nbclient, ipykernel and their dependencies; README, Verified on).
+set -u
+out=${1:?usage: device_suite.sh OUTDIR [ISA] [pytest args]}; isa=${2:-NATIVE}; shift $(( $# < 2 ? $# : 2 ))
+mkdir -p "$out"; out=$(cd "$out" && pwd)
+py=${PYTHON:-python3}
+if ! $py -c "import nbval, nbclient, ipykernel" 2>/dev/null; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/site:$PWD
+  $py -m ipykernel install --prefix /tmp/kp --name python3 >/dev/null 2>&1
+  export JUPYTER_PATH=/tmp/kp/share/jupyter
+fi
+export CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 MGPU_FIGURES_LOG="$out/$isa.figures.jsonl"
+rm -f "$MGPU_FIGURES_LOG"
+if [ "$isa" = NATIVE ]; then unset ONEDNN_MAX_CPU_ISA; else export ONEDNN_MAX_CPU_ISA=$isa; fi
+start=$(date +%s)
+$py -m pytest -p no:cacheprovider -q -n "${JOBS:-15}" --dist loadfile --tb=short --durations=25 \
+    -o addopts="--nbval --nbval-current-env --nbval-cell-timeout=300 -m 'not browser and not answers' -ra" "$@" \
+    > "$out/$isa.log" 2>&1
+rc=$?
+worst=$($py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; w=max(r,key=lambda x:abs(x['error'])); print(f\"worst planner CPU error {100*w['error']:+.4f}% ({w['test']}) over {len(r)} figures\")" "$MGPU_FIGURES_LOG" 2>/dev/null)
+echo "$isa ($($py -c 'import torch; print("torch", torch.__version__, torch.backends.cpu.get_cpu_capability())')) rc=$rc $(( $(date +%s) - start ))s: $(tail -1 "$out/$isa.log"); $worst" | tee -a "$out/summary.txt"
+grep -E "^(FAILED|ERROR)" "$out/$isa.log" | head -30
