@@ -28,7 +28,7 @@ Run as a script (every knob on 2 ranks, one table per rank)::
     torchrun --nproc-per-node 2 -m mgpu_helpers.fsdp_practice
     python -m mgpu_helpers.fsdp_practice                       # no torchrun: 2 ranks via run_ranks
 """
-from .init import SavedBytes, init_weights, meta_init, saved_for_backward
+from .init import SavedBytes, init_weights, meta_init, meta_init_values, saved_for_backward
 from .instruments import CommLog, profiled_peak, state_bytes, storage_bytes
 from .knobs import (KNOBS, MODEL, PHASES, Block, Net, blocks, budgets, build, forget_cached_meshes, knob_grid, knob_sweep,
                     make_model, measure, shard, sweep)
@@ -38,5 +38,5 @@ from .timeline import plot as plot_timeline
 
 __all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes",
            "state_bytes", "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "budgets", "KNOBS", "PHASES",
-           "meta_init", "init_weights", "SavedBytes", "saved_for_backward", "plan_knobs", "trace", "summarize",
+           "meta_init", "meta_init_values", "init_weights", "SavedBytes", "saved_for_backward", "plan_knobs", "trace", "summarize",
            "overlap", "plot_timeline", "COMPUTE"]
