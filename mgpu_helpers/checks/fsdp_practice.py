@@ -1,5 +1,5 @@
 """Notebook 12 -- the checks of exercises 12.1 (``fully_shard`` the notebook's model with a reshard and
-prefetch policy that meets a memory and a communication budget: measured on 4 ranks) and 12.2 (a resumable
+prefetch policy that meets a memory and a communication budget: measured as each of 4 ranks) and 12.2 (a resumable
 sharded checkpoint: saved on N ranks, loaded on M, training continues as one process would). The judges
 compute their references themselves: 12.1 holds each rank's measured peak and all-gathered bytes against
 the budgets and the forward's issue order against FSDP2's own (``fsdp_practice.knob_sweep``); 12.2 trains
@@ -17,11 +17,11 @@ from torch.nn import functional as F
 from .base import REGISTRY, Check, expect, expect_close, run_learner_ranks
 from ..fsdp_practice import MODEL, CommLog, blocks, budgets, knob_sweep, make_model, measure, shard
 from ..runtime.launch import rank_device
-from ..sharding import make_batch
+from ..sharding import fake_world, make_batch
 
 
 def _rank_12_1(rank, world, fn, case):
-    """One steady step of the notebook's model sharded by the learner's ``fn(model, mesh)`` on this rank:
+    """One steady step of the notebook's model sharded by the learner's ``fn(model, mesh)`` as this rank:
     its peak (the profiler's), bytes it received in all-gathers, the forward's issue order, and whether
     the blocks and the root are ``fully_shard`` units."""
     m = measure(rank, world, {}, categories=False, seed=case["seed"], shard_fn=fn, keep=True)
@@ -35,7 +35,7 @@ class ShardForBudgetCheck(Check):
 
     def cases(self, rng):
         # The budgets are the notebook's (``fsdp_practice.budgets`` of the measured table, deterministic);
-        # the draw is the model's and the batch's seed. The learner's policy is applied on 4 real ranks.
+        # the draw is the model's and the batch's seed. The learner's policy is applied as each of 4 ranks.
         b = budgets(knob_sweep(4, MODEL["blocks"]))
         return [{"world_size": 4, "seed": rng.randrange(2**31), "budget": b["memory"],
                  "comm_budget": b["communication"]}]
@@ -45,7 +45,16 @@ class ShardForBudgetCheck(Check):
                 f"bytes per rank and {case['comm_budget']:,} bytes all-gathered per rank per step")
 
     def run(self, fn, case):
-        return run_learner_ranks(_rank_12_1, case["world_size"], fn, case, backend="gloo", timeout=120)
+        # Every rank of 4, each in turn in this process under torch's fake process group (``sharding.fake_world``:
+        # the allocations are real, the collectives move no data): the bytes are exact and the same on every
+        # run. On real gloo ranks a rank's profiled peak moved by up to one unsharded unit between runs on a
+        # busy machine (gloo's worker threads free their buffers on their own schedule): 2,550,228 bytes
+        # against 2,282,452 for the same policy -- a check must not depend on that.
+        out = []
+        for rank in range(case["world_size"]):
+            with fake_world(case["world_size"], rank):
+                out.append(_rank_12_1(rank, case["world_size"], fn, case))
+        return out
 
     def hint(self, error):
         if "all_gather_copy_in_stream" in error:  # FSDP2's lazy init found no root state
@@ -68,8 +77,9 @@ class ShardForBudgetCheck(Check):
         expect(not loose, f"the blocks were not sharded one by one: block(s) {loose} are not fully_shard units of "
                "their own (call fully_shard on each of model.blocks, then on the root), so their parameters are "
                "all-gathered together with the root's and held for the whole step")
-        peak, p_rank = max((r["peak"], i) for i, r in enumerate(result))
-        gathered, g_rank = max((r["gathered"], i) for i, r in enumerate(result))
+        p_rank = max(range(len(result)), key=lambda i: result[i]["peak"])  # the first rank at the highest
+        g_rank = max(range(len(result)), key=lambda i: result[i]["gathered"])
+        peak, gathered = result[p_rank]["peak"], result[g_rank]["gathered"]
         missed = []
         if peak > case["budget"]:
             missed.append(f"the memory budget was missed: rank {p_rank} peaks at {peak:,} bytes, "

@@ -111,10 +111,22 @@ class SavedBytes:
     storages, by dtype) -- what ``torch.autograd.graph.save_on_cpu`` would copy to the host and back. It
     wraps torch's own hooks, so the forward runs as under ``save_on_cpu(pin_memory=False)``."""
 
-    def __init__(self):
+    def __init__(self, model: nn.Module | None = None):
         self.by_dtype: dict[str, int] = {}
+        self.weights = 0  # of which: parameters (under FSDP2, the unsharded ones) -- not activations at all
         self._seen: set = set()
+        self._params: set = set()
+        self._model = model
         self._inner = torch.autograd.graph.save_on_cpu(pin_memory=False)
+
+    def _note_params(self, module, args):
+        # during a module's forward its registered parameters are what it computes with: under FSDP2 the
+        # unsharded tensors of this step's all-gather, which a matmul saves for backward. Only while it runs:
+        # once freed, their addresses are reused by activations
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters(recurse=False)}
+
+    def _forget_params(self, module, args, output):
+        self._params = set()
 
     def _pack(self, t):
         st = t.untyped_storage()
@@ -122,33 +134,40 @@ class SavedBytes:
             self._seen.add(st._cdata)
             k = str(t.dtype).replace("torch.", "")
             self.by_dtype[k] = self.by_dtype.get(k, 0) + st.nbytes()
+            self.weights += st.nbytes() if st.data_ptr() in self._params else 0
         return self._inner.pack_hook(t)
 
     def __enter__(self):
+        mods = [m for m in (self._model.modules() if self._model is not None else []) if m._parameters]
+        self._handles = [m.register_forward_pre_hook(self._note_params) for m in mods] + \
+            [m.register_forward_hook(self._forget_params) for m in mods]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._inner.unpack_hook)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
 
     @property
     def total(self) -> int:
         return sum(self.by_dtype.values())
 
 
-def saved_for_backward(rank, world_size, precision="fp32", rows=64, model_kw=None):
-    """Bytes saved for backward in one forward of the FSDP2 model on this rank, by dtype."""
+def saved_for_backward(rank, world_size, precision="fp32", rows=64, model_kw=None, weights=False):
+    """Bytes saved for backward in one forward of the FSDP2 model on this rank, by dtype; with ``weights``,
+    ``(by dtype, bytes of them that are the parameters themselves)``."""
     from .knobs import build
     model, _, _ = build({"precision": precision, "rows": rows}, model_kw)
     mkw = {**MODEL, **(model_kw or {})}
     x = torch.randn(rows, mkw["d_in"], device=rank_device())
     cast = torch.autocast(rank_device().type, torch.bfloat16, enabled=precision == "autocast")
-    with SavedBytes() as s, cast:
+    with SavedBytes(model) as s, cast:
         loss = model(x).float().pow(2).mean()
     loss.backward()
     dist.barrier()
-    return s.by_dtype
+    return (s.by_dtype, s.weights) if weights else s.by_dtype
 
 
 __all__ = ["meta_init", "meta_init_values", "init_weights", "SavedBytes", "saved_for_backward"]
