@@ -63,7 +63,7 @@ class ShardForBudgetCheck(Check):
         if "has no attribute 'set_modules_to_" in error:
             return ("set_modules_to_forward_prefetch is a method of FSDPModule: fully_shard each block first, "
                     "then give each block the list of blocks to prefetch")
-        if "non-trivial divisor" in error or "reshard_after_forward" in error:
+        if "reshard_after_forward as an int" in error:  # torch: "... it should be a factor of N"
             return ("an int reshard_after_forward is a world size to reshard to after forward: a divisor of "
                     "the mesh's size other than 1 and the size itself")
         return ""
