@@ -192,3 +192,26 @@ def test_planner_plans_these_knobs_to_within_two_percent():
             assert abs(planned[rank] / measured - 1) <= 0.02, (world, knobs, rank, planned[rank], measured)
     with pytest.raises(ValueError, match="an int that divides world_size=4, other than 1 and world_size"):
         plan_knobs(4, {"reshard_after_forward": 4})   # torch: a non-trivial divisor of the mesh's size
+
+
+def _notebook_cell(cell_id):
+    nb = json.loads((ROOT / "solutions" / "12_fsdp2_in_practice.ipynb").read_text())
+    return "".join(next(c for c in nb["cells"] if c.get("id") == cell_id)["source"])
+
+
+def test_on_real_gpus_recipe_shards_a_hugging_face_llama():
+    """The closing section's apply_fsdp2 uses a Hugging Face causal LM's names (model.model.layers, lm_head tied
+    to model.model.embed_tokens): run it on transformers' LlamaForCausalLM, as the notebook says."""
+    transformers = pytest.importorskip("transformers")
+    ns = {"torch": torch}  # the notebook's first cell imported it
+    exec(compile(_notebook_cell("c12-43"), "c12-43", "exec"), ns)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    with fake_world(2):
+        model = transformers.LlamaForCausalLM(cfg)
+        ns["apply_fsdp2"](model, ns["init_device_mesh"]("cpu", (2,)))
+        ids = torch.randint(0, 64, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+    from torch.distributed.fsdp import FSDPModule
+    assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in model.model.layers)
+    assert model.lm_head.weight is model.model.embed_tokens.weight        # still one parameter, in the root's unit
