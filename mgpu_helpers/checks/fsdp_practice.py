@@ -174,8 +174,8 @@ def _rank_load(rank, world, cls, case, path):
 
 
 def _saved(path, world) -> dict:
-    """What is in the checkpoint directory: its files, whether DCP's metadata reads, and the model's tensors
-    (of at least ``world`` rows) stored whole (one chunk) or only in part (some ranks' shards missing)."""
+    """What is in the checkpoint directory: its files, whether DCP's metadata reads, and the tensors (of at
+    least ``world`` rows) stored whole (one chunk) or only in part (some ranks' shards missing)."""
     import math
     import os
     from torch.distributed.checkpoint import FileSystemReader
@@ -187,7 +187,9 @@ def _saved(path, world) -> dict:
         return out
     out["metadata"] = True
     for fqn, m in md.state_dict_metadata.items():
-        if fqn.startswith("model.") and getattr(m, "chunks", None) and m.size[0] >= world:
+        # every tensor of at least ``world`` rows, whatever the learner named the state dict's keys: a sharded
+        # save writes one chunk per rank (parameters and Adam's moments alike); scalars (Adam's step) are whole
+        if getattr(m, "chunks", None) and len(m.size) and m.size[0] >= world:
             held = sum(math.prod(c.sizes) for c in m.chunks)
             (out["partial"] if held < math.prod(m.size) else out["whole"] if len(m.chunks) == 1 else []).append(fqn)
     return out

@@ -20,8 +20,11 @@ dispatcher (:class:`CommLog`): op, dtype, bytes in and out, on every rank. Both 
 
 Sweeps run one rank of a world of N inside this process (torch's fake process group, ``sharding.fsdp.
 fake_world``): allocations are real, collectives move no data -- right for bytes, useless for values.
-The timeline and overlap figures are in ``timeline``; meta-device initialisation and what
-activation offload would move in ``init``; the planner's figures for the same knobs in ``plan``.
+The timeline and overlap figures are in ``timeline``; meta-device initialisation (``init_weights``: the
+values one process draws, on any mesh -- DTensor's RNG repeats shards on a CPU mesh) and what activation
+offload would move in ``init``; the planner's figures for the same knobs in ``plan``. ``measure`` also takes a
+``shard_fn(model, mesh)`` (exercise 12.1: a learner's own ``fully_shard`` policy) and reports the forward's
+issue order of all-gathers and matrix multiplies (``CommLog.order``), the same on every machine.
 
 Run as a script (every knob on 2 ranks, one table per rank)::
 
