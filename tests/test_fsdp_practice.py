@@ -1,6 +1,7 @@
 """Notebook 12's helpers: the collective log, the profiler's peak, the knobs' bytes, meta-device init, the
-overlap arithmetic and traces; the released notebook runs past its unsolved exercises; no reference answer
-is reachable from the lesson's modules."""
+overlap arithmetic and traces; the released notebook runs past its unsolved exercises; the lesson's own
+``shard`` is refused as 12.1's answer; meta-device init equals one process's; the planner's int
+``reshard_after_forward``; the closing section's recipe on a Hugging Face Llama."""
 import json
 import subprocess
 import sys
