@@ -46,6 +46,22 @@ def test_options_move_the_plan_the_way_fsdp2_does():
     assert fsdp_plan(world_size=2, prefetch=2).peak_bytes >= default.peak_bytes
 
 
+def test_an_int_reshard_after_forward_is_planned_between_true_and_false():
+    """An int k reshards each block to k ranks after forward (torch's docstring: a non-trivial divisor of the
+    mesh; the intra-node size on a multi-node mesh): more held than True, less than False."""
+    peaks = {rf: fsdp_plan(world_size=4, reshard_after_forward=rf).peak_bytes for rf in (True, 2, False)}
+    assert peaks[True] < peaks[2] < peaks[False], peaks
+    # ranks are grouped by their post-forward shard too (r % k of their group of k): here 172 rows split
+    # evenly in 2, so only the last rank's smaller shard over 8 stands apart
+    assert rank_groups(TINY["model_fn"], 8, reshard_after_forward=2) == [[0, 1, 2, 3, 4, 5, 6], [7]]
+    for bad in (1, 4, 3):
+        with pytest.raises(ValueError, match="an int that divides world_size=4"):
+            fsdp_plan(world_size=4, reshard_after_forward=bad)
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        plan(TINY["model_fn"], TINY["batch"], loss_fn=lm_loss, zero_stage=2, world_size=4, device="cpu",
+             reshard_after_forward=2)
+
+
 def test_tied_and_frozen_parameters_are_planned_as_fsdp2_holds_them():
     p = plan(tied_frozen("tiny"), TINY["batch"], loss_fn=lm_loss, zero_stage=3, world_size=2, device="cpu")
     q = fsdp_plan(world_size=2)

@@ -20,23 +20,26 @@ dispatcher (:class:`CommLog`): op, dtype, bytes in and out, on every rank. Both 
 
 Sweeps run one rank of a world of N inside this process (torch's fake process group, ``sharding.fsdp.
 fake_world``): allocations are real, collectives move no data -- right for bytes, useless for values.
-The timeline and overlap figures are in ``timeline``; meta-device initialisation and what
-activation offload would move in ``init``; the planner's figures for the same knobs in ``plan``.
+The timeline and overlap figures are in ``timeline``; meta-device initialisation (``init_weights``: the
+values one process draws, on any mesh -- DTensor's RNG repeats shards on a CPU mesh) and what activation
+offload would move in ``init``; the planner's figures for the same knobs in ``plan``. ``measure`` also takes a
+``shard_fn(model, mesh)`` (exercise 12.1: a learner's own ``fully_shard`` policy) and reports the forward's
+issue order of all-gathers and matrix multiplies (``CommLog.order``), the same on every machine.
 
 Run as a script (every knob on 2 ranks, one table per rank)::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.fsdp_practice
     python -m mgpu_helpers.fsdp_practice                       # no torchrun: 2 ranks via run_ranks
 """
-from .init import SavedBytes, init_weights, meta_init, saved_for_backward
+from .init import SavedBytes, init_weights, meta_init, meta_init_values, saved_for_backward
 from .instruments import CommLog, profiled_peak, state_bytes, storage_bytes
-from .knobs import (KNOBS, MODEL, PHASES, Block, Net, blocks, build, forget_cached_meshes, knob_grid, knob_sweep,
+from .knobs import (KNOBS, MODEL, PHASES, Block, Net, blocks, budgets, build, forget_cached_meshes, knob_grid, knob_sweep,
                     make_model, measure, shard, sweep)
 from .plan import plan_knobs
 from .timeline import COMPUTE, overlap, summarize, trace
 from .timeline import plot as plot_timeline
 
 __all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes",
-           "state_bytes", "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "KNOBS", "PHASES",
-           "meta_init", "init_weights", "SavedBytes", "saved_for_backward", "plan_knobs", "trace", "summarize",
+           "state_bytes", "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "budgets", "KNOBS", "PHASES",
+           "meta_init", "meta_init_values", "init_weights", "SavedBytes", "saved_for_backward", "plan_knobs", "trace", "summarize",
            "overlap", "plot_timeline", "COMPUTE"]

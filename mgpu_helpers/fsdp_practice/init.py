@@ -16,16 +16,46 @@ from ..runtime.launch import rank_device
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> None:
-    """Initialise every parameter (sharded DTensors too) with each module's own ``reset_parameters``. torch
-    draws a DTensor's random values so that the whole tensor is the same whatever the number of ranks;
-    they are not the values an unsharded ``make_model(seed)`` would draw (another RNG stream)."""
-    import warnings
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():  # "DTensor random operators may not have complete support on cpu
-        warnings.simplefilter("ignore", UserWarning)  # device mesh": uniform_/normal_ on shards work here
+    """Initialise a ``to_empty`` model's sharded parameters to exactly what one process's ``make_model(seed)``
+    draws, on any number of ranks and any device.
+
+    Why not each module's ``reset_parameters()`` on the DTensors: DTensor's random-number tracker supports
+    CUDA-like devices only (``torch/distributed/tensor/_random.py``, ``is_rng_supported_mesh``); on a CPU
+    (gloo) mesh every rank draws the same *local* values, so rank 1's shard repeats rank 0's. On GPUs the
+    tracker offsets each shard's Philox stream, so the values are right but are not those of one process.
+    Here each module, in construction order, runs its ``reset_parameters()`` on full-size plain tensors from
+    the one seeded generator -- the draws one process makes -- and each rank keeps its own shard. One module
+    at a time is whole (here at most one ``Linear``), never the model."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         for m in model.modules():
-            if hasattr(m, "reset_parameters") and m is not model:
+            own = {n: p for n, p in m.named_parameters(recurse=False)}
+            if not own or not hasattr(m, "reset_parameters"):
+                continue
+            full = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device)) for n, p in own.items()}
+            for n, t in full.items():  # the module's own init, on whole tensors
+                m._parameters[n] = t
+            try:
                 m.reset_parameters()
+            finally:
+                for n, p in own.items():
+                    m._parameters[n] = p
+            with torch.no_grad():
+                for n, p in own.items():
+                    if isinstance(p, DTensor) and len(p.placements) == 1 and isinstance(p.placements[0], Shard):
+                        # keep this rank's shard: the chunk fully_shard assigned it (a view, no copy)
+                        chunks = full[n].detach().chunk(p.device_mesh.size(), dim=p.placements[0].dim)
+                        i = p.device_mesh.get_local_rank()
+                        if i < len(chunks):
+                            p.to_local().copy_(chunks[i])
+                    elif isinstance(p, DTensor):  # other layouts: DTensor slices it (no communication)
+                        local = distribute_tensor(full[n].detach(), p.device_mesh, p.placements, src_data_rank=None)
+                        p.to_local().copy_(local.to_local())
+                    else:
+                        p.copy_(full[n])
+            del full  # before the next module draws its own: one module whole at a time
 
 
 def meta_init(rank, world_size, model_kw=None):
@@ -45,7 +75,35 @@ def meta_init(rank, world_size, model_kw=None):
     full = sum(p.numel() * p.element_size() for p in make_model(**mkw, device="meta").parameters())
     return {"whole_model": full, "shard": storage_bytes(model.parameters()), "on_meta": on_meta,
             "built_then_sharded": whole["peak"], "meta_then_sharded": meta["peak"],
-            "finite": all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters())}
+            "finite": all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())}
+
+
+def meta_init_values(rank, world_size, model_kw=None, seed=0, dtensor_rng=False):
+    """On real ranks: whether the meta-built, sharded, ``to_empty``'d model, initialised by
+    :func:`init_weights` (or, with ``dtensor_rng``, by each module's ``reset_parameters()`` on the DTensors),
+    holds exactly the parameters of one process's ``make_model(seed)``; and whether rank 0's shard of the
+    first weight repeats on rank 1 (what DTensor's RNG does on a CPU mesh)."""
+    import warnings
+    mkw = {**MODEL, **(model_kw or {})}
+    with torch.device("meta"):
+        model = Net(**mkw)
+    shard(model)
+    model.to_empty(device=rank_device())
+    if dtensor_rng:
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():  # "DTensor random operators may not have complete support on cpu"
+            warnings.simplefilter("ignore", UserWarning)  # -- the point of this demonstration
+            for m in model.modules():
+                if hasattr(m, "reset_parameters") and m is not model:
+                    m.reset_parameters()
+    else:
+        init_weights(model, seed)
+    one = make_model(**mkw, seed=seed, device="cpu")
+    full = [p.full_tensor().cpu() for p in model.parameters()]
+    w = full[0]
+    half = w.shape[0] // world_size
+    return {"equal_to_one_process": all(torch.equal(a, b) for a, b in zip(full, one.parameters())),
+            "shards_repeat": bool(torch.equal(w[:half], w[half:2 * half]))}
 
 
 class SavedBytes:
@@ -53,10 +111,22 @@ class SavedBytes:
     storages, by dtype) -- what ``torch.autograd.graph.save_on_cpu`` would copy to the host and back. It
     wraps torch's own hooks, so the forward runs as under ``save_on_cpu(pin_memory=False)``."""
 
-    def __init__(self):
+    def __init__(self, model: nn.Module | None = None):
         self.by_dtype: dict[str, int] = {}
+        self.weights = 0  # of which: parameters (under FSDP2, the unsharded ones) -- not activations at all
         self._seen: set = set()
+        self._params: set = set()
+        self._model = model
         self._inner = torch.autograd.graph.save_on_cpu(pin_memory=False)
+
+    def _note_params(self, module, args):
+        # during a module's forward its registered parameters are what it computes with: under FSDP2 the
+        # unsharded tensors of this step's all-gather, which a matmul saves for backward. Only while it runs:
+        # once freed, their addresses are reused by activations
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters(recurse=False)}
+
+    def _forget_params(self, module, args, output):
+        self._params = set()
 
     def _pack(self, t):
         st = t.untyped_storage()
@@ -64,33 +134,40 @@ class SavedBytes:
             self._seen.add(st._cdata)
             k = str(t.dtype).replace("torch.", "")
             self.by_dtype[k] = self.by_dtype.get(k, 0) + st.nbytes()
+            self.weights += st.nbytes() if st.data_ptr() in self._params else 0
         return self._inner.pack_hook(t)
 
     def __enter__(self):
+        mods = [m for m in (self._model.modules() if self._model is not None else []) if m._parameters]
+        self._handles = [m.register_forward_pre_hook(self._note_params) for m in mods] + \
+            [m.register_forward_hook(self._forget_params) for m in mods]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._inner.unpack_hook)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
 
     @property
     def total(self) -> int:
         return sum(self.by_dtype.values())
 
 
-def saved_for_backward(rank, world_size, precision="fp32", rows=64, model_kw=None):
-    """Bytes saved for backward in one forward of the FSDP2 model on this rank, by dtype."""
+def saved_for_backward(rank, world_size, precision="fp32", rows=64, model_kw=None, weights=False):
+    """Bytes saved for backward in one forward of the FSDP2 model on this rank, by dtype; with ``weights``,
+    ``(by dtype, bytes of them that are the parameters themselves)``."""
     from .knobs import build
     model, _, _ = build({"precision": precision, "rows": rows}, model_kw)
     mkw = {**MODEL, **(model_kw or {})}
     x = torch.randn(rows, mkw["d_in"], device=rank_device())
     cast = torch.autocast(rank_device().type, torch.bfloat16, enabled=precision == "autocast")
-    with SavedBytes() as s, cast:
+    with SavedBytes(model) as s, cast:
         loss = model(x).float().pow(2).mean()
     loss.backward()
     dist.barrier()
-    return s.by_dtype
+    return (s.by_dtype, s.weights) if weights else s.by_dtype
 
 
-__all__ = ["meta_init", "init_weights", "SavedBytes", "saved_for_backward"]
+__all__ = ["meta_init", "meta_init_values", "init_weights", "SavedBytes", "saved_for_backward"]

@@ -103,8 +103,11 @@ def shard(model, mesh=None, *, reshard_after_forward=True, prefetch=0, mp_policy
 PHASES = ("forward", "backward", "optimizer")
 
 
-def build(knobs: dict, model_kw=None, seed=0):
-    """(model, optimizer, step) on this rank for ``knobs`` (see :func:`measure`)."""
+def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
+    """(model, optimizer, step) on this rank for ``knobs`` (see :func:`measure`). ``shard_fn(model, mesh)``,
+    when given, applies ``fully_shard`` instead of :func:`shard` (exercise 12.1: a learner's policy; the
+    knobs ``reshard_after_forward``, ``prefetch``, ``precision``=mp_policy and ``offload`` are then its own).
+    ``step(mark)`` calls ``mark("backward")`` when the forward is done."""
     k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False,
          "optimizer": "foreach", "save_on_cpu": False, "rows": 8, "async_unshard": False, **knobs}
     bad = set(knobs) - set(KNOBS)
@@ -116,8 +119,12 @@ def build(knobs: dict, model_kw=None, seed=0):
     model = make_model(**mkw, seed=seed)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if k["precision"] == "mp_policy" else None
-    shard(model, reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"], mp_policy=mp,
-          offload_policy=CPUOffloadPolicy(pin_memory=False) if k["offload"] else None)
+    if shard_fn is None:
+        shard(model, reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"], mp_policy=mp,
+              offload_policy=CPUOffloadPolicy(pin_memory=False) if k["offload"] else None)
+    else:
+        forget_cached_meshes()
+        model = shard_fn(model, init_device_mesh(rank_device().type, (dist.get_world_size(),))) or model
     if k["async_unshard"]:
         # FSDP2 waits for each all-gather where it is issued unless unshard is async (a private switch,
         # ``_set_unshard_async_op``). On a GPU that wait only orders streams and the CPU runs ahead, so
@@ -131,9 +138,10 @@ def build(knobs: dict, model_kw=None, seed=0):
         else contextlib.nullcontext()
     hooks = torch.autograd.graph.save_on_cpu(pin_memory=False) if k["save_on_cpu"] else contextlib.nullcontext()
 
-    def step():
+    def step(mark=lambda phase: None):
         with record_function("## forward ##"), cast, hooks:
             loss = F.cross_entropy(model(x), y)
+        mark("backward")
         with record_function("## backward ##"):
             loss.backward()
         with record_function("## optimizer ##"):
@@ -143,49 +151,65 @@ def build(knobs: dict, model_kw=None, seed=0):
     return model, opt, step
 
 
-def measure(rank, world_size, knobs=None, model_kw=None, categories=True):
+def measure(rank, world_size, knobs=None, model_kw=None, categories=True, seed=0, shard_fn=None, keep=False):
     """This rank's figures for one steady training step (after a warm-up step) under ``knobs``
     (``reshard_after_forward``, ``prefetch``, ``precision`` = fp32 | mp_policy | autocast, ``offload``,
     ``optimizer`` = foreach | fused, ``save_on_cpu``): ``{"state"`` (bytes held after the step, by
     category), ``"peak"`` and ``"phases"`` (the profiler's: every allocation; peak per phase),
-    ``"comm"`` (:meth:`CommLog.summary`), ``"gathered"`` (bytes received in all-gathers), ``"unit_bytes"``
-    (each block's unsharded fp32 parameter bytes)}; with ``categories``, also the tracker's
-    ``"tracker_peak"`` and ``"tracker_peak_breakdown"`` (it costs a second pass over every op)."""
-    model, opt, step = build(knobs or {}, model_kw)
+    ``"comm"`` (:meth:`CommLog.summary`), ``"gathered"`` (bytes received in all-gathers), ``"forward_order"``
+    (:attr:`CommLog.order` in the forward), ``"unit_bytes"`` (each block's unsharded fp32 parameter
+    bytes)}; with ``categories``, also the tracker's ``"tracker_peak"`` and ``"tracker_peak_breakdown"``
+    (it costs a second pass over every op); with ``keep``, ``"model"`` and ``"optimizer"`` too.
+    ``seed``/``shard_fn``: as :func:`build`'s."""
+    model, opt, step = build(knobs or {}, model_kw, seed, shard_fn)
     step()  # warm-up: Adam makes its state, FSDP2 its buffers
     base = sum(state_bytes(model, opt).values())
-    out = {}
+    out, marks = {}, {}
     with CommLog() as comm, profiled_peak(base) as prof:
+        mark = lambda phase: marks.setdefault(phase, len(comm.order))  # noqa: E731
         if categories:
             with MemoryTracker(model, opt) as mt:
-                step()
+                step(mark)
             out = {"tracker_peak": mt.peak_bytes, "tracker_peak_breakdown": mt.peak_breakdown()}
         else:
-            step()
+            step(mark)
+    if keep:
+        out.update(model=model, optimizer=opt)
     return {"state": state_bytes(model, opt), "peak": prof["peak"], "phases": prof["phases"],
             "compute": prof["compute"], **out,
-            "comm": comm.summary(), "gathered": comm.gathered,
+            "comm": comm.summary(), "gathered": comm.gathered, "forward_order": comm.order[:marks["backward"]],
             "unit_bytes": [sum(p.numel() for p in b.parameters()) * 4 for b in blocks(model)]}
 
 
 def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
     """:func:`measure` for each knob dict in ``options``, as rank 0 of ``world_size`` (fake process group:
     no process started; bytes as real ranks give, tested), each row ``{**knobs, "peak", "forward_compute"``
-    (held while the forward computes), ``"gathered"}``."""
+    (held while the forward computes), ``"gathered", "forward_order"}``."""
     rows = []
     with fake_world(world_size):
         for o in options:
             m = measure(0, world_size, o, model_kw, categories=False)
             rows.append({**o, "peak": m["peak"], "forward_compute": m["compute"].get("forward", 0),
-                         "gathered": m["gathered"]})
+                         "gathered": m["gathered"], "forward_order": m["forward_order"]})
     return rows
 
 
 def knob_grid(world_size: int) -> list[dict]:
     """reshard_after_forward True / 2 (a smaller group, where 2 divides a world above 2) / False, each
-    with prefetch 0 and 1."""
+    with prefetch 0 and 1, and 2 where units are gathered again in backward (with False nothing is)."""
     ints = [2] if world_size > 2 and world_size % 2 == 0 else []
-    return [{"reshard_after_forward": r, "prefetch": p} for r in [True, *ints, False] for p in (0, 1)]
+    return [{"reshard_after_forward": r, "prefetch": p} for r in [True, *ints, False]
+            for p in ((0, 1) if r is False else (0, 1, 2))]
+
+
+def budgets(rows) -> dict:
+    """The budgets exercise 12.1 states, from a :func:`knob_sweep` table: each midway between the second-
+    and the third-lowest distinct figure of its column (peak per rank; bytes all-gathered per rank per
+    step), so that some rows fit each budget, some miss it, and none sits on it."""
+    def mid(xs):
+        xs = sorted(set(xs))
+        return (xs[1] + xs[2]) // 2
+    return {"memory": mid(r["peak"] for r in rows), "communication": mid(r["gathered"] for r in rows)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,4 +233,4 @@ def _demo(rank, world_size):
 
 
 __all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes", "state_bytes",
-           "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "KNOBS", "PHASES"]
+           "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "budgets", "KNOBS", "PHASES"]

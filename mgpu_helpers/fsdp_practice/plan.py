@@ -4,7 +4,8 @@ The planner runs FSDP2 itself on fake tensors in a fake process group and counts
 re-grown unsharded parameters included; the measurement here counts every allocation of a real step
 (``fsdp_practice.measure``, the profiler). Knobs map one to one, except prefetch: the planner's
 ``prefetch=1`` is FSDP2's default order (this notebook's ``prefetch=0``) and ``k > 1`` sets k units
-explicitly both ways (this notebook's ``prefetch=k``). ``reshard_after_forward`` as an int is not planned.
+explicitly both ways (this notebook's ``prefetch=k``). ``reshard_after_forward`` True/False/an int: the
+planner, as ``shard``, gives an int to the blocks and leaves the root at FSDP2's default.
 """
 from __future__ import annotations
 
@@ -25,10 +26,9 @@ def plan_knobs(world_size: int, knobs: dict, model_kw=None):
     from ..planner import plan
 
     k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False, "rows": 8, **knobs}
-    if not isinstance(k["reshard_after_forward"], bool) or set(k) - {"reshard_after_forward", "prefetch",
-                                                                      "precision", "offload", "rows"}:
-        raise ValueError(f"knobs {knobs}: the planner plans reshard_after_forward True/False, prefetch, "
-                         "precision, offload")
+    if set(k) - {"reshard_after_forward", "prefetch", "precision", "offload", "rows"}:
+        raise ValueError(f"knobs {knobs}: the planner plans reshard_after_forward (True, False, an int), "
+                         "prefetch, precision, offload")
     mkw = {**MODEL, **(model_kw or {})}
     batch = make_batch(1, k["rows"], mkw["d_in"], mkw["classes"])  # only shapes and dtypes are used
     return plan(functools.partial(Net, **mkw), batch, loss_fn=F.cross_entropy, optimizer="adam",

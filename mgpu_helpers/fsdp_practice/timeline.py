@@ -132,8 +132,9 @@ def _spans(events, cuda):
 
 
 def summarize(traces) -> dict:
-    """Per rank: communication time, the part of it overlapped by compute, and the fraction; and the
-    collectives seen (name: count), which do not vary between runs."""
+    """Per rank: communication time (on gloo, a collective's span includes waiting for the slower peer),
+    the part of it overlapped by compute, the fraction, the step's time; and the collectives seen (name:
+    count), which do not vary between runs."""
     out = []
     for tr in traces:
         comm = [(a, b) for a, b, _ in tr["comm"]]
@@ -141,7 +142,8 @@ def summarize(traces) -> dict:
         for *_, n in tr["comm"]:
             names[n] = names.get(n, 0) + 1
         out.append({"comm_ms": _length(comm), "overlapped_ms": _intersection(tr["compute"], comm),
-                    "overlap": overlap(tr["compute"], comm), "collectives": names})
+                    "overlap": overlap(tr["compute"], comm), "collectives": names,
+                    "step_ms": tr["phases"]["optimizer"][1]})  # the whole step: what a speed-up is judged by
     return out
 
 

@@ -41,6 +41,8 @@ GPUS = {
     "H100-80GB": (81559 * MiB, "hopper", "nvidia-smi of H100 80GB HBM3 and H100 PCIe: 81559MiB"),
     "A100-80GB": (81920 * MiB, "ampere", "nvidia-smi of A100 80GB: 81920MiB"),
     "A100-40GB": (40960 * MiB, "ampere", "nvidia-smi of A100-SXM4-40GB and A100-PCIE-40GB: 40960MiB"),
+    "V100-16GB": (16160 * MiB, "volta", "torch.cuda.get_device_properties of Tesla V100-SXM2-16GB: "
+                  "total_memory=16160MB (MiB: torch prints bytes // 2**20)"),
     "L4": (23034 * MiB, "ada", "nvidia-smi of NVIDIA L4: 23034MiB"),
     "RTX-4090": (24564 * MiB, "ada", "nvidia-smi of GeForce RTX 4090: 24564MiB"),
     "A10": (24564 * MiB, "ampere", "nvidia-smi of NVIDIA A10: 24564MiB"),

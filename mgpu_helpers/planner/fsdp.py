@@ -41,7 +41,9 @@ def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_af
                offload=False, mp_policy=None):
     """``fully_shard`` ``model`` as the plan says (shared by the planner and the real runs):
     each block then the root (``fsdp_units="blocks"``) or the root alone (``"root"``);
-    ``reshard_after_forward=None`` is FSDP2's default (True for blocks, False for the root);
+    ``reshard_after_forward=None`` is FSDP2's default (True for blocks, False for the root); an int k
+    reshards each block to k ranks after forward, the root keeping FSDP2's default (with ``"root"``, the
+    root is the unit and takes k);
     ``prefetch``: units all-gathered ahead (1 = FSDP2's default; k > 1 sets k explicitly both ways);
     ``precision="fsdp-mixed"``: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
     ``mp_policy``: a ``MixedPrecisionPolicy`` (overrides ``precision``'s);
@@ -55,9 +57,14 @@ def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_af
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     blocks = fsdp_blocks(model) if fsdp_units == "blocks" else []
-    for block in blocks:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+    as_int = not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int)
+    # An int makes fully_shard reshape the mesh's rank tensor (a real tensor) into the post-forward mesh:
+    # under the planner's FakeTensorMode that op must run outside the fake mode; the parameters stay fake.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily() if as_int else contextlib.nullcontext():
+        for block in blocks:
+            fully_shard(block, **kw)
+        fully_shard(model, **{**kw, "reshard_after_forward": None} if as_int and blocks else kw)
     if prefetch > 1:
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
@@ -142,9 +149,11 @@ def shard_rows(sizes, world_size, rank):
     return tuple(out)
 
 
-def rank_groups(model_fn, world_size, fsdp_units="blocks"):
-    """Ranks grouped by identical shard sizes: ``[[ranks...], ...]`` (one trace per group). Builds the
-    model (fake) first, so a model that cannot be wrapped as asked fails before anything is traced."""
+def rank_groups(model_fn, world_size, fsdp_units="blocks", reshard_after_forward=None):
+    """Ranks grouped by identical shard sizes: ``[[ranks...], ...]`` (one trace per group); with an int
+    ``reshard_after_forward`` k, by their post-forward shards over k ranks too (rank r is r % k of its
+    group of k). Builds the model (fake) first, so a model that cannot be wrapped as asked fails before
+    anything is traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         model = model_fn()
@@ -154,6 +163,9 @@ def rank_groups(model_fn, world_size, fsdp_units="blocks"):
             fsdp_blocks(model)
         rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
     groups = {}
+    k = reshard_after_forward if not isinstance(reshard_after_forward, bool) and isinstance(
+        reshard_after_forward, int) else None
     for r in range(world_size):
-        groups.setdefault(shard_rows(rows, world_size, r), []).append(r)
+        key = (shard_rows(rows, world_size, r), shard_rows(rows, k, r % k) if k else None)
+        groups.setdefault(key, []).append(r)
     return list(groups.values())

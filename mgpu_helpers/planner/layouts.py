@@ -80,9 +80,13 @@ def _check_args(zero_stage, world_size, precision, options):
     if o["fsdp_units"] not in ("blocks", "root"):
         raise ValueError(f"fsdp_units must be 'blocks' (each block of the largest nn.ModuleList, then the root) "
                          f"or 'root', got {o['fsdp_units']!r}")
-    if o["reshard_after_forward"] not in (None, True, False):
-        raise ValueError(f"reshard_after_forward must be None (FSDP2's default), True or False, "
-                         f"got {o['reshard_after_forward']!r}")
+    raf = o["reshard_after_forward"]
+    if not (raf is None or isinstance(raf, bool) or (  # a bool first: 1 == True in Python, not to FSDP2
+            isinstance(raf, int) and 1 < raf < world_size and world_size % raf == 0 and zero_stage == 3)):
+        # an int k: FSDP2 reshards each unit to k ranks after forward (torch: "a non-trivial divisor of the
+        # mesh shard dim size"), so backward's all-gather runs within k ranks -- one node's, on a multi-node mesh
+        raise ValueError(f"reshard_after_forward must be None (FSDP2's default), True, False or an int that divides "
+                         f"world_size={world_size}, other than 1 and world_size, got {raf!r}")
     if isinstance(o["prefetch"], bool) or not isinstance(o["prefetch"], int) or o["prefetch"] < 1:
         raise ValueError(f"prefetch must be an int >= 1 (1 = FSDP2's default), got {o['prefetch']!r}")
     mp = o["mp_policy"]

@@ -104,7 +104,7 @@ def _fsdp_plan(trace_kw, world_size, options, config, layout):
     from .fsdp import rank_groups
     fsdp = {k: options[k] for k in ("fsdp_units", "reshard_after_forward", "prefetch", "offload", "mp_policy")}
     per_rank = [None] * world_size
-    for ranks in rank_groups(trace_kw["model_fn"], world_size, fsdp["fsdp_units"]):
+    for ranks in rank_groups(trace_kw["model_fn"], world_size, fsdp["fsdp_units"], fsdp["reshard_after_forward"]):
         tr = trace_step(**trace_kw, fsdp=dict(fsdp, world_size=world_size, rank=ranks[0]))
         block = tr.round_to
         state = {"parameters": _bytes(tr.param_sizes, 1, block),
@@ -164,7 +164,9 @@ def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_s
     ``gradient_as_bucket_view=False`` (DDP, stages 0-1: False keeps a second copy of the gradients in
     the buckets); ``fsdp_units="blocks"`` (stage 3: ``fully_shard`` each block of the largest
     ``nn.ModuleList``, then the root; ``"root"``: the root alone); ``reshard_after_forward=None``
-    (FSDP2's default: True for blocks, False for the root; True/False sets it for every unit);
+    (FSDP2's default: True for blocks, False for the root; True/False sets it for every unit; an int k,
+    a divisor of ``world_size`` other than 1 and itself, reshards each block to k ranks after forward --
+    the intra-node size on a multi-node mesh -- and leaves the root at FSDP2's default);
     ``prefetch=1`` (units all-gathered ahead; FSDP2 prefetches one in backward by default);
     ``mp_policy=None`` (a ``MixedPrecisionPolicy`` or its keyword dict; ``precision="fsdp-mixed"`` is
     ``param_dtype=bf16, reduce_dtype=fp32``); ``offload=False`` (``CPUOffloadPolicy``: on a CPU plan,
