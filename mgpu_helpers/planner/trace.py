@@ -32,7 +32,7 @@ from .kernels import measure_pending
 
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (layouts: all layouts)
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
-OPTIMIZERS = ("adam", "sgd", "momentum")
+OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")  # AdamW: Adam's two moments, the decay applied to the weights
 FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the byte (tests/test_planner_fsdp.py)
 
 
@@ -50,7 +50,13 @@ class Checkpointed(nn.Module):
 
 
 def apply_checkpointing(model: nn.Module) -> nn.Module:
-    """Wrap each block of the model's largest ``nn.ModuleList`` in :class:`Checkpointed` (in place)."""
+    """Wrap each block of the model's largest ``nn.ModuleList`` in :class:`Checkpointed` (in place) -- or,
+    for a model with its own ``gradient_checkpointing_enable()`` (Hugging Face's), call that, as its users
+    do: it checkpoints what the family chose (blocks keep their attributes, which families read)."""
+    own = getattr(model, "gradient_checkpointing_enable", None)
+    if callable(own):
+        own()
+        return model
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise ValueError("checkpointing=True: the model has no nn.ModuleList of blocks to checkpoint")
@@ -84,6 +90,8 @@ def make_optimizer(model: nn.Module, optimizer: str = "adam"):
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "adam":
         return torch.optim.Adam(params, lr=1e-3, foreach=True)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if optimizer in ("sgd", "momentum"):
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if optimizer == "momentum" else 0.0, foreach=True)
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")

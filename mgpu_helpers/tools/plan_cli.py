@@ -17,16 +17,20 @@ traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
+import warnings
 
 import torch
 from torch import nn
 
 from mgpu_helpers.planner import budget as db
-from mgpu_helpers.tools.plan_sources import PlanInputError, make_batch, output_loss, resolve
+from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, resolve
 from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, step_cost, trace_step
+from mgpu_helpers.planner.dynamic import dynamic_sizes
 
 SHORT = {"fp32": "fp32", "bf16-autocast": "bf16-amp", "fp16-autocast": "fp16-amp", "bf16": "bf16"}
 
@@ -62,7 +66,13 @@ def parse_args(argv):
     ap.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
     ap.add_argument("--micro-batches", help="micro-batch counts (default: 1,2,4 that divide --batch)")
     ap.add_argument("--precision", default="bf16-autocast", help=f"{', '.join(PRECISIONS)}, comma-separated, or all")
-    ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "momentum"))
+    ap.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "momentum"),
+                    help="(default: adamw for a Hugging Face model, as its users train; adam otherwise)")
+    ap.add_argument("--attn", choices=ATTENTION, help="a Hugging Face model's attention implementation "
+                    "(default: the one transformers picks, as on a GPU)")
+    ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                    help="mixture of experts that loop over experts: plan F x the even share of tokens per "
+                         "expert (1: balanced routing; the experts' count: all tokens to one expert)")
     ap.add_argument("--allocator", default="default", choices=("default", "expandable"),
                     help="expandable = PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     ap.add_argument("--jobs", type=int, default=0,
@@ -100,6 +110,8 @@ def settings(a):
     if any(v not in ZERO_STAGES for v in stages):
         raise PlanInputError(f"--zero {a.zero!r}: stages among 0,1,2,3")
     ckpt = {"both": [False, True], "on": [True], "off": [False]}[a.checkpointing]
+    if a.moe_imbalance < 1:
+        raise PlanInputError(f"--moe-imbalance {a.moe_imbalance:g}: a factor >= 1 of the even share (1: balanced)")
     return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, micro=micro,
                 precisions=precisions, stages=sorted(set(stages)), gpus=_ints(a.gpus, "--gpus"), ckpt=ckpt)
 
@@ -123,14 +135,17 @@ def _plans_of(a, s, prec, ck, k):
     """Trace one (precision, checkpointing, micro-batches) and derive its plans for every GPU count and
     ZeRO stage: a job of its own (``run`` may hand it to a worker process). None: a model without blocks
     asked for checkpointing "both" (the row is dropped)."""
-    source = resolve(a.model)
+    source = resolve(a.model, a.attn, a.moe_imbalance)
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
     convs = []
+    if getattr(source.model_fn, "flash", False) and prec == "fp32":
+        raise PlanInputError(f"--attn {a.attn} runs in fp16/bf16 only: --precision bf16-autocast (or bf16)")
     try:
-        trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
-                           micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512,
-                           device="cpu", kernels="cuda")  # a GPU's plan, the same on any host (planner.cuda)
+        with quiet(), dynamic_sizes(a.moe_imbalance):
+            trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
+                               micro_batches=k, checkpointing=ck, optimizer=a.optimizer or source.optimizer,
+                               round_to=512, device="cpu", kernels="cuda")  # a GPU's plan on any host (planner.cuda)
     except PlanInputError:
         raise
     except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for
@@ -161,6 +176,24 @@ def _plans_of(a, s, prec, ck, k):
     return trace.n_params, plans
 
 
+@contextlib.contextmanager
+def quiet():
+    """stderr stays the user's: the libraries' warnings and logs while tracing (transformers' advice, the
+    fake-tensor mode's log of an op it refuses) are not the plan; a failure is the one line main prints."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
+                                                "transformers", "torch.utils.checkpoint")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
 def _job(args):
     return _plans_of(*args)
 
@@ -176,7 +209,7 @@ def _parameters(source) -> int:
 
 def run(a):
     s = settings(a)
-    source = resolve(a.model)  # bad input fails here, before any worker starts
+    source = resolve(a.model, a.attn, a.moe_imbalance)  # bad input fails here, before any worker starts
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
     keys = [(p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]
@@ -199,9 +232,10 @@ def run(a):
     fitting = [i for i, p in enumerate(plans) if p["fits"]]
     cheapest = min(fitting, key=lambda i: (plans[i]["gpus"], plans[i]["step_cost"]), default=None)
     return dict(model=dict(name=source.name, kind=source.kind, parameters=n_params),
+                step=source.step, optimizer_default=source.optimizer, assumptions=source.assumptions,
                 batch=dict(per_gpu=a.batch, shapes=[list(t.shape) for t in batch], bytes=batch_bytes),
                 gpu=dict(name=s["gpu"], capacity_bytes=s["capacity"], source=s["capacity_source"]),
-                optimizer=a.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
+                optimizer=a.optimizer or source.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
 
 
 def render_text(r):
