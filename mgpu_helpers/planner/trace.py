@@ -67,12 +67,12 @@ def apply_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def retensor(model: nn.Module, fn) -> nn.Module:
+def retensor(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
     """Replace every parameter and buffer ``t`` by ``fn(t)`` (a dtype or device change), by reassignment:
     ``Module.to``/``to_empty`` swap tensors, which fake tensors refuse (the fake mode holds weakrefs)."""
     new = {}  # tied weights stay tied
     with torch.no_grad():
-        for m in model.modules():
+        for m in (model.modules() if recurse else [model]):
             for name, p in m._parameters.items():
                 if p is not None and id(p) not in new:
                     q = fn(p)
@@ -159,6 +159,18 @@ def _fake_batch(batch, device):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in batch)  # shapes only: fake
 
 
+@contextlib.contextmanager
+def _reassigning_apply():
+    """``Module.to``/``.float()`` inside a model's constructor (families that keep a layer in fp32) by
+    :func:`retensor`'s reassignment: ``Module._apply`` swaps fake tensors, which the fake mode refuses."""
+    original = nn.Module._apply
+    nn.Module._apply = lambda self, fn, recurse=True: retensor(self, fn, recurse)
+    try:
+        yield
+    finally:
+        nn.Module._apply = original
+
+
 def _check_fake(model):
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
@@ -242,7 +254,7 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
         x, y = _fake_batch(batch, device)
         if len(x) % micro_batches:
             raise ValueError(f"micro_batches={micro_batches} does not divide the batch of {len(x)} samples")
-        with device:  # factories without a device= make fake tensors on the planned device
+        with device, _reassigning_apply():  # factories without a device= make fake tensors on the planned device
             model = model_fn()
         _check_fake(model)
         retensor(model, lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t)

@@ -30,7 +30,7 @@ from torch import nn
 from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, resolve
 from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, step_cost, trace_step
-from mgpu_helpers.planner.dynamic import dynamic_sizes
+from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
 
 SHORT = {"fp32": "fp32", "bf16-autocast": "bf16-amp", "fp16-autocast": "fp16-amp", "bf16": "bf16"}
 
@@ -142,10 +142,17 @@ def _plans_of(a, s, prec, ck, k):
     if getattr(source.model_fn, "flash", False) and prec == "fp32":
         raise PlanInputError(f"--attn {a.attn} runs in fp16/bf16 only: --precision bf16-autocast (or bf16)")
     try:
-        with quiet(), dynamic_sizes(a.moe_imbalance):
-            trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
-                               micro_batches=k, checkpointing=ck, optimizer=a.optimizer or source.optimizer,
-                               round_to=512, device="cpu", kernels="cuda")  # a GPU's plan on any host (planner.cuda)
+        def traced():  # a GPU's plan, the same on any host (planner.cuda)
+            return trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
+                              micro_batches=k, checkpointing=ck, optimizer=a.optimizer or source.optimizer,
+                              round_to=512, device="cpu", kernels="cuda")
+        with quiet():
+            try:
+                trace = traced()
+            except DATA_DEPENDENT:  # values decide a size: again with representative ones (planner.dynamic)
+                convs.clear()
+                with dynamic_sizes(a.moe_imbalance):
+                    trace = traced()
     except PlanInputError:
         raise
     except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for

@@ -18,7 +18,7 @@ WIDTH, LAYERS, HEADS, FFN, EXPERT_FFN, EXPERTS, TOP_K, VOCAB, HEAD_DIM = 64, 2, 
 # field name -> tiny value (a function of the default value where the default shapes the family)
 _SIZES = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
-                     "embedding_size", "hidden_dim", "text_hidden_size"), WIDTH),
+                     "embedding_size", "hidden_dim", "text_hidden_size", "emb_dim"), WIDTH),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
                      "num_decoder_layers", "num_encoder_layers"), LAYERS),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
@@ -58,6 +58,8 @@ def _shrink(d: dict, top: bool) -> dict:
             out[k] = _shrink(v, False)
         elif v is None and k in _UNSET:  # the released checkpoints set it; the bare default leaves it None
             out[k] = _UNSET[k]
+        elif k == "is_decoder":  # a causal LM is a decoder (BERT-like and Reformer families ask for it)
+            out[k] = True
         elif isinstance(v, bool) or v is None:
             out[k] = v
         elif k in ("rotary_dim", "rotary_emb_base_dim") and isinstance(v, int):

@@ -84,6 +84,10 @@ class UserStep(nn.Module):
         self._kw = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
     def forward(self, input_ids):
+        from mgpu_helpers.planner.dynamic import active
+        mode = active()
+        if mode is not None:  # representative values for data-dependent ops: this step's tokens and experts
+            mode.tokens, mode.seq, mode.moe = input_ids.numel(), input_ids.shape[-1], _experts(self.model.config)
         with _one_sequence_per_row():
             return self.model(input_ids=input_ids, labels=input_ids, **self._kw).loss
 
@@ -118,13 +122,16 @@ def _one_sequence_per_row():
         masking.find_packed_sequence_indices = original
 
 
-def _experts(cfg) -> int:
+def _experts(cfg):
+    """(experts, experts per token) of a mixture-of-experts config, else None."""
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_num_experts"):
         v = getattr(text, k, None)
         if isinstance(v, int) and v > 1:
-            return v
-    return 0
+            top_k = next((getattr(text, n) for n in ("num_experts_per_tok", "top_k", "moe_topk", "moe_k")
+                          if isinstance(getattr(text, n, None), int)), 1)
+            return v, top_k
+    return None
 
 
 def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
@@ -156,7 +163,7 @@ def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -
     experts = _experts(cfg)
     if experts:
         assumptions.append(
-            f"mixture of experts ({experts} experts): transformers' grouped matmul holds every (token, expert) "
+            f"mixture of experts ({experts[0]} experts, {experts[1]} per token): transformers' grouped matmul holds every (token, expert) "
             "row whatever the routing; where a family loops over experts, tokens are spread "
             + ("evenly over the experts" if moe_imbalance == 1 else
                f"{moe_imbalance:g}x the even share to every expert (--moe-imbalance)"))
