@@ -156,7 +156,7 @@ def _plans_of(a, s, prec, ck, k):
     except PlanInputError:
         raise
     except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for
-        if ck and "no nn.ModuleList" in str(e) and a.checkpointing == "both":
+        if ck and ("no nn.ModuleList" in str(e) or "nothing to checkpoint" in str(e)) and a.checkpointing == "both":
             return None
         raise PlanInputError(f"{source.name}: {e}") from None
     except Exception as e:

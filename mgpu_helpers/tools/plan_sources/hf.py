@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import inspect
 import json
 import sys
 from pathlib import Path
@@ -81,7 +80,6 @@ class UserStep(nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
-        self._kw = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
     def forward(self, input_ids):
         from mgpu_helpers.planner.dynamic import active
@@ -89,7 +87,9 @@ class UserStep(nn.Module):
         if mode is not None:  # representative values for data-dependent ops: this step's tokens and experts
             mode.tokens, mode.seq, mode.moe = input_ids.numel(), input_ids.shape[-1], _experts(self.model.config)
         with _one_sequence_per_row():
-            return self.model(input_ids=input_ids, labels=input_ids, **self._kw).loss
+            # as users call it: no use_cache=False, so a family that fills its cache in training (the states of
+            # Mamba's mixers, attention's keys and values) holds it until the output is dropped
+            return self.model(input_ids=input_ids, labels=input_ids).loss
 
     def gradient_checkpointing_enable(self):
         """transformers' own checkpointing, as a user enables it; the recomputation in backward runs
@@ -97,7 +97,7 @@ class UserStep(nn.Module):
         from mgpu_helpers.planner.cuda import recompute_contexts
         if not getattr(self.model, "supports_gradient_checkpointing", False):
             raise ValueError(f"checkpointing: {type(self.model).__name__} does not support "
-                             "gradient_checkpointing_enable() (no nn.ModuleList of blocks to checkpoint)")
+                             "gradient_checkpointing_enable(): nothing to checkpoint")
         self.model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": recompute_contexts})
 
