@@ -172,3 +172,61 @@ def _vocab(cfg) -> int:
 def causal_lm_types() -> list:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+# --- the catalogue, planned ---------------------------------------------------------------------------
+# Each family ends in one class: planned, skipped (transformers' own CPU step fails on the tiny config, or
+# no tiny config could be made from the family's defaults), or a planner failure by kind.
+PLAN_ARGS = ["--batch", "1", "--seq", "32", "--micro-batches", "1", "--precision", "bf16-autocast",
+             "--zero", "0", "--gpus", "1", "--gpu", "H200", "--jobs", "1", "--json"]
+
+
+def plan_family(model_type: str, checkpointing: str = "both") -> dict:
+    """``mgpu-plan`` on the family's tiny config, as a user would run it: its class, its one stderr line."""
+    import contextlib
+    import io
+    import tempfile
+
+    from mgpu_helpers.tools.plan_cli import main
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = tiny_config(model_type)
+    except Exception as e:  # noqa: BLE001 - the shrinking failed, not transformers nor the planner
+        return dict(type=model_type, result="skipped: no tiny config", message=f"{type(e).__name__}: {e}"[:300])
+    why = trains(cfg)
+    if why:
+        return dict(type=model_type, result="skipped: transformers cannot train it on a CPU", message=why)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.save_pretrained(tmp)
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = main([tmp, *PLAN_ARGS, "--checkpointing", checkpointing])
+    text = err.getvalue().strip()
+    return dict(type=model_type, result="planned" if code in (0, 1) else failure_class(text), message=text[-400:],
+                stderr_lines=len(text.splitlines()))
+
+
+def failure_class(message: str) -> str:
+    """The kinds of failure the catalogue counts (the issue's before/after table)."""
+    for needle, kind in (("BF16 type", "MoE grouped matmul"), ("grouped_mm", "MoE grouped matmul"),
+                         ("DataDependent", "data-dependent"), ("DynamicOutputShape", "data-dependent"),
+                         ("attn_implementation", "attention implementation"), ("sdpa", "attention implementation"),
+                         ("checkpointing True", "checkpointing"), ("config", "config read")):
+        if needle in message:
+            return f"failed: {kind}"
+    return "failed: other"
+
+
+def plan_catalogue(types=None, workers: int = 2) -> list:
+    """Every family planned, ``workers`` processes at once (spawned: each imports transformers once)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    types = list(types or causal_lm_types())
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        return list(pool.map(plan_family, types, chunksize=4))
+
+
+def counts(results) -> dict:
+    from collections import Counter
+    return dict(Counter(r["result"] for r in results).most_common())
