@@ -128,7 +128,8 @@ def plan_argv(config_dir, precision, ckpt, batch, seq):
 
 
 def _plan(argv):
-    from mgpu_helpers.tools.plan_cli import parse_args, run, quiet
+    from mgpu_helpers.tools.plan_cli import parse_args, run
+    from mgpu_helpers.tools.plan_sources import quiet
     with quiet():
         r = run(parse_args(argv))
     p = r["plans"][0]

@@ -17,18 +17,15 @@ traceback).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import os
 import sys
-import warnings
 
 import torch
 from torch import nn
 
 from mgpu_helpers.planner import budget as db
-from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, resolve
+from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
 from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, step_cost, trace_step
 from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
 
@@ -181,24 +178,6 @@ def _plans_of(a, s, prec, ck, k):
                               step_cost=step_cost(world_size=n, zero_stage=st, checkpointing=ck, micro_batches=k),
                               lines=[dict(name=nm, bytes=v, source=src) for nm, v, src in b.lines]))
     return trace.n_params, plans
-
-
-@contextlib.contextmanager
-def quiet():
-    """stderr stays the user's: the libraries' warnings and logs while tracing (transformers' advice, the
-    fake-tensor mode's log of an op it refuses) are not the plan; a failure is the one line main prints."""
-    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
-                                                "transformers", "torch.utils.checkpoint")]
-    levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.CRITICAL)
-        try:
-            yield
-        finally:
-            for lg, level in zip(loggers, levels):
-                lg.setLevel(level)
 
 
 def _job(args):

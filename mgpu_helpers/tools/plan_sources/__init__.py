@@ -18,11 +18,11 @@ from torch import nn
 
 from mgpu_helpers.planner.models import SIZES, Decoder
 
-from .base import PlanInputError, Source, first_line as _first_line
+from .base import PlanInputError, Source, first_line as _first_line, quiet
 from .hf import ATTENTION, hf_source
 
 __all__ = ["PlanInputError", "Source", "resolve", "make_batch", "output_loss", "hf_source", "function_source",
-           "builtin_source", "ATTENTION"]
+           "builtin_source", "ATTENTION", "quiet"]
 
 
 def output_loss(out, targets):

@@ -2,6 +2,10 @@
 (:class:`PlanInputError`): the lowest module of ``plan_sources``, imported by the others."""
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
+
 from dataclasses import dataclass, field
 
 
@@ -25,3 +29,21 @@ class Source:
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else "(no message)"
+
+
+@contextlib.contextmanager
+def quiet():
+    """stderr stays the user's: the libraries' warnings and logs while tracing (transformers' advice, the
+    fake-tensor mode's log of an op it refuses) are not the plan; a failure is the one line main prints."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
+                                                "transformers", "torch.utils.checkpoint")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
