@@ -259,6 +259,7 @@ def test_the_hugging_face_step_is_the_users_own(capsys, tmp_path):
     args = [str(tmp_path), "--batch", "2", "--seq", "64", "--micro-batches", "1", "--gpu", "L4", "--zero", "0"]
     _, r = run_json(capsys, *args, "--precision", "bf16-autocast")
     assert "labels=x" in r["step"] and "gradient_checkpointing_enable" in r["step"] and r["optimizer"] == "adamw"
+    assert "attention: sdpa (transformers' default for llama)" in r["step"]
     assert {p["checkpointing"] for p in r["plans"]} == {False, True} and r["assumptions"] == []
     # the model's own loss keeps an fp32 copy of the bf16 logits alive beside them: >= 6 B per logit
     logits = 2 * 64 * 32000

@@ -134,6 +134,17 @@ def _experts(cfg):
     return None
 
 
+def _default_attention(cfg) -> str:
+    """What ``from_config`` picks without ``attn_implementation``: sdpa where the family supports it, else
+    eager (flash-attention only when asked for); attention-free families answer eager too."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except KeyError:
+        return "the one it picks"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
     transformers, cfg = read_config(path)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -156,7 +167,7 @@ def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -
         return step
     model_fn.__name__ = f"hf_{getattr(cfg, 'model_type', 'model')}"
     model_fn.flash = attn in _FLASH
-    picked = attn or "transformers' default"
+    picked = attn or f"{_default_attention(cfg)} (transformers' default for {cfg.model_type})"
     step = (f"the model's own loss, model(input_ids=x, labels=x).loss; its own gradient_checkpointing_enable(); "
             f"AdamW; attention: {picked}" + (" (planned as torch's flash kernel)" if attn in _FLASH else ""))
     assumptions = []
