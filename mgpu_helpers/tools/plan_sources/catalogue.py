@@ -190,20 +190,22 @@ def plan_family(model_type: str, checkpointing: str = "on") -> dict:
     own ``gradient_checkpointing_enable()`` fails in transformers' CPU step is planned without it."""
     import tempfile
 
+    from .base import quiet
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():  # transformers' notes on a tiny config (special tokens, unused fields) are not the plan's
             cfg = tiny_config(model_type)
     except Exception as e:  # noqa: BLE001 - the shrinking failed, not transformers nor the planner
         return dict(type=model_type, result="skipped: no tiny config", message=f"{type(e).__name__}: {e}"[:300])
-    why = trains(cfg)
+    with quiet():
+        why = trains(cfg)
     if why:
         return dict(type=model_type, result="skipped: transformers cannot train it on a CPU", message=why)
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
         r = _plan_dir(model_type, tmp, checkpointing)
         if r["result"] == "failed: checkpointing" and checkpointing != "off":
-            own = trains(cfg, checkpointing=True)
+            with quiet():
+                own = trains(cfg, checkpointing=True)
             if own:  # transformers' own checkpointing fails too: the family is planned without it
                 r = _plan_dir(model_type, tmp, "off")
                 r["note"] = f"checkpointing not planned: transformers' own fails on a CPU ({own})"
