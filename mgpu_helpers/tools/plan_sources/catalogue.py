@@ -230,7 +230,8 @@ def failure_class(message: str) -> str:
     for needle, kind in (("BF16 type", "MoE grouped matmul"), ("grouped_mm", "MoE grouped matmul"),
                          ("DataDependent", "data-dependent"), ("DynamicOutputShape", "data-dependent"),
                          ("attn_implementation", "attention implementation"), ("sdpa", "attention implementation"),
-                         ("checkpointing True", "checkpointing"), ("config", "config read")):
+                         ("scaled_dot_product_attention", "attention implementation"),
+                         ("cannot read this config", "config read"), ("checkpointing True", "checkpointing")):
         if needle in message:
             return f"failed: {kind}"
     return "failed: other"
