@@ -28,6 +28,9 @@ def test_the_catalogue_plans_95_percent_of_what_transformers_trains(capfd):
     logged = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
     by_class = counts(results)
     print("\ncatalogue of", len(causal_lm_types()), "causal-LM types:", by_class)
+    for r in results:
+        if r["result"] != "planned" or r.get("note"):
+            print(f"  {r['type']}: {r['result']}: {r.get('note') or r['message'][-200:]}")
     trainable = [r for r in results if not r["result"].startswith("skipped")]
     planned = [r for r in trainable if r["result"] == "planned"]
     failed = {r["type"]: r["message"][-160:] for r in trainable if r["result"] != "planned"}
