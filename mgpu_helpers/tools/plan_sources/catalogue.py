@@ -204,11 +204,13 @@ def plan_family(model_type: str, checkpointing: str = "on") -> dict:
         cfg.save_pretrained(tmp)
         r = _plan_dir(model_type, tmp, checkpointing)
         if r["result"] == "failed: checkpointing" and checkpointing != "off":
-            with quiet():
-                own = trains(cfg, checkpointing=True)
+            with quiet():  # no checkpointing offered by the family, or transformers' own fails on a CPU
+                own = "not offered" if "does not support" in r["message"] else trains(cfg, checkpointing=True)
             if own:  # transformers' own checkpointing fails too: the family is planned without it
                 r = _plan_dir(model_type, tmp, "off")
-                r["note"] = f"checkpointing not planned: transformers' own fails on a CPU ({own})"
+                r["note"] = ("checkpointing not planned: " + ("transformers offers none for this family"
+                                                             if own == "not offered" else
+                                                             f"transformers' own fails on a CPU ({own})"))
     return r
 
 
@@ -231,7 +233,8 @@ def failure_class(message: str) -> str:
                          ("DataDependent", "data-dependent"), ("DynamicOutputShape", "data-dependent"),
                          ("attn_implementation", "attention implementation"), ("sdpa", "attention implementation"),
                          ("scaled_dot_product_attention", "attention implementation"),
-                         ("cannot read this config", "config read"), ("checkpointing True", "checkpointing")):
+                         ("cannot read this config", "config read"), ("checkpointing True", "checkpointing"),
+                         ("gradient_checkpointing_enable", "checkpointing")):
         if needle in message:
             return f"failed: {kind}"
     return "failed: other"
