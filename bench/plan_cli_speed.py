@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 bench/plan_cli_speed.py                 # goal: <= 60 s, <= 2 GiB peak RSS
     PYTHONPATH=. python3 bench/plan_cli_speed.py --batch 4       # 1, 2, 4 micro-batches: 6 traces
+    PYTHONPATH=. python3 bench/plan_cli_speed.py --config bench/configs/llama-3-8b.json --batch 4 --seq 2048 \
+        --gpus 1,2,4,8                                           # 8B, 6 traces x 13 (GPUs x ZeRO) = 78 rows
 
 Writes Llama-2-70B's shape as a config.json (80 layers, d=8192, 64 heads, 8 KV heads, SwiGLU 28672,
 vocab 32000; 69.0B parameters) and runs the command a user would, in a child process, planning 8 GPUs
@@ -30,6 +32,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--config", help="plan this Hugging Face config instead of Llama-2-70B's shape")
+    ap.add_argument("--gpus", default="8")
     args = ap.parse_args()
     try:
         import transformers  # noqa: F401
@@ -37,7 +41,9 @@ def main():
     except ImportError:
         have_hf = False
     with tempfile.TemporaryDirectory() as tmp:
-        if have_hf:
+        if args.config:
+            model, env_extra = str(Path(args.config).resolve()), {}
+        elif have_hf:
             model = os.path.join(tmp, "llama-70b")
             os.makedirs(model)
             Path(model, "config.json").write_text(json.dumps(LLAMA_70B, indent=1))
@@ -49,7 +55,7 @@ def main():
             model, env_extra = "llama70b_builtin:build", {}
             print("transformers is not installed: planning the built-in decoder of 70B's shape (no GQA)")
         cmd = [sys.executable, "-m", "mgpu_helpers.tools.plan_cli", model, "--batch", str(args.batch), "--seq",
-               str(args.seq), "--gpus", "8", "--gpu", "H100-80GB"]
+               str(args.seq), "--gpus", args.gpus, "--gpu", "H100-80GB"]
         print("$", " ".join(["mgpu-plan", *cmd[3:]]), flush=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), tmp, os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **env_extra}

@@ -261,13 +261,75 @@ def test_hugging_face_config_plans_the_real_model(capsys, tmp_path):
 
 
 def test_config_transformers_cannot_build_is_one_line(capsys, tmp_path):
+    """An unknown model_type names the closest ones; what transformers does is not blamed on it."""
     pytest.importorskip("transformers")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "lamma"}))
     code, _, err = run(capsys, str(tmp_path / "config.json"), "--gpu", "L4")
-    assert code == 2 and "cannot read this config" in err and err.count("\n") == 1
+    assert code == 2 and "model_type 'lamma' is not one transformers" in err and "closest: llama" in err
+    assert err.count("\n") == 1 and "cannot" not in err
     (tmp_path / "config.json").write_text("{not json")
     code, _, err = run(capsys, str(tmp_path), "--gpu", "L4")
     assert code == 2 and "not a readable JSON config" in err
+
+
+def test_a_config_is_read_as_autoconfig_from_pretrained_reads_it(tmp_path):
+    """Special floats (Infinity) and sub-configs decoded as transformers decodes them."""
+    transformers = pytest.importorskip("transformers")
+    from mgpu_helpers.tools.plan_sources.hf import read_config
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba2", "time_step_limit": [0.0, float("inf")]}))
+    _, cfg = read_config(tmp_path)
+    assert cfg == transformers.AutoConfig.from_pretrained(str(tmp_path)) and cfg.time_step_limit[1] == float("inf")
+
+
+def test_the_hugging_face_step_is_the_users_own(capsys, tmp_path):
+    """model(input_ids=x, labels=x).loss, the model's own checkpointing, AdamW, transformers' attention: said in
+    the output; its fp32 upcast of the logits (ForCausalLMLoss) is in the bf16 plan."""
+    pytest.importorskip("transformers")
+    cfg = dict(LLAMA, vocab_size=32000)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = [str(tmp_path), "--batch", "2", "--seq", "64", "--micro-batches", "1", "--gpu", "L4", "--zero", "0"]
+    _, r = run_json(capsys, *args, "--precision", "bf16-autocast")
+    assert "labels=x" in r["step"] and "gradient_checkpointing_enable" in r["step"] and r["optimizer"] == "adamw"
+    assert "attention: sdpa (transformers' default for llama)" in r["step"]
+    assert {p["checkpointing"] for p in r["plans"]} == {False, True} and r["assumptions"] == []
+    # the model's own loss keeps an fp32 copy of the bf16 logits alive beside them: >= 6 B per logit
+    logits = 2 * 64 * 32000
+    peak = max(p["tensor_peak"] for p in r["plans"] if not p["checkpointing"])
+    _, eager = run_json(capsys, *args, "--precision", "bf16-autocast", "--attn", "eager")
+    assert "attention: eager" in eager["step"]
+    code, _, err = run(capsys, *args, "--precision", "fp32", "--attn", "flash_attention_2")
+    assert code == 2 and "fp16/bf16 only" in err
+    assert peak > 6 * logits
+
+
+def test_mixture_of_experts_is_planned_under_a_stated_routing(capsys, tmp_path):
+    """Experts as transformers runs them (one grouped matmul) on fake tensors, stderr quiet; the routing
+    assumption in the output; --moe-imbalance changes it."""
+    pytest.importorskip("transformers")
+    cfg = dict(LLAMA, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = [str(tmp_path), "--batch", "2", "--seq", "32", "--micro-batches", "1", "--gpu", "L4", "--zero", "0"]
+    for precision in ("fp32", "bf16-autocast"):
+        code, out, err = run(capsys, *args, "--precision", precision, "--json")
+        assert code == 0 and err == "", err
+        assert "evenly" in json.loads(out)["assumptions"][0]
+    _, r = run_json(capsys, *args, "--moe-imbalance", "4")
+    assert "4x the even share" in r["assumptions"][0]
+    code, _, err = run(capsys, *args, "--moe-imbalance", "0.5")
+    assert code == 2 and "--moe-imbalance 0.5" in err
+
+
+def test_data_dependent_ops_get_representative_values():
+    """.item() and nonzero on fake tensors: stated values, never a refusal; counts per expert add up."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from mgpu_helpers.planner.dynamic import dynamic_sizes
+    with dynamic_sizes(moe_imbalance=3) as mode, FakeTensorMode():
+        mode.tokens, mode.seq, mode.moe = 64, 32, (4, 2)
+        counts = torch.zeros(64, 4, dtype=torch.long).sum(0).tolist()
+        assert counts == [64, 22, 21, 21] and sum(counts) == 64 * 2
+        assert torch.zeros(5, 3).nonzero().shape == (15, 2)              # every element: the largest output
+        assert torch.zeros(2, 64, dtype=torch.bool).nonzero().shape[0] == 64  # one expert's share
+        assert torch.zeros(3, dtype=torch.long).max().item() == 32       # a length: the sequence
 
 
 def test_console_script_declared():

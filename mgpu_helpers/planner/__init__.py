@@ -16,6 +16,8 @@ gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP, stage 2 the cour
 ``accounting``     ``FakeTracker``: the course's ``MemoryTracker`` over fake storages, plus ``kernels``' figures
                    on the CPU and cuDNN's calibrated workspace on a GPU (what no tensor owns)
 ``cuda``           CUDA-faithful kernels on any host (attention backends, fused RMSNorm, CUDA autocast lists)
+``dynamic``        data-dependent ops (``.item()``, ``nonzero``) answered with stated representative values
+                   (mixture-of-experts routing: balanced, or ``--moe-imbalance``), where fake tensors refuse
 ``fsdp``           FSDP2 itself on the fake model in a fake process group (stage 3: run, not ruled)
 ``trace``          one steady training step under ``FakeTensorMode`` (:func:`trace_step`, :func:`train_step`)
 ``layouts``        the memory layouts and ZeRO/FSDP shard arithmetic: each rank's timeline from a trace

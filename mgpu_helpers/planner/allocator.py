@@ -151,11 +151,18 @@ class CachingAllocator:
         return left
 
 
+# A real run's steady step comes after the segments stop growing: the first step makes Adam's state and
+# the cuBLAS workspaces, and the order of a step's requests can leave a free block too small for the same
+# request one step later (a logits-sized block beside a smaller one), so a second step may add a segment.
+MAX_WARM_UP = 4
+
+
 def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
     """Replay a traced step (``Trace.events``) through :class:`CachingAllocator`, as a run would make it:
     the batch first, then what was live at the step's entry (parameters and buffers; the optimizer's state
     is made inside the first step, at its first ``step`` event), cuBLAS's ``workspaces`` at the first
-    forward and the first backward event, one step (the warm-up), peaks reset, and the same step again.
+    forward and the first backward event, one step (the warm-up) and more while they add a segment (at
+    most :data:`MAX_WARM_UP` in all), peaks reset, and the same step again.
 
     ``events``: ``(key, delta, seed, phase, category)`` in order -- a storage's size changing by ``delta``
     (FSDP2's ``resize_`` frees and re-allocates). Returns the measured step's ``peak_allocated`` and
@@ -211,6 +218,11 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
         return peak
 
     run(False)
+    for _ in range(MAX_WARM_UP - 1):  # further warm-up steps while the segments still grow (fragmentation)
+        before = alloc.reserved
+        run(True)
+        if alloc.reserved == before:
+            break
     alloc.reset_peak()
     exact_peak = run(True)
     return {"peak_allocated": alloc.peak_allocated, "peak_reserved": alloc.peak_reserved, "exact_peak": exact_peak}

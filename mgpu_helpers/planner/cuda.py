@@ -14,6 +14,8 @@ made the difference:
 - ``F.dropout``: CUDA's fused kernel saves a one-byte mask; the CPU saves a mask of the input's dtype.
 - ``F.cross_entropy`` under autocast: CPU autocast casts the logits to fp32 first; CUDA's takes the
   log-softmax in bf16 and casts its result (measured: the bf16 decoder planned 3.0% above otherwise).
+- ``torch._grouped_mm`` (mixture-of-experts layers' experts): CUDA's kernel takes fp32 and bf16; the meta
+  function a fake trace runs insists on bf16, so the trace runs :class:`_GroupedMM` (the same tensors).
 - autocast's lists: CUDA runs pow, exp, layer_norm, softmax, sum ... in fp32; CPU autocast does not list
   them (GPT-2 and ConvNeXt in bf16 autocast planned 9.8% and 6.8% below otherwise).
 
@@ -158,6 +160,40 @@ def gpu_cross_entropy(input, target, weight=None, size_average=None, ignore_inde
         return F.nll_loss(logp.float(), target, weight, ignore_index=ignore_index, reduction=reduction)
 
 
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` (a mixture-of-experts layer's experts as one matmul over jagged groups) as the
+    GPU's kernel holds it: the output, and both operands saved for backward (derivatives.yaml). Its meta
+    function insists on bf16 inputs, which the CUDA kernel does not (sm80+, torch 2.9 and newer); the
+    tensors are the same whatever the routing: ``offs`` only moves the groups' boundaries."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs, bias, out_dtype):
+        ctx.save_for_backward(a, b)
+        dtype = out_dtype or a.dtype
+        if a.dim() == 2 and b.dim() == 3:      # (tokens, k) x (groups, k, n): one group per expert
+            shape = (a.shape[0], b.shape[-1])
+        elif a.dim() == 3 and b.dim() == 2:    # (groups, m, k) x (k, n) jagged along n
+            shape = (a.shape[0], a.shape[1], b.shape[-1])
+        elif a.dim() == 2 and b.dim() == 2:    # (m, tokens) x (tokens, n): the weights' gradient
+            shape = (offs.shape[0], a.shape[0], b.shape[-1])
+        else:                                   # (groups, m, k) x (groups, k, n)
+            shape = (a.shape[0], a.shape[1], b.shape[-1])
+        return a.new_empty(shape, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return (torch.empty_like(a) if ctx.needs_input_grad[0] else None,
+                torch.empty_like(b) if ctx.needs_input_grad[1] else None, None, None, None)
+
+
+def gpu_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm`` as a GPU runs it: not on autocast's lists, in the operands' own dtype."""
+    with torch.autocast(mat_a.device.type, enabled=False):
+        out = _GroupedMM.apply(mat_a, mat_b, offs, None, out_dtype)
+        return out + bias if bias is not None else out
+
+
 # CUDA autocast's op lists (torch 2.11's autocast_mode.h) where the CPU's differ: ops CUDA runs in fp32
 # (casting fp16/bf16 inputs up) that CPU autocast leaves in the inputs' dtype, and ops CUDA gives an fp32
 # dtype= when none is asked for. Measured: GPT-2's tanh-GELU (a pow) and ConvNeXt's LayerNorm after a bf16
@@ -208,7 +244,8 @@ class CudaKernels(TorchFunctionMode):
     plan makes millions of calls)."""
 
     _ROUTES = {F.scaled_dot_product_attention: gpu_sdpa, F.rms_norm: gpu_rms_norm, torch.rms_norm: gpu_rms_norm,
-               F.dropout: gpu_dropout, torch.dropout: gpu_dropout, F.cross_entropy: gpu_cross_entropy}
+               F.dropout: gpu_dropout, torch.dropout: gpu_dropout, F.cross_entropy: gpu_cross_entropy,
+               **({torch._grouped_mm: gpu_grouped_mm} if hasattr(torch, "_grouped_mm") else {})}
     _listed = {}  # func -> _listed_name(func) (filled as calls come)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -32,7 +32,7 @@ from .kernels import measure_pending
 
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (layouts: all layouts)
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
-OPTIMIZERS = ("adam", "sgd", "momentum")
+OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")  # AdamW: Adam's two moments, the decay applied to the weights
 FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the byte (tests/test_planner_fsdp.py)
 
 
@@ -50,7 +50,13 @@ class Checkpointed(nn.Module):
 
 
 def apply_checkpointing(model: nn.Module) -> nn.Module:
-    """Wrap each block of the model's largest ``nn.ModuleList`` in :class:`Checkpointed` (in place)."""
+    """Wrap each block of the model's largest ``nn.ModuleList`` in :class:`Checkpointed` (in place) -- or,
+    for a model with its own ``gradient_checkpointing_enable()`` (Hugging Face's), call that, as its users
+    do: it checkpoints what the family chose (blocks keep their attributes, which families read)."""
+    own = getattr(model, "gradient_checkpointing_enable", None)
+    if callable(own):
+        own()
+        return model
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise ValueError("checkpointing=True: the model has no nn.ModuleList of blocks to checkpoint")
@@ -61,12 +67,12 @@ def apply_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def retensor(model: nn.Module, fn) -> nn.Module:
+def retensor(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
     """Replace every parameter and buffer ``t`` by ``fn(t)`` (a dtype or device change), by reassignment:
     ``Module.to``/``to_empty`` swap tensors, which fake tensors refuse (the fake mode holds weakrefs)."""
     new = {}  # tied weights stay tied
     with torch.no_grad():
-        for m in model.modules():
+        for m in (model.modules() if recurse else [model]):
             for name, p in m._parameters.items():
                 if p is not None and id(p) not in new:
                     q = fn(p)
@@ -84,6 +90,8 @@ def make_optimizer(model: nn.Module, optimizer: str = "adam"):
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "adam":
         return torch.optim.Adam(params, lr=1e-3, foreach=True)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if optimizer in ("sgd", "momentum"):
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if optimizer == "momentum" else 0.0, foreach=True)
     raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -149,6 +157,18 @@ def _fake_batch(batch, device):
         raise ValueError("batch: inputs and targets need the same size along dim 0 (the samples), got "
                          f"{tuple(batch[0].shape)} and {tuple(batch[1].shape)}")
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in batch)  # shapes only: fake
+
+
+@contextlib.contextmanager
+def _reassigning_apply():
+    """``Module.to``/``.float()`` inside a model's constructor (families that keep a layer in fp32) by
+    :func:`retensor`'s reassignment: ``Module._apply`` swaps fake tensors, which the fake mode refuses."""
+    original = nn.Module._apply
+    nn.Module._apply = lambda self, fn, recurse=True: retensor(self, fn, recurse)
+    try:
+        yield
+    finally:
+        nn.Module._apply = original
 
 
 def _check_fake(model):
@@ -234,7 +254,7 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
         x, y = _fake_batch(batch, device)
         if len(x) % micro_batches:
             raise ValueError(f"micro_batches={micro_batches} does not divide the batch of {len(x)} samples")
-        with device:  # factories without a device= make fake tensors on the planned device
+        with device, _reassigning_apply():  # factories without a device= make fake tensors on the planned device
             model = model_fn()
         _check_fake(model)
         retensor(model, lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t)

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from mgpu_helpers.planner import budget as db
-from mgpu_helpers.tools.plan_sources import PlanInputError, make_batch, output_loss, resolve
+from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
 from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, step_cost, trace_step
+from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
 
 COST = ("cost: the course's relative step time (1.00 = one GPU, no checkpointing, one micro-batch): +0.33 "
         "checkpointing (the forward again), +0.10 per extra micro-batch, +0.02 per ZeRO stage and +0.50 for "
@@ -64,7 +65,13 @@ def parse_args(argv):
     ap.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
     ap.add_argument("--micro-batches", help="micro-batch counts (default: 1,2,4 that divide --batch)")
     ap.add_argument("--precision", default="bf16-autocast", help=f"{', '.join(PRECISIONS)}, comma-separated, or all")
-    ap.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "momentum"))
+    ap.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "momentum"),
+                    help="(default: adamw for a Hugging Face model, as its users train; adam otherwise)")
+    ap.add_argument("--attn", choices=ATTENTION, help="a Hugging Face model's attention implementation "
+                    "(default: the one transformers picks, as on a GPU)")
+    ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                    help="mixture of experts that loop over experts: plan F x the even share of tokens per "
+                         "expert (1: balanced routing; the experts' count: all tokens to one expert)")
     ap.add_argument("--allocator", default="default", choices=("default", "expandable"),
                     help="expandable = PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     ap.add_argument("--jobs", type=int, default=0,
@@ -102,6 +109,8 @@ def settings(a):
     if any(v not in ZERO_STAGES for v in stages):
         raise PlanInputError(f"--zero {a.zero!r}: stages among 0,1,2,3")
     ckpt = {"both": [False, True], "on": [True], "off": [False]}[a.checkpointing]
+    if a.moe_imbalance < 1:
+        raise PlanInputError(f"--moe-imbalance {a.moe_imbalance:g}: a factor >= 1 of the even share (1: balanced)")
     return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, gpu_key=gpu_key, micro=micro,
                 precisions=precisions, stages=sorted(set(stages)), gpus=_ints(a.gpus, "--gpus"), ckpt=ckpt)
 
@@ -125,18 +134,28 @@ def _plans_of(a, s, prec, ck, k):
     """Trace one (precision, checkpointing, micro-batches) and derive its plans for every GPU count and
     ZeRO stage: a job of its own (``run`` may hand it to a worker process). None: a model without blocks
     asked for checkpointing "both" (the row is dropped)."""
-    source = resolve(a.model)
+    source = resolve(a.model, a.attn, a.moe_imbalance)
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
     convs = []
+    if getattr(source.model_fn, "flash", False) and prec == "fp32":
+        raise PlanInputError(f"--attn {a.attn} runs in fp16/bf16 only: --precision bf16-autocast (or bf16)")
     try:
-        trace = trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
-                           micro_batches=k, checkpointing=ck, optimizer=a.optimizer, round_to=512,
-                           device="cpu", kernels="cuda")  # a GPU's plan, the same on any host (planner.cuda)
+        def traced():  # a GPU's plan, the same on any host (planner.cuda)
+            return trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
+                              micro_batches=k, checkpointing=ck, optimizer=a.optimizer or source.optimizer,
+                              round_to=512, device="cpu", kernels="cuda")
+        with quiet():
+            try:
+                trace = traced()
+            except DATA_DEPENDENT:  # values decide a size: again with representative ones (planner.dynamic)
+                convs.clear()
+                with dynamic_sizes(a.moe_imbalance):
+                    trace = traced()
     except PlanInputError:
         raise
     except ValueError as e:  # checkpointing a model without blocks: drop those rows unless asked for
-        if ck and "no nn.ModuleList" in str(e) and a.checkpointing == "both":
+        if ck and ("no nn.ModuleList" in str(e) or "nothing to checkpoint" in str(e)) and a.checkpointing == "both":
             return None
         raise PlanInputError(f"{source.name}: {e}") from None
     except Exception as e:
@@ -182,7 +201,8 @@ def _parameters(source) -> int:
 
 
 def run(a):
-    source = resolve(a.model)  # bad input fails here, before any worker starts: the model's first
+    source = resolve(a.model, a.attn, a.moe_imbalance)  # bad input fails here, before any worker starts,
+    # the model first (a wrong model is the error to see, even when --gpu is missing too)
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     s = settings(a)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
@@ -206,9 +226,10 @@ def run(a):
     fitting = [i for i, p in enumerate(plans) if p["fits"]]
     cheapest = min(fitting, key=lambda i: (plans[i]["gpus"], plans[i]["step_cost"]), default=None)
     return dict(model=dict(name=source.name, kind=source.kind, parameters=n_params),
+                step=source.step, optimizer_default=source.optimizer, assumptions=source.assumptions,
                 batch=dict(per_gpu=a.batch, shapes=[list(t.shape) for t in batch], bytes=batch_bytes),
                 gpu=dict(name=s["gpu"], capacity_bytes=s["capacity"], source=s["capacity_source"]),
-                optimizer=a.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
+                optimizer=a.optimizer or source.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
 
 
 PLAIN_STEP = "the course's step: loss = cross_entropy(model(x), y); loss.backward(); optimizer.step()"
@@ -235,6 +256,7 @@ def render_text(r):
     out = [f"model: {r['model']['name']}: {r['model']['parameters']:,} trainable parameters; "
            f"optimizer {r['optimizer']}",
            f"step planned: {r.get('step') or PLAIN_STEP}",
+           *(f"assumed: {x}" for x in r.get("assumptions") or ()),
            f"batch per GPU: {' + '.join('x'.join(map(str, s)) for s in r['batch']['shapes'])} (inputs + targets)",
            f"GPU: {r['gpu']['name']}, {cap:,} B = {cap / db.GiB:.2f} GiB = {cap / 1e9:.2f} GB per device "
            f"({r['gpu']['source']}); allocator {r['allocator']}; {r['traces']} trace(s)", "",

@@ -7,12 +7,9 @@ to fix; ``mgpu-plan`` prints it and exits 2.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
-import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,102 +18,25 @@ from torch import nn
 
 from mgpu_helpers.planner.models import SIZES, Decoder
 
+from .base import PlanInputError, Source, first_line as _first_line, quiet
+from .hf import ATTENTION, hf_source
 
-class PlanInputError(Exception):
-    """Bad input to ``mgpu-plan``: the message is the one line the user sees."""
-
-
-@dataclass
-class Source:
-    name: str
-    kind: str              # "built-in", "hugging face", "function"
-    model_fn: object       # called with no arguments under a fake mode
-    inputs: str            # "tokens" (long [B, T]) or "tensor" (float [B, *shape])
-    vocab: int = 0
+__all__ = ["PlanInputError", "Source", "resolve", "make_batch", "output_loss", "hf_source", "function_source",
+           "builtin_source", "ATTENTION", "quiet"]
 
 
 def output_loss(out, targets):
     """Cross-entropy of a model's logits: [B, C] with [B] or [B, T, V] with [B, T] (lm_loss's ops).
-    Takes ``.logits`` or the first element when the model returns an object or a tuple."""
+    Takes ``.logits`` or the first element when the model returns an object or a tuple; a 0-d tensor is a
+    loss the model computed itself (a Hugging Face model given ``labels=``, ``hf.UserStep``)."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
     if not isinstance(out, torch.Tensor):
         out = getattr(out, "logits", None) if not isinstance(out, (tuple, list)) else out[0]
     if not isinstance(out, torch.Tensor):
         raise PlanInputError("the model's output is not a tensor of logits (nor has .logits): give a "
                              "model_fn whose module returns logits")
     return F.cross_entropy(out.flatten(0, -2), targets.flatten())
-
-
-class CausalLM(nn.Module):
-    """A Hugging Face causal LM as the planner's step expects: tokens in, logits out, no KV cache."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        with _one_sequence_per_row():
-            return self.model(input_ids=input_ids, use_cache=False).logits
-
-
-@contextlib.contextmanager
-def _one_sequence_per_row():
-    """Tell transformers' mask code what a real step of the planner's batch finds: no packed sequences.
-
-    It reads the position ids' values to find sequences packed into one row; a fake tensor has no values,
-    so it assumes packing and builds a (batch, 1, seq, seq) mask, which makes attention expand grouped
-    key/value heads and skip ``is_causal``. The real step of the same tokens finds one sequence per row and
-    passes no mask (measured on the H200: the fake trace ran a fused kernel, the real step the math one)."""
-    masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:  # an older transformers without packed-sequence detection
-        yield
-        return
-    masking.find_packed_sequence_indices = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
-
-
-def _hf_config(path: Path):
-    try:
-        import transformers
-    except ImportError:
-        raise PlanInputError("a Hugging Face config needs transformers: pip install \"mgpu-helpers[hf]\" "
-                             "(or pip install transformers)") from None
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise PlanInputError(f"{path}: no config.json in this directory")
-    try:
-        d = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise PlanInputError(f"{file}: not a readable JSON config ({e})") from None
-    if not isinstance(d, dict) or "model_type" not in d:
-        raise PlanInputError(f"{file}: a Hugging Face config.json has a \"model_type\" (e.g. \"llama\")")
-    model_type = d.pop("model_type")
-    try:
-        cfg = transformers.AutoConfig.for_model(model_type, **d)
-    except Exception as e:  # unknown model_type, inconsistent fields
-        raise PlanInputError(f"{file}: transformers {transformers.__version__} cannot read this config: "
-                             f"{type(e).__name__}: {_first_line(e)}") from None
-    return transformers, cfg
-
-
-def hf_source(path: Path) -> Source:
-    transformers, cfg = _hf_config(path)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    vocab = int(getattr(text, "vocab_size", 0) or 0)
-
-    def model_fn():
-        try:  # fp32 weights (the planner's precisions cast); SDPA attention as training uses
-            model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
-                                                                  dtype=torch.float32)
-        except Exception as e:
-            raise PlanInputError(f"{path}: transformers cannot build a causal LM from this config: "
-                                 f"{type(e).__name__}: {_first_line(e)}") from None
-        return CausalLM(model)
-    model_fn.__name__ = f"hf_{getattr(cfg, 'model_type', 'model')}"
-    return Source(f"{path} ({cfg.model_type})", "hugging face", model_fn, "tokens", vocab)
 
 
 def function_source(spec: str) -> Source:
@@ -153,11 +73,14 @@ def builtin_source(name: str) -> Source:
     return Source(f"{name} (built-in Llama-shaped decoder)", "built-in", model_fn, "tokens", SIZES[name][0])
 
 
-def resolve(spec: str) -> Source:
-    """A model from what the user typed: an existing path (HF config), a built-in name, or module:function."""
+def resolve(spec: str, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
+    """A model from what the user typed: an existing path (HF config), a built-in name, or module:function.
+    ``attn`` and ``moe_imbalance`` concern Hugging Face models only (``hf``)."""
     path = Path(spec)
     if path.exists():
-        return hf_source(path)
+        return hf_source(path, attn, moe_imbalance)
+    if attn is not None:
+        raise PlanInputError(f"--attn chooses a Hugging Face model's attention; {spec!r} is not a config")
     if spec in SIZES:
         return builtin_source(spec)
     if ":" in spec and all(spec.partition(":")[::2]):
@@ -190,8 +113,3 @@ def make_batch(source: Source, batch: int, seq: int | None, input_shape: str | N
         raise PlanInputError(f"--input-dtype {dtype!r} is not a torch dtype (e.g. float32, long)")
     # targets: one class per sample (cross-entropy over [B, C] logits)
     return (torch.empty(batch, *shape, dtype=dt, device="meta"), torch.empty(batch, dtype=torch.long, device="meta"))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else "(no message)"

@@ -1,0 +1,49 @@
+"""What every source of a model for ``mgpu-plan`` gives (:class:`Source`) and how it says no
+(:class:`PlanInputError`): the lowest module of ``plan_sources``, imported by the others."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+from dataclasses import dataclass, field
+
+
+class PlanInputError(Exception):
+    """Bad input to ``mgpu-plan``: the message is the one line the user sees."""
+
+
+@dataclass
+class Source:
+    name: str
+    kind: str              # "built-in", "hugging face", "function"
+    model_fn: object       # called with no arguments under a fake mode
+    inputs: str            # "tokens" (long [B, T]) or "tensor" (float [B, *shape])
+    vocab: int = 0
+    # the step planned, in words (what the output says), and the optimizer that step uses by default
+    step: str = "the course's step: cross-entropy of the model's output, the planner's Checkpointed blocks"
+    optimizer: str = "adam"
+    assumptions: list = field(default_factory=list)  # what the plan assumes that a trace cannot know (routing)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else "(no message)"
+
+
+@contextlib.contextmanager
+def quiet():
+    """stderr stays the user's: the libraries' warnings and logs while tracing (transformers' advice, the
+    fake-tensor mode's log of an op it refuses) are not the plan; a failure is the one line main prints."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
+                                                "transformers", "torch.utils.checkpoint")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)

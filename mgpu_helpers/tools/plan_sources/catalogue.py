@@ -1,0 +1,254 @@
+"""Every causal-LM family the installed transformers offers, as a tiny config: what ``mgpu-plan`` is held
+against (tests/test_plan_catalogue.py) and what ``bench/hf_user_step.py`` builds its configs from.
+
+:func:`tiny_config` starts from the family's own defaults (``CONFIG_MAPPING[model_type]()``, as
+``AutoConfig.for_model`` would) and shrinks every size by the field's name -- width 64, 2 layers (4 for
+hybrids, so that each kind of layer is in the model), 4 heads, 4 experts with 2 per token, a 1024-token
+vocabulary -- keeping what makes the family itself: grouped heads, sliding windows, layer patterns, shared
+experts. Nothing is downloaded. :func:`trains` is transformers' own CPU step on it (the model's loss and
+backward): a family that fails there is one transformers cannot train on a CPU, skipped and counted by
+the catalogue, not blamed on the planner.
+"""
+from __future__ import annotations
+
+import warnings
+
+WIDTH, LAYERS, HEADS, FFN, EXPERT_FFN, EXPERTS, TOP_K, VOCAB, HEAD_DIM = 64, 2, 4, 128, 32, 4, 2, 1024, 16
+
+# field name -> tiny value (a function of the default value where the default shapes the family)
+_SIZES = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
+                     "embedding_size", "hidden_dim", "text_hidden_size", "emb_dim"), WIDTH),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
+                     "num_decoder_layers", "num_encoder_layers"), LAYERS),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
+                     "encoder_attention_heads", "n_attention_heads"), HEADS),
+    **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels", "head_size", "v_head_dim", "d_head",
+                     "mamba_d_head", "linear_key_head_dim", "linear_value_head_dim", "swa_head_dim"), HEAD_DIM),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim",
+                     "ffn_hidden_size", "intermediate_dim", "d_ff", "dense_intermediate_size"), FFN),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
+                     "moe_ffn_hidden_size", "shared_intermediate_size", "moe_shared_expert_intermediate_size",
+                     "expert_dim", "ffn_dim_expert"), EXPERT_FFN),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_num_experts",
+                     "num_experts_per_layer", "moe_num_expert"), EXPERTS),
+    **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 32),
+    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), HEAD_DIM),  # DeepSeek's head_dim is the rope part
+    # hybrids: an attention layer among the first few (Jamba's every 8th from the 4th; Bamba's by index)
+    "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+    "attn_layer_indices": [1],
+    **dict.fromkeys(("vocab_size", "n_vocab", "text_vocab_size"), VOCAB),
+}
+_AT_MOST = {**dict.fromkeys(("num_experts_per_tok", "top_k", "moe_topk", "moe_k", "num_experts_per_token",
+                             "n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), TOP_K),
+            **dict.fromkeys(("n_group", "topk_group"), 1),
+            **dict.fromkeys(("sliding_window", "attention_window", "window_size", "local_window_size"), 16),
+            **dict.fromkeys(("first_k_dense_replace", "num_dense_layers", "max_window_layers"), 1)}
+_KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv",
+             "num_key_value_groups_heads", "linear_num_key_heads", "linear_num_value_heads")
+
+
+def _shrink(d: dict, top: bool) -> dict:
+    heads = next((d[k] for k in ("num_attention_heads", "n_head", "num_heads") if isinstance(d.get(k), int)), None)
+    out = {}
+    for k, v in d.items():
+        if k == "per_layer_config" and isinstance(v, dict):  # overrides of layers beyond the tiny depth: gone
+            out[k] = {i: c for i, c in v.items() if int(i) < LAYERS}
+        elif isinstance(v, dict) and k not in ("rope_parameters", "rope_scaling", "id2label", "label2id"):
+            out[k] = _shrink(v, False)
+        elif v is None and k in _UNSET:  # the released checkpoints set it; the bare default leaves it None
+            out[k] = _UNSET[k]
+        elif k == "is_decoder":  # a causal LM is a decoder (BERT-like and Reformer families ask for it)
+            out[k] = True
+        elif isinstance(v, bool) or v is None:
+            out[k] = v
+        elif k in ("rotary_dim", "rotary_emb_base_dim") and isinstance(v, int):
+            out[k] = min(v, HEAD_DIM // 2)
+        elif k == "attention_types" and isinstance(v, list):  # GPT-Neo: [[["global", "local"], 12]]
+            out[k] = [[v[0][0], 1]]
+        elif k in _SIZES and (isinstance(v, int) or isinstance(_SIZES[k], list)):
+            out[k] = _SIZES[k]
+        elif k in _AT_MOST and isinstance(v, int) and v > 0:
+            out[k] = min(v, _AT_MOST[k])
+        elif k in _KV_HEADS and isinstance(v, int):  # keep the family's grouping: MHA stays MHA, MQA MQA
+            out[k] = HEADS if heads is not None and v >= heads else (1 if v == 1 else 2)
+        elif k.endswith("_token_id") and isinstance(v, int) and v >= VOCAB - 8:
+            out[k] = VOCAB - 8 + (hash(k) % 8)
+        elif k.endswith("_token_id") and isinstance(v, list):
+            out[k] = [t if t < VOCAB - 8 else VOCAB - 1 for t in v if isinstance(t, int)]
+        else:
+            out[k] = v
+    _mamba_heads(out)
+    return out
+
+
+_UNSET = {"attn_layer_indices": [1], "head_dim": HEAD_DIM, "num_experts_per_tok": TOP_K, "n_routed_experts": EXPERTS}
+
+
+def _mamba_heads(d: dict) -> None:
+    """Mamba-2 mixers need heads x head size = expand x width (the families' own validation)."""
+    width = d.get("hidden_size", WIDTH)
+    for heads, size, expand in (("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("num_heads", "head_dim", "expand"),
+                                ("mamba_num_heads", "mamba_head_dim", "mamba_expand")):
+        if isinstance(d.get(heads), int) and isinstance(d.get(size), int) and isinstance(d.get(expand), int) \
+                and any(k in d for k in ("ssm_state_size", "state_size", "mamba_d_state")):
+            d[heads] = max(1, d[expand] * width // d[size])
+            if "mamba_d_ssm" in d:  # Falcon-H1's inner width, when given
+                d["mamba_d_ssm"] = d[heads] * d[size]
+
+
+def _layer_pattern(types: list, n: int) -> list:
+    """``n`` layers that keep each kind of layer of the family's pattern, in the family's order."""
+    kinds = list(dict.fromkeys(types))
+    return (kinds * n)[:max(n, len(kinds))]
+
+
+def tiny_config(model_type: str):
+    """The family's default config, shrunk: a model of a few hundred thousand parameters."""
+    from transformers import CONFIG_MAPPING
+    cls = CONFIG_MAPPING[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = cls().to_dict()
+        d = _shrink(full, True)
+        layers = _hybrid_layers(d)
+        for sub in (d, *[v for v in d.values() if isinstance(v, dict)]):
+            for k in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
+                if isinstance(sub.get(k), list) and sub[k]:
+                    sub[k] = _layer_pattern(sub[k], layers)
+                    for n in ("num_hidden_layers", "num_layers", "n_layer"):
+                        if n in sub:
+                            sub[n] = len(sub[k])
+        return cls(**_changed(d, full))  # only what shrinking changed: the family's __init__ derives the rest
+
+
+def _changed(new: dict, old: dict) -> dict:
+    out = {}
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(old.get(k), dict) and k not in ("rope_parameters",):
+            sub = _changed(v, old[k])
+            if sub:
+                out[k] = sub
+        elif v != old.get(k):
+            out[k] = v
+    return out
+
+
+def _hybrid_layers(d) -> int:
+    """Hybrids (attention every k-th layer, Mamba between) need enough layers for each kind."""
+    kinds = set()
+    for sub in (d, *[v for v in d.values() if isinstance(v, dict)]):
+        for k in ("layer_types", "layers_block_type", "block_types"):
+            if isinstance(sub.get(k), list):
+                kinds |= {str(t) for t in sub[k]}
+    return max(LAYERS, len(kinds))
+
+
+def trains(cfg, seq: int = 32, checkpointing: bool = False) -> str | None:
+    """transformers' own step on the CPU (real tensors), with its own ``gradient_checkpointing_enable()`` if
+    ``checkpointing``: None if it trains, else why not (one line)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            model.train()
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+            x = torch.randint(0, min(VOCAB, _vocab(cfg)) - 8, (2, seq))
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+        if loss is None or not torch.isfinite(loss):
+            return f"no finite loss ({loss})"
+        return None
+    except Exception as e:  # noqa: BLE001 - what transformers raises is the reason the family is skipped
+        text = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def _vocab(cfg) -> int:
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(getattr(text, "vocab_size", VOCAB) or VOCAB)
+
+
+def causal_lm_types() -> list:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+# --- the catalogue, planned ---------------------------------------------------------------------------
+# Each family ends in one class: planned, skipped (transformers' own CPU step fails on the tiny config, or
+# no tiny config could be made from the family's defaults), or a planner failure by kind.
+PLAN_ARGS = ["--batch", "1", "--seq", "32", "--micro-batches", "1", "--precision", "bf16-autocast",
+             "--zero", "0", "--gpus", "1", "--gpu", "H200", "--jobs", "1", "--json"]
+
+
+def plan_family(model_type: str, checkpointing: str = "on") -> dict:
+    """``mgpu-plan`` on the family's tiny config, as a user would run it: its class, its one stderr line.
+    Checkpointing on by default (one trace: the forward, the recomputation and the backward); a family whose
+    own ``gradient_checkpointing_enable()`` fails in transformers' CPU step is planned without it."""
+    import tempfile
+
+    from .base import quiet
+    try:
+        with quiet():  # transformers' notes on a tiny config (special tokens, unused fields) are not the plan's
+            cfg = tiny_config(model_type)
+    except Exception as e:  # noqa: BLE001 - the shrinking failed, not transformers nor the planner
+        return dict(type=model_type, result="skipped: no tiny config", message=f"{type(e).__name__}: {e}"[:300])
+    with quiet():
+        why = trains(cfg)
+    if why:
+        return dict(type=model_type, result="skipped: transformers cannot train it on a CPU", message=why)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.save_pretrained(tmp)
+        r = _plan_dir(model_type, tmp, checkpointing)
+        if r["result"] == "failed: checkpointing" and checkpointing != "off":
+            with quiet():  # no checkpointing offered by the family, or transformers' own fails on a CPU
+                own = "not offered" if "does not support" in r["message"] else trains(cfg, checkpointing=True)
+            if own:  # transformers' own checkpointing fails too: the family is planned without it
+                r = _plan_dir(model_type, tmp, "off")
+                r["note"] = ("checkpointing not planned: " + ("transformers offers none for this family"
+                                                             if own == "not offered" else
+                                                             f"transformers' own fails on a CPU ({own})"))
+    return r
+
+
+def _plan_dir(model_type, directory, checkpointing):
+    import contextlib
+    import io
+
+    from mgpu_helpers.tools.plan_cli import main
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main([directory, *PLAN_ARGS, "--checkpointing", checkpointing])
+    text = err.getvalue().strip()
+    return dict(type=model_type, result="planned" if code in (0, 1) else failure_class(text), message=text[-400:],
+                stderr_lines=len(text.splitlines()))
+
+
+def failure_class(message: str) -> str:
+    """The kinds of failure the catalogue counts (the issue's before/after table)."""
+    for needle, kind in (("BF16 type", "MoE grouped matmul"), ("grouped_mm", "MoE grouped matmul"),
+                         ("DataDependent", "data-dependent"), ("DynamicOutputShape", "data-dependent"),
+                         ("attn_implementation", "attention implementation"), ("sdpa", "attention implementation"),
+                         ("scaled_dot_product_attention", "attention implementation"),
+                         ("cannot read this config", "config read"), ("checkpointing True", "checkpointing"),
+                         ("gradient_checkpointing_enable", "checkpointing")):
+        if needle in message:
+            return f"failed: {kind}"
+    return "failed: other"
+
+
+def plan_catalogue(types=None, workers: int = 2) -> list:
+    """Every family planned, ``workers`` processes at once (spawned: each imports transformers once)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    types = list(types or causal_lm_types())
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        return list(pool.map(plan_family, types, chunksize=4))
+
+
+def counts(results) -> dict:
+    from collections import Counter
+    return dict(Counter(r["result"] for r in results).most_common())

@@ -1,0 +1,182 @@
+"""A Hugging Face config as ``mgpu-plan`` plans it: the step its users run, not the course's.
+
+A user of transformers trains with ``loss = model(input_ids=x, labels=x).loss`` (the model's own loss:
+``ForCausalLMLoss`` upcasts the logits to fp32, one more logits-sized tensor in bf16 autocast), checkpoints
+with the model's own ``gradient_checkpointing_enable()`` (non-reentrant by default in transformers 5), steps
+AdamW, and gets the attention implementation transformers picks (``sdpa`` where the family supports it,
+else ``eager``). :class:`UserStep` is that model as the planner's ``train_step`` calls it: tokens in, the
+model's loss out (``model_loss`` passes it through), ``gradient_checkpointing_enable`` the model's own.
+
+Mixture-of-experts layers: transformers 5 runs the experts as one grouped matmul over every (token, chosen
+expert) row (``experts_implementation="grouped_mm"``, its default on an sm80+ GPU), whose tensors do not
+depend on which expert a token goes to; the plan says so. Families whose experts loop over the experts hit
+(data-dependent sizes) are traced with the tokens spread evenly over the experts, or ``--moe-imbalance F``
+times the even share on every expert (capped at all tokens), and the plan says which
+(``planner.dynamic``).
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .base import PlanInputError, Source, first_line
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# flash-attention kernels keep what torch's own flash kernel keeps (output, one log-sum-exp per row, the
+# inputs): planned as SDPA's flash kernel, which takes fp16/bf16 only, as flash-attention does
+_FLASH = ("flash_attention_2", "flash_attention_3")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise PlanInputError("a Hugging Face config needs transformers: pip install \"mgpu-helpers[hf]\" "
+                             "(or pip install transformers)") from None
+    transformers.logging.set_verbosity_error()  # its advice on loading weights is not the plan's output
+    return transformers
+
+
+def read_config(path: Path):
+    """The config as ``AutoConfig.from_pretrained`` reads it (special floats such as ``Infinity`` decoded,
+    sub-configs built), with one line naming what to fix when it cannot."""
+    transformers = _transformers()
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise PlanInputError(f"{path}: no config.json in this directory")
+    try:
+        d = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise PlanInputError(f"{file}: not a readable JSON config ({e})") from None
+    if not isinstance(d, dict) or "model_type" not in d:
+        raise PlanInputError(f"{file}: a Hugging Face config.json has a \"model_type\" (e.g. \"llama\")")
+    from transformers import CONFIG_MAPPING
+    if d["model_type"] not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(d["model_type"]), list(CONFIG_MAPPING), n=3, cutoff=0.6)
+        raise PlanInputError(f"{file}: model_type {d['model_type']!r} is not one transformers "
+                             f"{transformers.__version__} knows" + (f" (closest: {', '.join(close)})" if close else
+                                                                    "; upgrade transformers if it is newer"))
+    try:
+        return transformers, transformers.AutoConfig.from_pretrained(str(file))
+    except Exception as e:  # noqa: BLE001 - the family's own validation: its message says what is wrong
+        raise PlanInputError(f"{file}: this {d['model_type']} config is inconsistent: {type(e).__name__}: "
+                             f"{first_line(e)}") from None
+
+
+def model_loss(out, targets):
+    """The loss ``UserStep`` already computed (the model's own, from ``labels=``)."""
+    return out
+
+
+class UserStep(nn.Module):
+    """``model(input_ids=x, labels=x).loss``: the model's own loss, the logits dropped with the output."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        from mgpu_helpers.planner.dynamic import active
+        mode = active()
+        if mode is not None:  # representative values for data-dependent ops: this step's tokens and experts
+            mode.tokens, mode.seq, mode.moe = input_ids.numel(), input_ids.shape[-1], _experts(self.model.config)
+        with _one_sequence_per_row():
+            # as users call it: no use_cache=False, so a family that fills its cache in training (the states of
+            # Mamba's mixers, attention's keys and values) holds it until the output is dropped
+            return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    def gradient_checkpointing_enable(self):
+        """transformers' own checkpointing, as a user enables it; the recomputation in backward runs
+        under the GPU's kernels again when the forward did (``planner.cuda.recompute_contexts``)."""
+        from mgpu_helpers.planner.cuda import recompute_contexts
+        if not getattr(self.model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"checkpointing: {type(self.model).__name__} does not support "
+                             "gradient_checkpointing_enable(): nothing to checkpoint")
+        self.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": recompute_contexts})
+
+
+@contextlib.contextmanager
+def _one_sequence_per_row():
+    """Tell transformers' mask code what a real step of the planner's batch finds: no packed sequences.
+
+    It reads the position ids' values to find sequences packed into one row; a fake tensor has no values,
+    so it assumes packing and builds a (batch, 1, seq, seq) mask, which makes attention expand grouped
+    key/value heads and skip ``is_causal``. The real step of the same tokens finds one sequence per row and
+    passes no mask (measured on the H200: the fake trace ran a fused kernel, the real step the math one)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:  # an older transformers without packed-sequence detection
+        yield
+        return
+    masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def _experts(cfg):
+    """(experts, experts per token) of a mixture-of-experts config, else None."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_num_experts"):
+        v = getattr(text, k, None)
+        if isinstance(v, int) and v > 1:
+            top_k = next((getattr(text, n) for n in ("num_experts_per_tok", "top_k", "moe_topk", "moe_k")
+                          if isinstance(getattr(text, n, None), int)), 1)
+            return v, top_k
+    return None
+
+
+def _default_attention(cfg) -> str:
+    """What ``from_config`` picks without ``attn_implementation``: sdpa where the family supports it, else
+    eager (flash-attention only when asked for); attention-free families answer eager too."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except KeyError:
+        return "the one it picks"
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
+    transformers, cfg = read_config(path)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    if attn is not None and attn not in ATTENTION:
+        raise PlanInputError(f"--attn {attn!r}: one of {', '.join(ATTENTION)}")
+    build_attn = "sdpa" if attn in _FLASH else attn  # planned as SDPA's flash kernel (planner.cuda)
+
+    def model_fn():
+        kwargs = {"attn_implementation": build_attn} if build_attn else {}
+        try:  # fp32 weights (the planner's precisions cast); the attention transformers picks unless --attn
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **kwargs)
+        except (ValueError, ImportError) as e:  # an implementation this family does not offer
+            if build_attn:
+                raise PlanInputError(f"--attn {attn}: {cfg.model_type} cannot use it: {first_line(e)}") from None
+            raise PlanInputError(f"{path}: {type(e).__name__}: {first_line(e)}") from None
+        model.train()  # a training step: dropout on, checkpointing active (transformers' models check it)
+        step = UserStep(model)
+        step.attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        return step
+    model_fn.__name__ = f"hf_{getattr(cfg, 'model_type', 'model')}"
+    model_fn.flash = attn in _FLASH
+    picked = attn or f"{_default_attention(cfg)} (transformers' default for {cfg.model_type})"
+    step = (f"the model's own loss, model(input_ids=x, labels=x).loss; its own gradient_checkpointing_enable(); "
+            f"AdamW; attention: {picked}" + (" (planned as torch's flash kernel)" if attn in _FLASH else ""))
+    assumptions = []
+    experts = _experts(cfg)
+    if experts:
+        assumptions.append(
+            f"mixture of experts ({experts[0]} experts, {experts[1]} per token): transformers' grouped matmul holds every (token, expert) "
+            "row whatever the routing; where a family loops over experts, tokens are spread "
+            + ("evenly over the experts" if moe_imbalance == 1 else
+               f"{moe_imbalance:g}x the even share to every expert (--moe-imbalance)"))
+    return Source(f"{path} ({cfg.model_type})", "hugging face", model_fn, "tokens", vocab, step=step,
+                  optimizer="adamw", assumptions=assumptions)
