@@ -232,9 +232,6 @@ def run(a):
                 optimizer=a.optimizer or source.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
 
 
-PLAIN_STEP = "the course's step: loss = cross_entropy(model(x), y); loss.backward(); optimizer.step()"
-
-
 def _breakdown(best, G):
     """The tensors at the peak by category, DDP's gradient buckets named (they count in "gradients")."""
     rows = []
@@ -255,7 +252,7 @@ def render_text(r):
     width = max(len("precision"), *(len(p["precision"]) for p in r["plans"]))
     out = [f"model: {r['model']['name']}: {r['model']['parameters']:,} trainable parameters; "
            f"optimizer {r['optimizer']}",
-           f"step planned: {r.get('step') or PLAIN_STEP}",
+           f"step planned: {r['step']}",
            *(f"assumed: {x}" for x in r.get("assumptions") or ()),
            f"batch per GPU: {' + '.join('x'.join(map(str, s)) for s in r['batch']['shapes'])} (inputs + targets)",
            f"GPU: {r['gpu']['name']}, {cap:,} B = {cap / db.GiB:.2f} GiB = {cap / 1e9:.2f} GB per device "
