@@ -73,7 +73,9 @@ def config(name, scale):
     fields = dict(fields)
     if scale == "tiny":  # the dry run's sizes: every field the family has, shrunk
         fields.update({k: v for k, v in TINY.items() if k in fields})
-    cfg = CONFIG_MAPPING[model_type](**fields)
+    from mgpu_helpers.tools.plan_sources import quiet
+    with quiet():  # the tiny sizes' vocabulary is below the family's default special tokens: set just below
+        cfg = CONFIG_MAPPING[model_type](**fields)
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):  # special tokens inside the vocabulary
         if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) >= cfg.vocab_size:
             setattr(cfg, k, cfg.vocab_size - 1)

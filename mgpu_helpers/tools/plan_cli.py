@@ -70,8 +70,8 @@ def parse_args(argv):
     ap.add_argument("--attn", choices=ATTENTION, help="a Hugging Face model's attention implementation "
                     "(default: the one transformers picks, as on a GPU)")
     ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
-                    help="mixture of experts that loop over experts: plan F x the even share of tokens per "
-                         "expert (1: balanced routing; the experts' count: all tokens to one expert)")
+                    help="mixture of experts that loop over experts: the busiest expert gets F x the even share "
+                         "of tokens (1: balanced routing; experts / top-k: every token chooses it)")
     ap.add_argument("--allocator", default="default", choices=("default", "expandable"),
                     help="expandable = PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     ap.add_argument("--jobs", type=int, default=0,

@@ -199,7 +199,7 @@ def plan_family(model_type: str, checkpointing: str = "on") -> dict:
     with quiet():
         why = trains(cfg)
     if why:
-        return dict(type=model_type, result="skipped: transformers cannot train it on a CPU", message=why)
+        return dict(type=model_type, result="skipped: transformers' own CPU step fails on the tiny config", message=why)
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
         r = _plan_dir(model_type, tmp, checkpointing)

@@ -10,9 +10,9 @@ model's loss out (``model_loss`` passes it through), ``gradient_checkpointing_en
 Mixture-of-experts layers: transformers 5 runs the experts as one grouped matmul over every (token, chosen
 expert) row (``experts_implementation="grouped_mm"``, its default on an sm80+ GPU), whose tensors do not
 depend on which expert a token goes to; the plan says so. Families whose experts loop over the experts hit
-(data-dependent sizes) are traced with the tokens spread evenly over the experts, or ``--moe-imbalance F``
-times the even share on every expert (capped at all tokens), and the plan says which
-(``planner.dynamic``).
+(data-dependent sizes) are traced with the tokens spread evenly over the experts, or with ``--moe-imbalance F``
+times the even share to the busiest expert (at most every token; the others share the rest), and the plan
+says which (``planner.dynamic``).
 """
 from __future__ import annotations
 
@@ -174,9 +174,10 @@ def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -
     experts = _experts(cfg)
     if experts:
         assumptions.append(
-            f"mixture of experts ({experts[0]} experts, {experts[1]} per token): transformers' grouped matmul holds every (token, expert) "
-            "row whatever the routing; where a family loops over experts, tokens are spread "
-            + ("evenly over the experts" if moe_imbalance == 1 else
-               f"{moe_imbalance:g}x the even share to every expert (--moe-imbalance)"))
+            f"mixture of experts ({experts[0]} experts, {experts[1]} per token): transformers' grouped matmul "
+            "holds every (token, expert) row whatever the routing; where a family loops over experts, tokens are "
+            + ("spread evenly over the experts" if moe_imbalance == 1 else
+               f"routed {moe_imbalance:g}x the even share to the busiest expert, the others sharing the rest "
+               "(--moe-imbalance)"))
     return Source(f"{path} ({cfg.model_type})", "hugging face", model_fn, "tokens", vocab, step=step,
                   optimizer="adamw", assumptions=assumptions)
