@@ -204,43 +204,43 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
     ``tensor_peak`` and moves to its own line); else a fraction of ``conv_activation_bytes``.
     ``activation_bytes``: activations and other temporaries at the peak (a conv net's reserve floor).
     ``gpu``: a key of :data:`GPUS` (None: given by capacity): the lines' sources say what holds for it."""
-    SOURCES = sources_for(gpu, arch)  # noqa: N806 - the module's table, as it holds for this GPU
+    sources = sources_for(gpu, arch)  # SOURCES, as they hold for this GPU
     if allocator not in ("default", "expandable"):
         raise ValueError(f"allocator must be 'default' or 'expandable', got {allocator!r}")
     ws = int(conv_workspace_bytes or 0)
-    lines = [("allocated by tensors", int(tensor_peak) - ws, SOURCES["allocated by tensors"])]
+    lines = [("allocated by tensors", int(tensor_peak) - ws, sources["allocated by tensors"])]
     if batch_bytes:
-        lines.append(("batch", int(batch_bytes), SOURCES["batch"]))
-    lines.append(("cuBLAS workspace", sum(cublas_workspaces(arch)), SOURCES["cuBLAS workspace"]))
+        lines.append(("batch", int(batch_bytes), sources["batch"]))
+    lines.append(("cuBLAS workspace", sum(cublas_workspaces(arch)), sources["cuBLAS workspace"]))
     exact = sum(b for _, b, _ in lines)
     if replay is not None and int(replay["rounding"] * exact) > 0:
-        lines.append(("allocator rounding", int(replay["rounding"] * exact), SOURCES["allocator rounding"]))
+        lines.append(("allocator rounding", int(replay["rounding"] * exact), sources["allocator rounding"]))
     if conv_workspace_bytes is not None:
         if ws:
-            lines.append(("cuDNN conv workspace", ws, SOURCES["cuDNN conv workspace (traced)"]))
+            lines.append(("cuDNN conv workspace", ws, sources["cuDNN conv workspace (traced)"]))
     elif conv_activation_bytes:
         lines.append(("cuDNN conv workspace", int(CONV_WORKSPACE_FRACTION * conv_activation_bytes),
-                      SOURCES["cuDNN conv workspace"]))
+                      sources["cuDNN conv workspace"]))
     allocated = sum(b for _, b, _ in lines)
     kind = "conv" if conv_activation_bytes else "transformer"
     if replay is not None:
-        reserve, source = int(replay["reserve"] * allocated), SOURCES["allocator reserve (replayed)"]
+        reserve, source = int(replay["reserve"] * allocated), sources["allocator reserve (replayed)"]
         if allocator == "default" and conv_activation_bytes and \
                 CONV_RESERVE_OF_ACTIVATIONS * activation_bytes > reserve:
             reserve, source = int(CONV_RESERVE_OF_ACTIVATIONS * activation_bytes), \
-                SOURCES["allocator reserve (conv nets)"]
+                sources["allocator reserve (conv nets)"]
         lines.append(("allocator reserve", reserve, source))
-        lines.append(("reserve margin", int(REPLAY_MARGIN[allocator] * allocated), SOURCES["reserve margin"]))
+        lines.append(("reserve margin", int(REPLAY_MARGIN[allocator] * allocated), sources["reserve margin"]))
     elif allocator == "expandable":
         reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
         reserve += EXPANDABLE_PAGE
-        lines.append(("allocator reserve", reserve, SOURCES["allocator reserve (expandable)"]))
+        lines.append(("allocator reserve", reserve, sources["allocator reserve (expandable)"]))
     else:
         reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
-        lines.append(("allocator reserve", reserve, SOURCES["allocator reserve"]))
-    lines.append(("CUDA context", CONTEXT_BYTES, SOURCES["CUDA context"]))
+        lines.append(("allocator reserve", reserve, sources["allocator reserve"]))
+    lines.append(("CUDA context", CONTEXT_BYTES, sources["CUDA context"]))
     if world_size > 1:
-        lines.append(("NCCL buffers", NCCL_BYTES, SOURCES["NCCL buffers"]))
+        lines.append(("NCCL buffers", NCCL_BYTES, sources["NCCL buffers"]))
     return DeviceBudget(lines)
 
 

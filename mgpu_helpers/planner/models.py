@@ -62,15 +62,20 @@ SIZES = {  # name: (vocab, d, layers, heads, ffn); "7B" is Llama-2-7B's shape (6
 }
 
 
-def decoder(size: str = "tiny"):
-    """A ``model_fn`` for :data:`SIZES`: ``plan(decoder("7B"), ...)``."""
+def _sized(cls, size: str, name: str):
+    """A ``model_fn`` building ``cls`` at one of :data:`SIZES`, named for the planner's tables."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
 
     def model_fn():
-        return Decoder(*SIZES[size])
-    model_fn.__name__ = model_fn.__qualname__ = f"decoder_{size}"
+        return cls(*SIZES[size])
+    model_fn.__name__ = model_fn.__qualname__ = f"{name}_{size}"
     return model_fn
+
+
+def decoder(size: str = "tiny"):
+    """A ``model_fn`` for :data:`SIZES`: ``plan(decoder("7B"), ...)``."""
+    return _sized(Decoder, size, "decoder")
 
 
 def lm_loss(logits, targets):
@@ -134,13 +139,7 @@ def convnet(channels: int = 32, layers: int = 4):
 
 def tied_frozen(size: str = "tiny"):
     """A ``model_fn`` for :class:`TiedFrozenLM` of one of :data:`SIZES`; its batch: ``token_batch``."""
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
-
-    def model_fn():
-        return TiedFrozenLM(*SIZES[size])
-    model_fn.__name__ = model_fn.__qualname__ = f"tied_frozen_{size}"
-    return model_fn
+    return _sized(TiedFrozenLM, size, "tied_frozen")
 
 
 def image_batch(batch_size: int, size: int = 32, classes: int = 10, seed: int = 0):

@@ -53,15 +53,14 @@ class RankTimeout(TimeoutError):
 STARTUP_LIMIT = 300.0
 
 
-def collect(procs, conns, dumps, timeout, deadline=None):
+def collect(procs, conns, dumps, timeout):
     """Each rank's result, in rank order; raise RankError or RankTimeout (the caller kills what is left).
 
     ``timeout`` counts from when every rank said it is about to run fn (its "go", after its imports), not
     from the launch: a cold start under load is not the ranks' time. Until then STARTUP_LIMIT bounds it."""
     results, pending, failures, returned = [None] * len(procs), set(range(len(procs))), {}, []
     going = set()
-    if deadline is None and timeout is not None:
-        deadline = time.monotonic() + max(timeout, STARTUP_LIMIT)
+    deadline = None if timeout is None else time.monotonic() + max(timeout, STARTUP_LIMIT)
     settle = None  # once something failed: when to stop waiting for the rest and judge
     while pending and (settle is None or time.monotonic() < settle):
         ends = [t for t in (deadline, settle) if t is not None]

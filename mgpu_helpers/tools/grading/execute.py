@@ -136,8 +136,8 @@ def needed_paths(import_paths: list[str]) -> list[str]:
         os.path.abspath(q).rstrip("/") + "/" for q in (sys.prefix, sys.base_prefix) if q not in SYSTEM_PREFIXES)))
     # Folders of installed distributions on sys.path beyond the prefix's: `pip install --user` (under HOME,
     # which is otherwise hidden) or `pip install --target DIR` with DIR on PYTHONPATH. Without them the kernel
-    # (nbval's, ipykernel) would not start in the sandbox. Only folders that hold *.dist-info: never a course
-    # or source checkout.
+    # (nbval's, ipykernel) would not start in the sandbox. Only folders that hold installed distributions'
+    # metadata (*.dist-info, *.egg-info), other than this package's own: never a course or source checkout.
     paths.update(p for p in sys.path if p and os.path.isdir(p) and any(
         n.endswith((".dist-info", ".egg-info")) and not n.startswith("mgpu") for n in os.listdir(p)))
     return sorted(os.path.abspath(p) for p in paths if p and os.path.lexists(p))
