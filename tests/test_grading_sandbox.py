@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import nbformat
@@ -185,5 +186,11 @@ def test_probe_cost_only_its_own_checks(probed):
 def test_sandbox_process_tree_is_gone_afterwards(probed):
     """Nothing the probe started outlives its sandbox (the pid namespace dies with its pid 1). Other graders
     may run meanwhile (pytest -n: the course's class run), so only the probe's own notebook is looked for."""
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout if shutil.which("ps") else ""
+    if not shutil.which("ps"):
+        pytest.skip("no ps here")
+    for _ in range(20):  # the kernel tears the namespace down after pid 1 exits: under load, a moment later
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        if f"mgpu-grade/work/{NB}" not in ps:
+            break
+        time.sleep(0.5)
     assert f"mgpu-grade/work/{NB}" not in ps
