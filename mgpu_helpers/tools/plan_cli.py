@@ -232,7 +232,7 @@ def run(a):
                 optimizer=a.optimizer or source.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
 
 
-def _breakdown(best, G):
+def _breakdown(best):
     """The tensors at the peak by category, DDP's gradient buckets named (they count in "gradients")."""
     rows = []
     for cat, b in best["breakdown"].items():
@@ -282,7 +282,7 @@ def render_text(r):
     for ln in best["lines"]:
         out.append(f"  {ln['name']:<22} {db.fmt_bytes(ln['bytes']):>11}   {ln['source']}")
         if ln["name"] == "allocated by tensors":
-            out += _breakdown(best, G)
+            out += _breakdown(best)
     out.append(f"  {'device total':<22} {db.fmt_bytes(best['device_total']):>11}   of {db.fmt_bytes(cap)} "
                f"({100 * best['device_total'] / cap:.0f}%)")
     return "\n".join(out)
