@@ -330,6 +330,10 @@ def test_data_dependent_ops_get_representative_values():
         assert torch.zeros(5, 3).nonzero().shape == (15, 2)              # every element: the largest output
         assert torch.zeros(2, 64, dtype=torch.bool).nonzero().shape[0] == 64  # one expert's share
         assert torch.zeros(3, dtype=torch.long).max().item() == 32       # a length: the sequence
+        mask = torch.zeros(4, 32, dtype=torch.long)                       # the planned batch: no padding
+        assert (mask == 1).all().item() is True and bool(mask.all(dim=-1).all()) is True
+        assert (mask == 0).any().item() is False and bool((mask > 3).any()) is False
+        assert bool((mask == 1)[0, 0]) is False                            # any other boolean
 
 
 def test_console_script_declared():

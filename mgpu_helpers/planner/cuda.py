@@ -182,9 +182,17 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # As torch's formula runs them: mat_b's gradient first, then mat_a's; for (tokens, k) x (groups, k, n)
+        # mat_b's is made (groups, n, k) and handed back transposed, so an expert weight kept (groups, n, k)
+        # (transformers' layout, used transposed) takes it without a copy and one kept (groups, k, n) copies it.
         a, b = ctx.saved_tensors
-        return (torch.empty_like(a) if ctx.needs_input_grad[0] else None,
-                torch.empty_like(b) if ctx.needs_input_grad[1] else None, None, None, None)
+        gb = ga = None
+        if ctx.needs_input_grad[1]:
+            gb = b.new_empty((b.shape[0], b.shape[2], b.shape[1])).transpose(-2, -1) \
+                if a.dim() == 2 and b.dim() == 3 else torch.empty_like(b)
+        if ctx.needs_input_grad[0]:
+            ga = torch.empty_like(a)
+        return ga, gb, None, None, None
 
 
 def gpu_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):

@@ -13,9 +13,10 @@ side that over-estimates memory where a choice matters:
   the step's token count (a sequence length, a number of positions);
 * ``nonzero`` / ``masked_select`` of a mask: every element selected (the largest output), except a
   per-expert mask of ``tokens x top_k`` elements, which selects the expert's share as above;
-* a float read back (a statistic): 1.0; a boolean: False (``mask.any()``: no padding, as the planned
-  batch has none; a rejection-sampling initialiser's loop ends); a value the fake mode kept (a tensor made
-  from a Python number): that value.
+* a float read back (a statistic): 1.0; a boolean, as the planned batch (no padding) makes it: ``all()``
+  True and ``any()`` False (``padding_mask.all()``: the mask is all ones, so transformers' attention skips
+  the mask, as on the GPU; a rejection-sampling initialiser's ``(x > bound).any()`` loop ends), any other
+  boolean False; a value the fake mode kept (a tensor made from a Python number): that value.
 
 Entered outside ``trace_step``; it is a user dispatch mode, so it sees each op before the fake mode
 (an infra mode) and answers only the ops the fake mode would refuse. Every op pays a Python call through
@@ -33,6 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 aten = torch.ops.aten
 _SELECT = {aten.nonzero.default, aten.masked_select.default}
+_ALL = {aten.all.default, aten.all.dim, aten.all.dims}
+_ANY = {aten.any.default, aten.any.dim, aten.any.dims}
 
 
 class DynamicSizes(TorchDispatchMode):
@@ -67,7 +70,7 @@ class DynamicSizes(TorchDispatchMode):
                 with _disable_current_modes():
                     return x.constant.item()
             if x.dtype == torch.bool:
-                return False
+                return getattr(x, "_planned_value", False)
             if x.is_floating_point() or x.is_complex():
                 return 1.0
             base = x._base if x._base is not None else x
@@ -81,7 +84,10 @@ class DynamicSizes(TorchDispatchMode):
             if func is aten.nonzero.default:
                 return x.new_empty((n, x.dim()), dtype=torch.long)
             return x.new_empty((n,))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if (func in _ALL or func in _ANY) and isinstance(out, FakeTensor):  # what .item() will read back
+            out._planned_value = func in _ALL
+        return out
 
 
 _ACTIVE: list = []
