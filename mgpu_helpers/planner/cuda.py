@@ -105,8 +105,36 @@ def gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        return _math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """torch's math attention (``_scaled_dot_product_attention_math``, attention.cpp) op by op, as it runs on
+    real tensors. Traced through the aten op, fake tensors take its tensor-subclass branches: the mask is
+    added out of place (one more (batch, heads, seq, seq) tensor) and ``_safe_softmax`` runs its meta
+    function (none of its temporaries); on the GPU the mask is added in place and ``_safe_softmax`` takes a
+    boolean of the scores' size and a row flag beside its output (measured on the H200: Qwen2 with grouped
+    heads in fp32 reserved 14.6% above its allocated peak in the trace's order, 2.5% in the GPU's)."""
+    n, hq, lq, d = q.shape
+    sf = (scale if scale is not None else d ** -0.5) ** 0.5  # both operands scaled by its square root
+    q = q * sf
+    if is_causal:
+        attn_mask = torch.ones(lq, k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask
+        attn_mask = torch.where(attn_mask, q.new_zeros(()), q.new_full((), float("-inf")))
+    if enable_gqa and k.shape[-3] != hq:  # repeat_interleave over the heads: expand, then a copy
+        g = hq // k.shape[-3]
+        k, v = (t.unsqueeze(-3).expand(*t.shape[:-2], g, *t.shape[-2:]).clone().flatten(-4, -3) for t in (k, v))
+    attn = q @ (k.transpose(-2, -1) * sf)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    out = torch.ops.aten._safe_softmax(attn, -1)
+    masked = attn.eq(float("-inf"))  # _safe_softmax's temporaries: rows that are all -inf become zeros
+    rows, zero = masked.all(-1, keepdim=True), out.new_zeros(())
+    del zero, rows, masked, attn
+    if dropout_p > 0:
+        out = torch.ops.aten.native_dropout(out, dropout_p, True)[0]
+    return out @ v
 
 
 class _FusedRMSNorm(torch.autograd.Function):

@@ -104,22 +104,35 @@ class UserStep(nn.Module):
 
 @contextlib.contextmanager
 def _one_sequence_per_row():
-    """Tell transformers' mask code what a real step of the planner's batch finds: no packed sequences.
+    """Tell transformers' mask code what a real step of the planner's batch finds: one unpadded sequence per
+    row, so no mask where the real step passes none.
 
-    It reads the position ids' values to find sequences packed into one row; a fake tensor has no values,
-    so it assumes packing and builds a (batch, 1, seq, seq) mask, which makes attention expand grouped
-    key/value heads and skip ``is_causal``. The real step of the same tokens finds one sequence per row and
-    passes no mask (measured on the H200: the fake trace ran a fused kernel, the real step the math one)."""
+    It reads the position ids' values to find sequences packed into one row, and the padding mask's values
+    (``fast_all``) to skip the mask for SDPA's ``is_causal``; it also treats any fake tensor as a traced graph
+    (``is_tracing``), whose mask it always builds. A fake tensor has no values, so the trace built a
+    (batch, 1, seq, seq) mask, which makes attention expand grouped key/value heads and skip ``is_causal``;
+    the real step of the same tokens passes no mask (measured on the H200: OPT, whose model makes a padding
+    mask of ones itself, planned 2.7% above the allocated peak; Llama with grouped heads ran a fused kernel
+    in the trace and the math one for real). Within this, the mask code answers as it does on those tokens:
+    no packed sequences, a padding mask of all ones, not a traced graph."""
     masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:  # an older transformers without packed-sequence detection
-        yield
-        return
-    masking.find_packed_sequence_indices = lambda *args, **kwargs: None
+    patches = {"find_packed_sequence_indices": lambda *args, **kwargs: None,  # older transformers: absent
+               "fast_all": lambda tensor: True,             # every padding mask of the planned batch is all ones
+               "is_tracing": lambda tensor=None: _is_tracing_graph()}
+    originals = {k: getattr(masking, k) for k in patches if hasattr(masking, k)}
+    for k in originals:
+        setattr(masking, k, patches[k])
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = original
+        for k, v in originals.items():
+            setattr(masking, k, v)
+
+
+def _is_tracing_graph() -> bool:
+    """transformers' ``is_tracing`` without its fake-tensor test: compiling, exporting or capturing."""
+    from transformers.utils.import_utils import is_tracing
+    return is_tracing(None)
 
 
 def _experts(cfg):
