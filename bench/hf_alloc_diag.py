@@ -99,31 +99,22 @@ def collect(outdir, only):
 
 
 def compare(outdir):
-    from mgpu_helpers.planner.allocator import CachingAllocator, replay
+    from mgpu_helpers.planner.allocator import replay, replay_recorded
     from mgpu_helpers.planner.budget import cublas_workspaces
     for real_f in sorted(Path(outdir).glob("*.real.json.gz")):
         name = real_f.name[:-len(".real.json.gz")]
         real = json.load(gzip.open(real_f, "rt"))
         plan = pickle.loads(Path(outdir, name + ".plan.pkl").read_bytes())
         # 1. the real requests through our rules
-        alloc, live = CachingAllocator(), {}
         m = real["marks"]
-        for i, (act, addr, size) in enumerate(real["events"]):
-            if i == m[6]:
-                alloc.reset_peak()
-            if act == "alloc":
-                live[addr] = (i,)
-                alloc.malloc((addr, i), size)
-                live[addr] = (addr, i)
-            elif act == "free_completed" and addr in live:
-                alloc.free(live.pop(addr))
+        ours = replay_recorded(real["events"], reset_at=m[6])
         r = replay(plan["events"], batch=plan["batch"], workspaces=cublas_workspaces())
         lines = {ln["name"]: ln["bytes"] for ln in plan["plan"]["lines"]}
         print(f"== {name} (torch {real['torch']})")
         print(f"  GPU:                       allocated {real['allocated']:>15,} reserved {real['reserved']:>15,} "
               f"(reserve {real['reserved'] / real['allocated'] - 1:+.2%})")
-        print(f"  our rules on GPU requests: allocated {alloc.peak_allocated:>15,} reserved {alloc.peak_reserved:>15,} "
-              f"(reserve {alloc.peak_reserved / max(alloc.peak_allocated, 1) - 1:+.2%})")
+        print(f"  our rules on GPU requests: allocated {ours['peak_allocated']:>15,} reserved {ours['peak_reserved']:>15,} "
+              f"(reserve {ours['peak_reserved'] / max(ours['peak_allocated'], 1) - 1:+.2%})")
         print(f"  planner's replay:          allocated {r['peak_allocated']:>15,} reserved {r['peak_reserved']:>15,} "
               f"(reserve {r['peak_reserved'] / r['peak_allocated'] - 1:+.2%}); lines {lines}")
         # 2. the measured step's large requests, side by side (sizes >= 1 MiB, in order)
