@@ -11,6 +11,7 @@ import torch
 from mgpu_helpers.planner import budget as db
 from mgpu_helpers.planner.accounting import CUDNN_WORKSPACE_EXTRA, CUDNN_WORKSPACE_FRACTION
 from mgpu_helpers.tools.plan_cli import main
+from mgpu_helpers.tools.plan_sources.hf import UNPADDED
 from mgpu_helpers.planner import lm_loss, token_batch, decoder, SIZES
 from mgpu_helpers.planner.trace import trace_step
 
@@ -291,7 +292,7 @@ def test_the_hugging_face_step_is_the_users_own(capsys, tmp_path):
     _, r = run_json(capsys, *args, "--precision", "bf16-autocast")
     assert "labels=x" in r["step"] and "gradient_checkpointing_enable" in r["step"] and r["optimizer"] == "adamw"
     assert "attention: sdpa (transformers' default for llama)" in r["step"]
-    assert {p["checkpointing"] for p in r["plans"]} == {False, True} and r["assumptions"] == []
+    assert {p["checkpointing"] for p in r["plans"]} == {False, True} and r["assumptions"] == [UNPADDED]
     # the model's own loss keeps an fp32 copy of the bf16 logits alive beside them: >= 6 B per logit
     logits = 2 * 64 * 32000
     peak = max(p["tensor_peak"] for p in r["plans"] if not p["checkpointing"])
@@ -312,9 +313,9 @@ def test_mixture_of_experts_is_planned_under_a_stated_routing(capsys, tmp_path):
     for precision in ("fp32", "bf16-autocast"):
         code, out, err = run(capsys, *args, "--precision", precision, "--json")
         assert code == 0 and err == "", err
-        assert "evenly" in json.loads(out)["assumptions"][0]
+        assert "evenly" in json.loads(out)["assumptions"][1]
     _, r = run_json(capsys, *args, "--moe-imbalance", "4")
-    assert "4x the even share" in r["assumptions"][0]
+    assert "4x the even share" in r["assumptions"][1]
     code, _, err = run(capsys, *args, "--moe-imbalance", "0.5")
     assert code == 2 and "--moe-imbalance 0.5" in err
 

@@ -135,6 +135,10 @@ def _is_tracing_graph() -> bool:
     return is_tracing(None)
 
 
+UNPADDED = ("every row of the batch is one sequence of --seq tokens (no padding, no packed sequences): "
+            "transformers then gives attention no mask; a padded batch adds a (batch, 1, seq, seq) mask")
+
+
 def _experts(cfg):
     """(experts, experts per token) of a mixture-of-experts config, else None."""
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -183,7 +187,7 @@ def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -
     picked = attn or f"{_default_attention(cfg)} (transformers' default for {cfg.model_type})"
     step = (f"the model's own loss, model(input_ids=x, labels=x).loss; its own gradient_checkpointing_enable(); "
             f"AdamW; attention: {picked}" + (" (planned as torch's flash kernel)" if attn in _FLASH else ""))
-    assumptions = []
+    assumptions = [UNPADDED]
     experts = _experts(cfg)
     if experts:
         assumptions.append(
