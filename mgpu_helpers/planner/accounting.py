@@ -48,15 +48,15 @@ class FakeTracker(MemoryTracker):
                 return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
         cpu = self.kernels == "cpu"
-        if self._active and (probed(func) if cpu else func in _CONVS):
-            # measured on this CPU (planner.kernels), or cuDNN's calibrated workspace on a GPU
-            extra = cpu_kernel_scratch(func, args, kwargs) if cpu else cudnn_workspace(func, args)
+        if self._active and (probed(func) if cpu else func in _GPU_SCRATCH):
+            # measured on this CPU (planner.kernels), or the GPU kernel's own buffers (cuDNN's, flash's)
+            extra = cpu_kernel_scratch(func, args, kwargs) if cpu else _GPU_SCRATCH[func](func, args)
             extra = -(-extra // self.round_to) * self.round_to
             if extra:  # taken and given back inside the op: a transient sample, labelled "other"
                 rec = _Scratch()
                 rec.cat, rec.nbytes = "other", extra
                 with self._lock:
-                    self._ws_now = extra
+                    self._ws_now = extra if cpu or func in _CONVS else 0  # the plan's cuDNN line: convolutions'
                     self._change(rec, extra)
                     self._ws_now = 0
                     self._change(rec, -extra)
@@ -83,6 +83,21 @@ class _Scratch:  # a kernel's scratch: bytes no tensor owns (an event key for pl
 CUDNN_WORKSPACE_FRACTION, CUDNN_WORKSPACE_EXTRA = 1.55, 26 * 2**20
 
 
+def flash_backward_workspace(func, args) -> int:
+    """Bytes flash attention's backward takes and frees inside the op on a GPU (mha_bwd, torch's
+    flash_api.cpp): dq_accum (batch, query length rounded to 128, heads, head size rounded to 32) and
+    softmax_d (batch, heads, rounded length) in fp32, and with fewer key/value heads than query heads dk and
+    dv at the query's head count before they are summed -- one block, as the H200 recorded it: 17,039,616 B
+    at 4 x 1024 tokens, 16 heads of 64; 33,816,832 B with 2 key/value heads (bench/hf_alloc_diag.py)."""
+    q, k = args[1], args[2]
+    b, h, lq, d = q.shape
+    lq_r, d_r = -(-lq // 128) * 128, -(-d // 32) * 32
+    extra = (b * lq_r * h * d_r + b * h * lq_r) * 4 + 256  # (+256 B: in every recorded request)
+    if k.shape[1] != h:
+        extra += 2 * b * k.shape[2] * h * d * q.element_size()
+    return extra
+
+
 def cudnn_workspace(func, args) -> int:
     """Bytes cuDNN takes and frees inside one GPU convolution (forward or backward): a calibrated line."""
     if func is torch.ops.aten.convolution.default:
@@ -96,3 +111,7 @@ def cudnn_workspace(func, args) -> int:
                    zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
         biggest = max(biggest, x.shape[0] * w.shape[0] * math.prod(spatial) * x.element_size())
     return int(CUDNN_WORKSPACE_FRACTION * biggest) + CUDNN_WORKSPACE_EXTRA
+
+
+_GPU_SCRATCH = {**{f: cudnn_workspace for f in _CONVS},
+                torch.ops.aten._scaled_dot_product_flash_attention_backward.default: flash_backward_workspace}
