@@ -353,3 +353,17 @@ def test_traces_in_worker_processes_give_the_same_plans(capsys, convmod):
     code, out, err = run(capsys, f"{convmod}:broken", "--input-shape", "3,8,8", "--gpu", "L4",
                          "--checkpointing", "both", "--jobs", "2")
     assert code == 2 and err.strip().count("\n") == 0 and "weights missing" in err
+
+
+def test_zero3_rows_keep_the_libraries_warnings_off_stderr(capsys, tmp_path):
+    """ZeRO-3 on several GPUs traces the step again under FSDP2, and transformers' gradient_checkpointing_enable
+    warns there: the user's stderr gets nothing from it (it did, once per plan)."""
+    pytest.importorskip("transformers")
+    import warnings
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code, out, err = run(capsys, str(tmp_path), "--batch", "2", "--seq", "32", "--gpus", "2", "--zero", "3",
+                             "--micro-batches", "1", "--checkpointing", "on", "--gpu", "L4")
+    assert code == 0 and err == "" and not [w for w in seen if "transformers" in w.filename], \
+        [str(w.message)[:80] for w in seen]

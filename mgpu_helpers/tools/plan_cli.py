@@ -166,7 +166,8 @@ def _plans_of(a, s, prec, ck, k):
     plans = []
     for n in s["gpus"]:
         for st in (s["stages"] if n > 1 else [0]):
-            p = trace.shard(st, n)
+            with quiet():  # ZeRO-3 traces the step again under FSDP2 (the libraries' warnings are not the plan)
+                p = trace.shard(st, n)
             b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"], gpu=s["gpu_key"],
                           conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
                           conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes),
