@@ -95,6 +95,14 @@ def test_math_route_computes_what_torch_computes_with_a_mask(mask):
     torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True))
 
 
+def test_math_route_takes_inputs_without_a_heads_dimension():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 16, 8), torch.randn(2, 16, 8), torch.randn(2, 16, 8)
+    with CudaKernels():
+        ours = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
 class Sizes(TorchDispatchMode):
     """(op, bytes) of every tensor an op makes, in order."""
 

@@ -115,7 +115,10 @@ def _math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     function (none of its temporaries); on the GPU the mask is added in place and ``_safe_softmax`` takes a
     boolean of the scores' size and a row flag beside its output (measured on the H200: Qwen2 with grouped
     heads in fp32 reserved 14.6% above its allocated peak in the trace's order, 2.5% in the GPU's)."""
-    n, hq, lq, d = q.shape
+    if q.dim() != 4 or q.is_nested or k.dim() != 4:  # other layouts: torch's op (rare; its own branches)
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    hq, lq, d = q.shape[1:]
     sf = (scale if scale is not None else d ** -0.5) ** 0.5  # both operands scaled by its square root
     q = q * sf
     if is_causal:
