@@ -116,10 +116,13 @@ def _one_sequence_per_row():
     in the trace and the math one for real). Within this, the mask code answers as it does on those tokens:
     no packed sequences, a padding mask of all ones, not a traced graph."""
     masking = sys.modules.get("transformers.masking_utils")
-    patches = {"find_packed_sequence_indices": lambda *args, **kwargs: None,  # older transformers: absent
-               "fast_all": lambda tensor: True,             # every padding mask of the planned batch is all ones
-               "is_tracing": lambda tensor=None: _is_tracing_graph()}
-    originals = {k: getattr(masking, k) for k in patches if hasattr(masking, k)}
+    names = ("find_packed_sequence_indices", "fast_all", "is_tracing")  # older transformers lack some
+    originals = {k: getattr(masking, k) for k in names if hasattr(masking, k)}
+    is_tracing = originals.get("is_tracing")
+    patches = {"find_packed_sequence_indices": lambda *args, **kwargs: None,
+               "fast_all": lambda tensor: True,  # every padding mask of the planned batch is all ones
+               # compiling, exporting or capturing still count; a fake tensor alone does not
+               "is_tracing": lambda tensor=None: is_tracing(None)}
     for k in originals:
         setattr(masking, k, patches[k])
     try:
@@ -127,12 +130,6 @@ def _one_sequence_per_row():
     finally:
         for k, v in originals.items():
             setattr(masking, k, v)
-
-
-def _is_tracing_graph() -> bool:
-    """transformers' ``is_tracing`` without its fake-tensor test: compiling, exporting or capturing."""
-    from transformers.utils.import_utils import is_tracing
-    return is_tracing(None)
 
 
 UNPADDED = ("every row of the batch is one sequence of --seq tokens (no padding, no packed sequences): "
