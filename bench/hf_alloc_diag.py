@@ -28,34 +28,20 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 def child(config_dir, precision, ckpt, out):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from hf_user_step import B, T
+    from hf_user_step import B, T, user_step
     torch.cuda.memory._record_memory_history(context=None, stacks="python")
-    torch.manual_seed(0)
-    cfg = AutoConfig.from_pretrained(config_dir)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to("cuda")
-    model.train()
-    if ckpt == "on":
-        model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-    x = torch.randint(0, cfg.get_text_config().vocab_size, (B, T), device="cuda")
-    marks = []
+    _, _, step = user_step(config_dir, precision, ckpt, "cuda", B, T)
+    marks = []  # where each step, its forward's end and its backward's end fall in the record
 
-    def n_events():
-        return len(torch.cuda.memory._snapshot()["device_traces"][0])
+    def mark(phase=None):
+        marks.append(len(torch.cuda.memory._snapshot()["device_traces"][0]))
 
     for i in range(3):
         torch.cuda.synchronize()
         if i == 2:
             torch.cuda.reset_peak_memory_stats()
-        marks.append(n_events())
-        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "bf16-autocast"):
-            loss = model(input_ids=x, labels=x).loss
-        marks.append(n_events())  # forward done
-        loss.backward()
-        marks.append(n_events())  # backward done
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        mark()
+        step(mark)
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     ev = [[e["action"], e["addr"], e["size"]] for e in snap["device_traces"][0]]
@@ -67,7 +53,6 @@ def child(config_dir, precision, ckpt, out):
 
 
 def collect(outdir, only):
-    import multiprocessing  # noqa: F401
     import hf_user_step as h
     from mgpu_helpers.planner import budget as db
     from mgpu_helpers.tools import plan_cli
@@ -86,10 +71,12 @@ def collect(outdir, only):
         def spy(trace, batch_sizes=(), **kw):
             seen.update(events=list(trace.events), batch=list(batch_sizes), kw=kw)
             return orig(trace, batch_sizes, **kw)
-        plan_cli.db.replayed = spy
-        with quiet():
-            r = plan_cli.run(plan_cli.parse_args(h.plan_argv(d, prec, ck, h.B, h.T)))
-        plan_cli.db.replayed = orig
+        plan_cli.db.replayed = spy  # the traced events, as the command replays them
+        try:
+            with quiet():
+                r = plan_cli.run(plan_cli.parse_args(h.plan_argv(d, prec, ck, h.B, h.T)))
+        finally:
+            plan_cli.db.replayed = orig
         seen["plan"] = r["plans"][0]
         Path(outdir, name + ".plan.pkl").write_bytes(pickle.dumps(seen))
         p = subprocess.run([sys.executable, __file__, "--child", d, prec, ck, str(Path(outdir, name + ".real.json.gz"))],

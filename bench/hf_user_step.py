@@ -82,12 +82,12 @@ def config(name, scale):
     return cfg
 
 
-def child(config_dir, precision, ckpt, device, batch, seq):
-    """The user's step for real; prints one JSON line."""
+def user_step(config_dir, precision, ckpt, device, batch, seq):
+    """The model and one call of the user's step, as a user writes them. ``step(mark)`` calls
+    ``mark("forward")`` after the loss and ``mark("backward")`` after ``loss.backward()``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
     torch.manual_seed(0)
     cfg = AutoConfig.from_pretrained(config_dir)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(dev)
@@ -97,13 +97,22 @@ def child(config_dir, precision, ckpt, device, batch, seq):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     x = torch.randint(0, cfg.get_text_config().vocab_size, (batch, seq), device=dev)
 
-    def step():
+    def step(mark=lambda phase: None):
         with torch.autocast(dev.type, torch.bfloat16, enabled=precision == "bf16-autocast"):
             loss = model(input_ids=x, labels=x).loss
+        mark("forward")
         loss.backward()
+        mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return model, opt, step
 
+
+def child(config_dir, precision, ckpt, device, batch, seq):
+    """The user's step for real; prints one JSON line."""
+    import torch
+    cuda = torch.device(device).type == "cuda"
+    model, opt, step = user_step(config_dir, precision, ckpt, device, batch, seq)
     info = dict(attn=model.config._attn_implementation,
                 experts=getattr(model.config, "_experts_implementation", None))
     for _ in range(2):  # warm-up: Adam's state, cuBLAS's workspaces, the allocator's segments

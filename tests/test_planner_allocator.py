@@ -185,4 +185,4 @@ def test_flash_backwards_buffers_are_what_the_h200_step_requested(name, kv_heads
         q, k = torch.empty(4, 16, 1024, 64, dtype=torch.bfloat16), torch.empty(4, kv_heads, 1024, 64, dtype=torch.bfloat16)
     size = flash_backward_workspace(None, (None, q, k, k))
     rec = json.load(gzip.open(Path(__file__).parent / "data" / "h200_alloc" / f"{name}.json.gz", "rt"))
-    assert sum(1 for a, _, n in rec["events"] if a == "a" and n == size) == 3 * layers
+    assert sum(1 for a, _, n in rec["events"] if a == "alloc" and n == size) == 3 * layers

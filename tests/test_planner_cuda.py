@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -237,16 +237,16 @@ def replay_recorded(events, reset_at: int = 0, expandable: bool = False) -> dict
 
     ``events``: ``(action, address, size)`` in order, as ``torch.cuda.memory._record_memory_history`` then
     ``torch.cuda.memory._snapshot()["device_traces"][0]`` give them (``alloc`` and ``free_completed`` are
-    used, or "a" and "f"; an address is reused only after its free). Peaks are reset at event ``reset_at`` (where the
+    used; an address is reused only after its free). Peaks are reset at event ``reset_at`` (where the
     measured step began). Returns ``peak_allocated`` and ``peak_reserved`` (``max_memory_allocated`` and
     ``max_memory_reserved`` of that run, when the rules hold)."""
     alloc, live = CachingAllocator(expandable), {}
     for i, (action, addr, size) in enumerate(events):
         if i == reset_at:
             alloc.reset_peak()
-        if action in ("alloc", "a"):
+        if action == "alloc":
             live[addr] = (addr, i)
             alloc.malloc(live[addr], size)
-        elif action in ("free_completed", "f") and addr in live:
+        elif action == "free_completed" and addr in live:
             alloc.free(live.pop(addr))
     return {"peak_allocated": alloc.peak_allocated, "peak_reserved": alloc.peak_reserved}
