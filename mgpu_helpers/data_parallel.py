@@ -218,7 +218,10 @@ def ddp_step(rank, world_size, spec=None, seed=0):
     model = model.to(dev)
     xr, yr = x.chunk(world_size)[rank].to(dev), y.chunk(world_size)[rank].to(dev)
     with MemoryTracker(model, device=dev) as mt:
-        ddp = DDP(model)  # made inside: its gradient buckets count too
+        # Made inside: its gradient buckets count too. init_sync=False: skip DDP's initial broadcast of the
+        # weights (every rank built the same ones from `seed`), whose buffer gloo's worker thread frees at a
+        # moment of its own choosing -- under load, inside the forward of one rank and not the other's.
+        ddp = DDP(model, init_sync=False)
         F.cross_entropy(ddp(xr), yr).backward()  # DDP averages grads: equal chunks give the full-batch mean
     return {"peak": mt.peak_bytes, "breakdown": mt.peak_breakdown(),
             "grads": [p.grad.detach().cpu() for p in model.parameters()]}
