@@ -1,0 +1,123 @@
+"""Where a CPU plan and the profiler part: every op's kernel scratch, planned vs taken, in one step.
+
+    PYTHONPATH=. python3 bench/cpu_scratch_diag.py [--model mlp|decoder] [--precision bf16-autocast]
+                                                   [--ckpt] [--json OUT]
+
+The planner adds, after each op's outputs, the scratch its kernel took when probed alone
+(``planner.kernels``). This runs the planned step for real under the profiler's allocation record
+(``AllocationReference``, which sees every byte) with a dispatch mode that brackets every op, so each op's
+scratch in the real step (the most held inside it, less what it left) stands beside the planner's figure
+for the same op. It prints the plan's peak against the profiler's, then each op whose two figures differ,
+with the signature the probe used. Used for tests/test_planner.py's bf16 + checkpointing rows under
+``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` (issue: CPU figures on every CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import record_function
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from mgpu_helpers.planner import accounting, plan  # noqa: E402
+from mgpu_helpers.planner import kernels  # noqa: E402
+from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up  # noqa: E402
+from mgpu_helpers.runtime.alloc_reference import AllocationReference  # noqa: E402
+
+
+class Bracket(TorchDispatchMode):
+    """Each probed op inside a profiler range of its own, then a zero-length one: its scratch afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        i = len(self.ops)
+        self.ops.append(func)
+        with record_function(f"diag_op{i}"):
+            out = func(*args, **(kwargs or {}))
+        with record_function(f"diag_after{i}"):
+            pass
+        return out
+
+
+def planned_ops(model_fn, batch, loss_fn, precision, ckpt):
+    seen = []
+    real = accounting.cpu_kernel_scratch
+
+    def spy(func, args, kwargs):
+        got = real(func, args, kwargs)
+        seen.append((str(func), got))
+        return got
+    plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=ckpt, device="cpu")  # probes
+    accounting.cpu_kernel_scratch = spy
+    try:
+        p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=ckpt, device="cpu")
+    finally:
+        accounting.cpu_kernel_scratch = real
+    return p, seen
+
+
+def measured_ops(model_fn, batch, loss_fn, precision, ckpt):
+    torch.manual_seed(0)
+    gc.collect()
+    with AllocationReference() as ref:
+        net = model_fn()
+        net = net.to(torch.bfloat16) if precision == "bf16" else net
+        if ckpt:
+            apply_checkpointing(net)
+        opt = make_optimizer(net)
+        warm_up(net, opt)
+        mode = Bracket()
+        with record_function("step"), mode:
+            train_step(net, opt, batch, loss_fn, precision=precision)
+        del net, opt
+    rows = [(str(func), max(0, ref.peak_in(f"diag_op{i}") - ref.at(f"diag_after{i}")))
+            for i, func in enumerate(mode.ops) if kernels.probed(func)]
+    return ref.peak_in("step"), rows
+
+
+def main(argv=None):
+    from test_planner import MODELS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="mlp", choices=list(MODELS))
+    ap.add_argument("--precision", default="bf16-autocast")
+    ap.add_argument("--ckpt", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    model_fn, batch, loss_fn = MODELS[a.model]
+    p, planned = planned_ops(model_fn, batch, loss_fn, a.precision, a.ckpt)
+    measured, real = measured_ops(model_fn, batch, loss_fn, a.precision, a.ckpt)
+    print(f"{a.model} {a.precision}{' ckpt' if a.ckpt else ''} ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'native')} "
+          f"threads={torch.get_num_threads()}: planned {p.peak_bytes:,} measured {measured:,} "
+          f"({(p.peak_bytes / measured - 1) * 100:+.3f}%)")
+    # the planner sees the warm-up and the step; the step is the last len(real) ops it met of those probed
+    probed_real = real
+    tail = planned[-len(probed_real):] if len(planned) >= len(probed_real) else planned
+    diffs = []
+    j = 0
+    for name, got in probed_real:  # walk both in order, matching names
+        while j < len(tail) and tail[j][0] != name:
+            j += 1
+        want = tail[j][1] if j < len(tail) else None
+        if want is not None and want != got:
+            diffs.append((name, want, got))
+        j += 1
+    print(f"ops in the real step: {len(real)}; planned ops with scratch: {sum(1 for _, s in planned if s)}; "
+          f"real ops with scratch: {sum(1 for _, s in real if s)}; differing: {len(diffs)}")
+    for name, want, got in diffs[:60]:
+        print(f"  {name:50s} planned {want:>9,} taken {got:>9,}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(planned_peak=p.peak_bytes, measured=measured, planned=planned, real=real), f)
+
+
+if __name__ == "__main__":
+    main()
