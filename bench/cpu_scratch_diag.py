@@ -14,7 +14,6 @@ with the signature the probe used. Used for tests/test_planner.py's bf16 + check
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -27,8 +26,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from mgpu_helpers.planner import accounting, plan  # noqa: E402
 from mgpu_helpers.planner import kernels  # noqa: E402
-from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up  # noqa: E402
-from mgpu_helpers.runtime.alloc_reference import AllocationReference  # noqa: E402
 
 
 class Bracket(TorchDispatchMode):
@@ -66,19 +63,9 @@ def planned_ops(model_fn, batch, loss_fn, precision, ckpt):
 
 
 def measured_ops(model_fn, batch, loss_fn, precision, ckpt):
-    torch.manual_seed(0)
-    gc.collect()
-    with AllocationReference() as ref:
-        net = model_fn()
-        net = net.to(torch.bfloat16) if precision == "bf16" else net
-        if ckpt:
-            apply_checkpointing(net)
-        opt = make_optimizer(net)
-        warm_up(net, opt)
-        mode = Bracket()
-        with record_function("step"), mode:
-            train_step(net, opt, batch, loss_fn, precision=precision)
-        del net, opt
+    from test_planner import profiled  # the reference tests/test_planner.py holds the plan against
+    mode = Bracket()
+    ref = profiled(model_fn, batch, loss_fn, precision, ckpt, mode=mode)
     rows = [(str(func), max(0, ref.peak_in(f"diag_op{i}") - ref.at(f"diag_after{i}")))
             for i, func in enumerate(mode.ops) if kernels.probed(func)]
     return ref.peak_in("step"), rows

@@ -1,4 +1,5 @@
 """The planner: equal to the tracker on the same real step; ZeRO derivation; closed forms; bad input."""
+import contextlib
 import gc
 
 import pytest
@@ -53,6 +54,25 @@ def tracked(model_fn, batch, loss_fn, precision, checkpointing, k):
     return mt.peak_bytes, mt.peak_breakdown()
 
 
+def profiled(model_fn, batch, loss_fn, precision, checkpointing, mode=None):
+    """The same step under the profiler's record of every allocation, from before the model is built (every
+    byte of the step counted); the step is the range "step". ``mode``: a dispatch mode around the step
+    (bench/cpu_scratch_diag.py brackets each op with one)."""
+    torch.manual_seed(0)
+    gc.collect()
+    with AllocationReference() as ref:
+        net = model_fn()
+        net = net.to(torch.bfloat16) if precision == "bf16" else net
+        if checkpointing:
+            apply_checkpointing(net)
+        opt = make_optimizer(net)
+        warm_up(net, opt)
+        with record_function("step"), (mode or contextlib.nullcontext()):
+            train_step(net, opt, batch, loss_fn, precision=precision)
+        del net, opt
+    return ref
+
+
 CONFIGS = [("fp32", False, 1), ("bf16-autocast", False, 1), ("fp32", True, 1), ("fp32", False, 2),
            ("bf16-autocast", True, 2)]
 MODELS = {
@@ -89,19 +109,7 @@ def test_plan_holds_against_the_profiler_on_this_cpu(model, precision, checkpoin
     if precision == "bf16":
         batch = (batch[0].bfloat16(), batch[1]) if batch[0].is_floating_point() else batch
     p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=checkpointing, device="cpu")
-    torch.manual_seed(0)
-    gc.collect()
-    with AllocationReference() as ref:      # from before the model is built: every byte of the step counted
-        net = model_fn()
-        net = net.to(torch.bfloat16) if precision == "bf16" else net
-        if checkpointing:
-            apply_checkpointing(net)
-        opt = make_optimizer(net)
-        warm_up(net, opt)
-        with record_function("step"):
-            train_step(net, opt, batch, loss_fn, precision=precision)
-        del net, opt
-    measured = ref.peak_in("step")
+    measured = profiled(model_fn, batch, loss_fn, precision, checkpointing).peak_in("step")
     record_figure(f"profiler {model} {precision}{' ckpt' if checkpointing else ''}", p.peak_bytes, measured)
     assert abs(p.peak_bytes / measured - 1) <= 0.01, (precision, checkpointing, p.peak_bytes, measured)
 
