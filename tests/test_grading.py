@@ -127,6 +127,9 @@ def build_class(root: Path, paths: dict) -> None:
 
     put("perfect", solution())
     put("untouched", release_notebook(solution()))
+    nb = release_notebook(solution())  # the stub with a line added: not the release's, so it runs
+    cell(nb, "exercise", "90.1").source += "\n# to do: multiply\n"
+    put("stub_with_a_note", nb)
     put("partial", release_with(e90_1=solved("90.1")))
     put("mistake", with_good_90_2(release_with(e90_1=WRONG_SCALE)))
     put("special_case", with_good_90_2(release_with(
@@ -213,6 +216,12 @@ def test_untouched_release_scores_zero_without_crashing(graded):
     rows = {k: r for k, r in graded["rows"].items() if k[0] == "untouched"}
     assert len(rows) == 4 and all(r["status"] == "not-implemented" and r["points"] == "0" for r in rows.values())
     assert "not implemented yet" in rows[("untouched", "90.1")]["message"]
+
+
+def test_a_stub_with_a_line_added_runs_and_reads_not_implemented(graded):
+    rows = {k[1]: r for k, r in graded["rows"].items() if k[0] == "stub_with_a_note"}
+    assert len(rows) == 4 and all(r["status"] == "not-implemented" and r["points"] == "0" for r in rows.values())
+    assert "not implemented yet" in rows["90.1"]["message"]
 
 
 def test_partial_work_mistakes_and_hidden_checks(graded):
@@ -320,6 +329,29 @@ def test_missing_duplicate_and_invalid_submissions(tmp_path):
     (tmp_path / "dup.ipynb").write_text(json.dumps(nb))
     sub = asm.read_submission(tmp_path / "dup.ipynb", course)
     assert sub.problems["90.1"][0] == "duplicate-exercise" and sub.problems["90.2"][0] == "missing-exercise"
+
+
+def test_the_course_released_untouched_is_graded_without_running(tmp_path, monkeypatch):
+    """Every released notebook of the course, submitted as released: each exercise "not-implemented", in the
+    check's own words, and neither the sandbox nor the judge is called (a class mid-course submits them all)."""
+    from mgpu_helpers.tools.grading import score
+
+    def boom(*args, **kwargs):
+        raise AssertionError("an untouched notebook was run or judged")
+    monkeypatch.setattr(score, "run_job", boom)
+    ctx = score.Context(key=b"k", limits=None, hidden={}, modules={}, keep=[], import_paths=[], mpl_cache="",
+                        extra={})
+    root = Path(__file__).resolve().parent.parent
+    graded = 0
+    for course in asm.load_course(root / "solutions"):
+        rows = score.grade_notebook(ctx, boom, "s", course, asm.read_submission(root / "notebooks" / course.name,
+                                                                                course), tmp_path)
+        assert [r.exercise for r in rows] == [e.id for e in course.exercises]
+        for r, e in zip(rows, course.exercises):
+            assert (r.status, r.points) == ("not-implemented", 0), (course.name, r)
+            assert r.message == f"Exercise {e.id} ✗ {e.function}: not implemented yet"
+        graded += len(rows)
+    assert graded >= 20
 
 
 def test_seeds_are_secret_but_reproducible():

@@ -7,6 +7,8 @@ notebook timeout) ends what the run can say about
 every later cell: the exercise whose code was running gets the catastrophe's status, and the exercises
 after it are graded in a fresh run with that exercise stubbed -- so the damage stays with the exercise
 that caused it (naive alternative: one kernel per exercise, which would double the execution time).
+An exercise cell still equal to the release's stub is "not-implemented" without running (its check fails
+on the stub); a notebook with nothing but such cells is not run at all.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import nbformat
 
-from .assemble import CourseNotebook, Submission, assemble
+from .assemble import CourseNotebook, Submission, assemble, clean_source
 from .execute import Limits, RunResult, default_processes, run_job, work_dir
 
 
@@ -163,6 +165,11 @@ def _normal(ex, spec, run, layout, verdict) -> tuple[str, str]:
                       f"the notebook did not pass: {_cell_problem(rec)}.")
 
 
+def untouched(source: str | None, stub: str) -> bool:
+    """The learner's exercise cell is the release's stub, but for nbval markers and surrounding blank lines."""
+    return source is not None and clean_source(source).strip() == clean_source(stub).strip()
+
+
 def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, sub: Submission,
                    job: Path) -> list[Row]:
     final: dict[str, tuple] = {}  # exercise id -> (public (status, msg), {hidden name: (status, msg)})
@@ -172,6 +179,13 @@ def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, su
             final[e.id] = ((sub.status, sub.message), {h.name: (sub.status, sub.message) for h in hidden[e.id]})
     for ex, (status, msg) in sub.problems.items():
         final[ex] = ((status, msg), {h.name: (status, msg) for h in hidden[ex]})
+    # An exercise cell that is still the release's stub is not implemented: its check fails on the stub
+    # (each check's tests prove it), so nothing needs to run. A class mid-course submits every notebook, and
+    # running the untouched ones, whole, was most of the grading time; a notebook with nothing else is not run.
+    for e in course.exercises:
+        if e.id not in final and untouched(sub.sources.get(e.id), e.stub):
+            st = ("not-implemented", f"Exercise {e.id} ✗ {e.function}: not implemented yet")
+            final[e.id] = (st, {h.name: st for h in hidden[e.id]})
     pending = [e.id for e in course.exercises if e.id not in final]
     specs = {e.id: e for e in course.exercises}
     stubbed: set[str] = set()
