@@ -2,7 +2,8 @@
 
 One class run (module fixture, ``--jobs 2``) shared by every assertion, three students:
 - ``perfect``: the solution notebooks, copied unchanged -> every exercise full marks;
-- ``released``: the student notebooks as released, untouched -> every exercise 0, "not implemented";
+- ``released``: the student notebooks as released, untouched -> every exercise 0, "not implemented" (without
+  running them: the grader knows the release's stubs; tests/test_grading.py runs a stub with a line added);
 - ``mistakes``: the solutions with one common mistake planted per notebook (taken from that notebook's
   mutant tests, so the mistake and the words that name it are the ones the check is proven on) -> 0 on that
   exercise only, the mistake named in the student's feedback.md, and every other exercise full marks.
