@@ -27,7 +27,7 @@ lab: $(STAMP)
 # CPU's (AVX-512 -> AVX2, AVX2 -> SSE4.1; tools/cpu_isa.py): CPU plans come from the CPU's own kernels.
 test: $(STAMP)
 	$(VENV)/bin/mgpu-course release --check
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 	@isa=$$($(PY) -m mgpu_helpers.tools.cpu_isa --lower); \
 	if [ -n "$$isa" ]; then \
 	  echo "CPU figures again with ONEDNN_MAX_CPU_ISA=$$isa ($$($(PY) -m mgpu_helpers.tools.cpu_isa))"; \

@@ -5,3 +5,18 @@ import os
 # CPU"). nbval compares stderr as well as stdout, so on a one-GPU machine the first launching cell of each
 # notebook would differ from its stored output; the kernels nbval starts inherit this and stay quiet.
 os.environ.setdefault("MGPU_FALLBACK_NOTE", "0")
+
+
+# `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: xdist hands out whole files, in collection
+# order, to whichever worker is free. A long file handed out last runs alone at the end, so the longest files
+# (measured with --durations; README, Verified on) go first and the short ones fill in behind them. xdist's
+# own reordering (by number of tests) put notebook 12's planted mistakes, 15 tests of ~40 s, behind files of
+# a hundred 1-second tests. Only the order changes: each file's tests keep theirs.
+LONGEST_FIRST = ("tests/test_mutants_12.py", "tests/test_grading_course.py", "tests/test_released_notebooks.py",
+                 "tests/test_grading.py", "tests/test_plan_catalogue.py", "tests/test_fsdp_practice.py",
+                 "tests/test_mutants_09.py", "tests/test_launch.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable
