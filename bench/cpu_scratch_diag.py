@@ -7,8 +7,8 @@ The planner adds, after each op's outputs, the scratch its kernel took when prob
 (``planner.kernels``). This runs the planned step for real under the profiler's allocation record
 (``AllocationReference``, which sees every byte) with a dispatch mode that brackets every op, so each op's
 scratch in the real step (the most held inside it, less what it left) stands beside the planner's figure
-for the same op. It prints the plan's peak against the profiler's, then each op whose two figures differ,
-with the signature the probe used. Used for tests/test_planner.py's bf16 + checkpointing rows under
+for the same op. It prints the plan's peak against the profiler's, then each op whose two figures differ
+(``--json``: both lists whole). Used for tests/test_planner.py's bf16 + checkpointing rows under
 ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` (issue: CPU figures on every CPU).
 """
 from __future__ import annotations
@@ -80,22 +80,22 @@ def main(argv=None):
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     model_fn, batch, loss_fn = MODELS[a.model]
+    if a.precision == "bf16" and batch[0].is_floating_point():  # as the test: a pure-bf16 step takes bf16 inputs
+        batch = (batch[0].bfloat16(), batch[1])
     p, planned = planned_ops(model_fn, batch, loss_fn, a.precision, a.ckpt)
     measured, real = measured_ops(model_fn, batch, loss_fn, a.precision, a.ckpt)
     print(f"{a.model} {a.precision}{' ckpt' if a.ckpt else ''} ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'native')} "
           f"threads={torch.get_num_threads()}: planned {p.peak_bytes:,} measured {measured:,} "
           f"({(p.peak_bytes / measured - 1) * 100:+.3f}%)")
-    # the planner sees the warm-up and the step; the step is the last len(real) ops it met of those probed
-    probed_real = real
-    tail = planned[-len(probed_real):] if len(planned) >= len(probed_real) else planned
-    diffs = []
-    j = 0
-    for name, got in probed_real:  # walk both in order, matching names
+    # walk both in order, matching op names from the end of the plan's list: the step is its last ops
+    tail, diffs, j = planned[-len(real):], [], 0
+    for name, got in real:
         while j < len(tail) and tail[j][0] != name:
             j += 1
-        want = tail[j][1] if j < len(tail) else None
-        if want is not None and want != got:
-            diffs.append((name, want, got))
+        if j == len(tail):
+            break
+        if tail[j][1] != got:
+            diffs.append((name, tail[j][1], got))
         j += 1
     print(f"ops in the real step: {len(real)}; planned ops with scratch: {sum(1 for _, s in planned if s)}; "
           f"real ops with scratch: {sum(1 for _, s in real if s)}; differing: {len(diffs)}")
