@@ -1,6 +1,7 @@
 """Issue 20: a learner who runs a released notebook top to bottom without solving anything sees each check
 fail and nothing else -- every other cell falls back to torch's own machinery or says in one line what to
 finish first. (The solutions are run by nbval; this runs notebooks/ as learners get them.)"""
+import re
 from pathlib import Path
 
 import nbformat
@@ -33,3 +34,8 @@ def test_unsolved_notebook_runs_to_the_end(path):
     for c in checks:   # each check says it is not done, in one line, not with a wall of traceback
         errors = [o for o in c.get("outputs", []) if o.get("output_type") == "error"]
         assert errors and "not implemented yet" in errors[0]["evalue"], (path.name, c.source, errors[:1])
+    # each cell that needs an unfinished exercise says so: every "finish exercise N.M" the notebook can print
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    promised = set(re.findall(r"finish exercise (\d+\.\d+)", "".join(c.source for c in nb.cells if c.cell_type == "code")))
+    missing = sorted(ex for ex in promised if f"finish exercise {ex}" not in printed)
+    assert not missing, f"{path.name}: no cell said to finish exercise(s) {missing}"
