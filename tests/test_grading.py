@@ -371,3 +371,29 @@ def test_packages_installed_beside_the_environment_are_visible_to_the_kernel(tmp
     monkeypatch.setattr("sys.path", [*__import__("sys").path, str(site_dir), str(checkout)])
     keep = needed_paths([])
     assert str(site_dir) in keep and str(checkout) not in keep
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (lambda t: None, ["{t}/nowhere", "--out", "{t}/out"], "nowhere is not a directory"),
+    (lambda t: (t / "sub").mkdir(), ["{t}/sub", "--out", "{t}/out"], "no student folders in"),
+    (lambda t: (t / "sub").mkdir() or (t / "sub" / NB).write_text("{}"), ["{t}/sub", "--out", "{t}/out"],
+     "1 notebook(s) lie directly in it: move them into a folder named for the student"),
+    (None, ["{t}/sub", "--out", "{t}/sub/grades"], "is inside the submissions"),
+    (None, ["{t}/sub", "--out", "{t}/sub/ann/x"], "is inside the submissions"),
+    (lambda t: (t / "sub" / "ann").mkdir(parents=True) or (t / "out").write_text("x"),
+     ["{t}/sub", "--out", "{t}/out"], "exists and is not a directory"),
+    (None, ["{t}/sub", "--out", "{t}/out", "--jobs", "0"], "--jobs 0: must be > 0"),
+    (None, ["{t}/sub", "--out", "{t}/out", "--timeout", "-1"], "--timeout -1: must be > 0"),
+    (None, ["{t}/sub", "--out", "{t}/out", "--notebook-timeout", "0"], "--notebook-timeout 0: must be > 0"),
+    (None, ["{t}/sub", "--out", "{t}/out", "--max-processes", "-1"], "--max-processes -1: must be >= 0"),
+    (None, ["{t}/sub", "--out", "/proc/no/such/dir"], "cannot create it"),
+])
+def test_bad_command_lines_are_one_line_and_change_nothing(tmp_path, capsys, make, args, message):
+    """An instructor's slip (a wrong folder, grades written among the submissions, a negative limit) is one
+    line on stderr and exit 2, before any notebook runs or any file is written."""
+    (make or (lambda t: (t / "sub" / "ann").mkdir(parents=True)))(tmp_path)
+    before = snapshot(tmp_path)
+    assert grade_main([a.format(t=tmp_path) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mgpu-grade: ") and message in err, err
+    assert snapshot(tmp_path) == before and not (tmp_path / "out").is_dir()

@@ -73,10 +73,38 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
+def input_problem(a) -> str | None:
+    """What is wrong with the command line, in one line, before anything is created or run (None: nothing)."""
+    if not a.submissions.is_dir():
+        return f"{a.submissions} is not a directory"
+    for flag, value in (("--timeout", a.timeout), ("--notebook-timeout", a.notebook_timeout),
+                        ("--memory", a.memory), ("--output-cap", a.output_cap), ("--jobs", a.jobs)):
+        if not value > 0:
+            return f"{flag} {value:g}: must be > 0"
+    if a.max_processes < 0:
+        return f"--max-processes {a.max_processes}: must be >= 0 (0: the default)"
+    out, sub = a.out.resolve(), a.submissions.resolve()
+    if out.exists() and not out.is_dir():
+        return f"--out {a.out} exists and is not a directory"
+    if out == sub or sub in out.parents:  # its folder would be graded as a student's, now or on the next run
+        return f"--out {a.out} is inside the submissions ({a.submissions}): write the grades elsewhere"
+    if not any(d.is_dir() and not d.name.startswith(".") for d in sub.iterdir()):
+        loose = len(list(sub.glob("*.ipynb")))
+        return (f"no student folders in {a.submissions}: it holds one folder per student, <student>/NN_name.ipynb"
+                + (f" ({loose} notebook(s) lie directly in it: move them into a folder named for the student)"
+                   if loose else ""))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"--out {a.out}: cannot create it ({e.strerror})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    if not a.submissions.is_dir():
-        print(f"mgpu-grade: {a.submissions} is not a directory", file=sys.stderr)
+    problem = input_problem(a)
+    if problem:
+        print(f"mgpu-grade: {problem}", file=sys.stderr)
         return 2
     whole = load_course(a.solutions)
     course = [nb for nb in whole if nb.exercises]  # nothing to grade in the others
@@ -125,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if foreign:
             print(f"mgpu-grade: {s}: ignored {', '.join(foreign)} (not a notebook of this course)")
     judges: queue.Queue = queue.Queue()
-    jobs = max(1, a.jobs)
+    jobs = a.jobs
     modules = sorted({m for m in ctx.modules.values() if m})
     for i in range(jobs):  # started now: they import the checks before any learner code runs
         judges.put(Judge(imports, modules, a.hidden and str(a.hidden.resolve()), scratch / f"judge{i}.log").start())
