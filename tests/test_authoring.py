@@ -70,6 +70,36 @@ def test_release_check_detects_drift(tmp_path, capsys):
     assert "no source" in capsys.readouterr().out
 
 
+def test_release_loses_nothing_on_a_wrong_command_line(tmp_path, capsys):
+    """A wrong --solutions once released 0 notebooks and deleted every one in notebooks/; now each slip is one
+    line and exit 2 with nothing written, and release removes only course notebooks whose source is gone."""
+    sol, out = tmp_path / "solutions", tmp_path / "notebooks"
+    sol.mkdir()
+    nbformat.write(_nb(), sol / "09_x.ipynb")
+    assert course.main(["--solutions", str(sol), "release", "--out", str(out)]) == 0
+    (out / "my_notes.ipynb").write_text("{}")  # a file of the user's own
+    before = {p.name: p.read_text() for p in out.iterdir()}
+    capsys.readouterr()
+    for argv, message in [
+            (["--solutions", str(tmp_path / "nowhere"), "release", "--out", str(out)], "is not a directory"),
+            (["--solutions", str(out.parent), "release", "--out", str(out)], "no solution notebooks (NN_name.ipynb)"),
+            (["--solutions", str(sol), "release", "--out", str(out / "my_notes.ipynb")], "is not a directory"),
+            (["--solutions", str(tmp_path / "nowhere"), "validate"], "is not a directory"),
+            (["execute", str(tmp_path / "nope.ipynb")], "no such notebook"),
+    ]:
+        assert course.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("mgpu-course: error: ") and message in err, err
+        assert {p.name: p.read_text() for p in out.iterdir()} == before
+    nbformat.write(_nb(), sol / "10_y.ipynb")
+    assert course.main(["--solutions", str(sol), "release", "--out", str(out)]) == 0
+    (sol / "09_x.ipynb").unlink()
+    assert course.main(["--solutions", str(sol), "release", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["10_y.ipynb", "my_notes.ipynb"]
+    assert course.main(["--solutions", str(sol), "release", "--out", str(out), "--check"]) == 1
+    assert "not a course notebook's name" in capsys.readouterr().out
+
+
 def test_committed_solutions_follow_the_schema():
     from pathlib import Path
     root = Path(course.__file__).resolve().parents[2] / "solutions"

@@ -22,6 +22,10 @@ def _solutions(d: Path) -> list[Path]:
     return sorted(p for p in d.glob("[0-9][0-9]_*.ipynb"))
 
 
+def _solutions_named(name: str) -> bool:
+    return Path(name).match("[0-9][0-9]_*.ipynb")
+
+
 def _problems(sol: Path) -> list[str]:
     return [pr for p in _solutions(sol) for pr in validate(nbformat.read(str(p), as_version=4), p.name)]
 
@@ -48,7 +52,8 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
         for n in drift:
             print(f"drift: {out.name}/{n} differs from the release of {sol.name}/{n}")
         for n in extra:
-            print(f"drift: {out.name}/{n} has no source in {sol.name}/")
+            print(f"drift: {out.name}/{n} has no source in {sol.name}/" + (
+                "" if _solutions_named(n) else " (not a course notebook's name: release leaves it; remove it)"))
         if drift or extra:
             print("notebooks/ is out of date: run `mgpu-course release`")
             return 1
@@ -57,7 +62,7 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for n, text in expected.items():
         (out / n).write_text(text, encoding="utf-8")
-    for p in out.glob("*.ipynb"):
+    for p in _solutions(out):  # a course notebook whose source is gone; any other file stays
         if p.name not in expected:
             p.unlink()
     print(f"released {len(expected)} notebooks to {out}")
@@ -76,6 +81,22 @@ def cmd_execute(paths: list[Path], timeout: int) -> int:
     return 0
 
 
+def input_problem(a) -> str | None:
+    """What is wrong with the command line, in one line (None: nothing)."""
+    if a.cmd != "execute" or not a.notebooks:
+        if not a.solutions.is_dir():
+            return f"--solutions {a.solutions} is not a directory"
+        if not _solutions(a.solutions):
+            return f"no solution notebooks (NN_name.ipynb) in {a.solutions}"
+    if a.cmd == "release" and a.out.exists() and not a.out.is_dir():
+        return f"--out {a.out} exists and is not a directory"
+    if a.cmd == "execute":
+        missing = [str(p) for p in a.notebooks if not p.is_file()]
+        if missing:
+            return f"no such notebook: {', '.join(missing)}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mgpu-course", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--timeout", type=int, default=600)
     sub.add_parser("validate", help="check the metadata schema")
     a = ap.parse_args(argv)
+    problem = input_problem(a)
+    if problem:  # before anything is written: a wrong --solutions once released 0 notebooks, deleting the rest
+        print(f"mgpu-course: error: {problem}", file=sys.stderr)
+        return 2
     if a.cmd == "release":
         return cmd_release(a.solutions, a.out, a.check)
     if a.cmd == "execute":
