@@ -103,3 +103,21 @@ def test_overrides_merge_and_a_read_only_environment(tmp_path, capsys):
         assert "could not write" in capsys.readouterr().err
     finally:
         ro.chmod(0o700)
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--root", "nowhere"], None, "--root nowhere is not a directory"),
+    (["--open", "nope.ipynb"], None, "--open nope.ipynb: no such notebook in"),
+    (["--port", "-5"], None, "port -5: a number from 1 to 65535"),
+    (["--port", "70000"], None, "port 70000: a number from 1 to 65535"),
+    ([], "x", "MGPU_LAB_PORT='x': a port number"),
+])
+def test_bad_options_are_one_line_before_jupyterlab_starts(capsys, monkeypatch, argv, env, message):
+    """``make lab ARGS=...`` with a slip: one line and exit 2 (JupyterLab once printed a page of log, then a
+    traceback), and no server is started."""
+    if env is not None:
+        monkeypatch.setenv("MGPU_LAB_PORT", env)
+    monkeypatch.setattr(lab, "start", lambda *a, **k: pytest.fail("JupyterLab was started"))
+    assert lab.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("make lab: error: ") and message in err, err

@@ -122,15 +122,39 @@ def start(root: Path, port: int = 8888, token: str | None = None, extra: list[st
     return proc, token, info
 
 
+def input_problem(a) -> str | None:
+    """What is wrong with the options, in one line (None: nothing); fills in the default port."""
+    if a.port is None:
+        env = os.environ.get("MGPU_LAB_PORT", "8888")
+        if not env.isdigit():
+            return f"MGPU_LAB_PORT={env!r}: a port number, e.g. 8888"
+        a.port = int(env)
+    if not 1 <= a.port <= 65535:
+        return f"port {a.port}: a number from 1 to 65535 (8888 is Jupyter's usual)"
+    if not a.root.is_dir():
+        return f"--root {a.root} is not a directory"
+    if not (a.root / a.open).is_file():
+        return f"--open {a.open}: no such notebook in {a.root}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mgpu_helpers.tools.lab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=ROOT / "notebooks", help="folder JupyterLab serves")
     ap.add_argument("--open", default="00_setup.ipynb", help="notebook to open, relative to --root")
-    ap.add_argument("--port", type=int, default=int(os.environ.get("MGPU_LAB_PORT", 8888)))
+    ap.add_argument("--port", type=int, default=None, help="first port to try (default $MGPU_LAB_PORT or 8888)")
     ap.add_argument("--no-browser", action="store_true", help="never start a browser")
     a, extra = ap.parse_known_args(argv)
-    proc, token, info = start(a.root.resolve(), a.port, extra=extra)
+    problem = input_problem(a)
+    if problem:  # one line, before JupyterLab starts (it would print a page of log and a traceback)
+        print(f"make lab: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        proc, token, info = start(a.root.resolve(), a.port, extra=extra)
+    except (RuntimeError, TimeoutError) as e:  # JupyterLab's own log, above, says why
+        print(f"make lab: error: {e} (JupyterLab's log above says why)", file=sys.stderr)
+        return 1
     url = open_url(info, token, a.open)
     bar = "=" * min(100, len(url) + 4)
     print(f"\n{bar}\n  The course is running. Open this URL in your browser:\n\n  {url}\n", flush=True)
