@@ -273,6 +273,16 @@ def test_fall_back_note_once_and_never_on_stdout(monkeypatch, capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize("fn, world, error, words", [
+    (_sum_ranks, 0, ValueError, "world_size=0: the number of ranks"), (_sum_ranks, -1, ValueError, "world_size=-1"),
+    (_sum_ranks, 2.0, ValueError, "world_size=2.0"), (3, 2, TypeError, "the function each rank runs, got int"),
+])
+def test_bad_arguments_are_said_before_any_rank_starts(fn, world, error, words):
+    # world_size=0 once divided by zero inside the launcher; -1 returned [] as if the ranks had run
+    with pytest.raises(error, match=words):
+        run_ranks(fn, world)
+
+
 def test_bad_backend():
     with pytest.raises(ValueError):
         run_ranks(_sum_ranks, 2, backend="mpi")

@@ -254,6 +254,12 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
     when there is a GPU per rank, else gloo on CPU. Each rank gets ``threads`` torch threads (default:
     1 for forked ranks, else cores // world_size). Raises RankError if a rank fails, TimeoutError after ``timeout`` s.
     """
+    # a learner's slip, said before any process starts (0 ranks divided by zero; -1 returned [] silently)
+    if not callable(fn):
+        raise TypeError(f"run_ranks: the first argument must be the function each rank runs, got "
+                        f"{type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_ranks: world_size={world_size!r}: the number of ranks, an int >= 1")
     backend, note = _choose_backend(backend, world_size)
     _note(note)
     method = _start_method(backend, threads)
