@@ -387,6 +387,8 @@ def test_packages_installed_beside_the_environment_are_visible_to_the_kernel(tmp
     (None, ["{t}/sub", "--out", "{t}/out", "--notebook-timeout", "0"], "--notebook-timeout 0: must be > 0"),
     (None, ["{t}/sub", "--out", "{t}/out", "--max-processes", "-1"], "--max-processes -1: must be >= 0"),
     (None, ["{t}/sub", "--out", "/proc/no/such/dir"], "cannot create it"),
+    (None, ["{t}/sub", "--out", "{t}/out", "--hidden", "{t}/hiden"], "--hidden {t}/hiden is not a directory"),
+    (None, ["{t}/sub", "--out", "{t}/out", "--import-path", "{t}/pkg"], "--import-path {t}/pkg is not a directory"),
 ])
 def test_bad_command_lines_are_one_line_and_change_nothing(tmp_path, capsys, make, args, message):
     """An instructor's slip (a wrong folder, grades written among the submissions, a negative limit) is one
@@ -395,5 +397,5 @@ def test_bad_command_lines_are_one_line_and_change_nothing(tmp_path, capsys, mak
     before = snapshot(tmp_path)
     assert grade_main([a.format(t=tmp_path) for a in args]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("mgpu-grade: ") and message in err, err
+    assert err.count("\n") == 1 and err.startswith("mgpu-grade: ") and message.format(t=tmp_path) in err, err
     assert snapshot(tmp_path) == before and not (tmp_path / "out").is_dir()

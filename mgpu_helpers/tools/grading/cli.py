@@ -81,6 +81,9 @@ def input_problem(a) -> str | None:
                         ("--memory", a.memory), ("--output-cap", a.output_cap), ("--jobs", a.jobs)):
         if not value > 0:
             return f"{flag} {value:g}: must be > 0"
+    for flag, d in [("--hidden", a.hidden)] * (a.hidden is not None) + [("--import-path", d) for d in a.import_path]:
+        if not d.is_dir():  # a hidden-check folder mistyped must not grade the class without them
+            return f"{flag} {d} is not a directory"
     if a.max_processes < 0:
         return f"--max-processes {a.max_processes}: must be >= 0 (0: the default)"
     out, sub = a.out.resolve(), a.submissions.resolve()
