@@ -387,6 +387,7 @@ def test_packages_installed_beside_the_environment_are_visible_to_the_kernel(tmp
     (None, ["{t}/sub", "--out", "{t}/out", "--notebook-timeout", "0"], "--notebook-timeout 0: must be > 0"),
     (None, ["{t}/sub", "--out", "{t}/out", "--max-processes", "-1"], "--max-processes -1: must be >= 0"),
     (None, ["{t}/sub", "--out", "/proc/no/such/dir"], "cannot create it"),
+    (None, ["{t}/sub", "--out", "{t}/out", "--solutions", "{t}/sub"], "no solution notebooks (NN_name.ipynb) in"),
     (None, ["{t}/sub", "--out", "{t}/out", "--hidden", "{t}/hiden"], "--hidden {t}/hiden is not a directory"),
     (None, ["{t}/sub", "--out", "{t}/out", "--import-path", "{t}/pkg"], "--import-path {t}/pkg is not a directory"),
 ])

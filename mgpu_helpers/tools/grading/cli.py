@@ -86,6 +86,8 @@ def input_problem(a) -> str | None:
             return f"{flag} {d} is not a directory"
     if a.max_processes < 0:
         return f"--max-processes {a.max_processes}: must be >= 0 (0: the default)"
+    if not a.solutions.is_dir() or not any(a.solutions.glob("[0-9][0-9]_*.ipynb")):
+        return f"no solution notebooks (NN_name.ipynb) in {a.solutions}"
     out, sub = a.out.resolve(), a.submissions.resolve()
     if out.exists() and not out.is_dir():
         return f"--out {a.out} exists and is not a directory"
