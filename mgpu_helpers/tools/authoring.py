@@ -24,6 +24,12 @@ from typing import Any, Callable
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 EXERCISE_ID = re.compile(r"^\d{1,2}\.\d{1,2}$")
+NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"  # a course notebook's name: 04_ddp.ipynb
+
+
+def course_notebooks(folder: str | Path) -> list[Path]:
+    """The course notebooks in ``folder`` (solutions/ or notebooks/), in order."""
+    return sorted(Path(folder).glob(NOTEBOOK_GLOB))
 
 
 def mgpu(cell) -> dict:

@@ -13,28 +13,20 @@ from pathlib import Path
 
 import nbformat
 
-from .authoring import dumps, release_notebook, validate
+from .authoring import NOTEBOOK_GLOB, course_notebooks, dumps, release_notebook, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _solutions(d: Path) -> list[Path]:
-    return sorted(p for p in d.glob("[0-9][0-9]_*.ipynb"))
-
-
-def _solutions_named(name: str) -> bool:
-    return Path(name).match("[0-9][0-9]_*.ipynb")
-
-
 def _problems(sol: Path) -> list[str]:
-    return [pr for p in _solutions(sol) for pr in validate(nbformat.read(str(p), as_version=4), p.name)]
+    return [pr for p in course_notebooks(sol) for pr in validate(nbformat.read(str(p), as_version=4), p.name)]
 
 
 def cmd_validate(sol: Path) -> int:
     problems = _problems(sol)
     for line in problems:
         print(line)
-    print(f"{len(_solutions(sol))} notebooks, {len(problems)} problems")
+    print(f"{len(course_notebooks(sol))} notebooks, {len(problems)} problems")
     return 1 if problems else 0
 
 
@@ -43,7 +35,7 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
     if problems:  # never release a notebook whose schema is broken
         print("\n".join(problems))
         return 1
-    expected = {p.name: dumps(release_notebook(nbformat.read(str(p), as_version=4))) for p in _solutions(sol)}
+    expected = {p.name: dumps(release_notebook(nbformat.read(str(p), as_version=4))) for p in course_notebooks(sol)}
     if check:
         present = {p.name for p in out.glob("*.ipynb")}
         drift = sorted(n for n, text in expected.items()
@@ -52,8 +44,8 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
         for n in drift:
             print(f"drift: {out.name}/{n} differs from the release of {sol.name}/{n}")
         for n in extra:
-            print(f"drift: {out.name}/{n} has no source in {sol.name}/" + (
-                "" if _solutions_named(n) else " (not a course notebook's name: release leaves it; remove it)"))
+            foreign = "" if Path(n).match(NOTEBOOK_GLOB) else " (not a course notebook's name: release leaves it; remove it)"
+            print(f"drift: {out.name}/{n} has no source in {sol.name}/{foreign}")
         if drift or extra:
             print("notebooks/ is out of date: run `mgpu-course release`")
             return 1
@@ -62,7 +54,7 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for n, text in expected.items():
         (out / n).write_text(text, encoding="utf-8")
-    for p in _solutions(out):  # a course notebook whose source is gone; any other file stays
+    for p in course_notebooks(out):  # a course notebook whose source is gone; any other file stays
         if p.name not in expected:
             p.unlink()
     print(f"released {len(expected)} notebooks to {out}")
@@ -86,7 +78,7 @@ def input_problem(a) -> str | None:
     if a.cmd != "execute" or not a.notebooks:
         if not a.solutions.is_dir():
             return f"--solutions {a.solutions} is not a directory"
-        if not _solutions(a.solutions):
+        if not course_notebooks(a.solutions):
             return f"no solution notebooks (NN_name.ipynb) in {a.solutions}"
     if a.cmd == "release" and a.out.exists() and not a.out.is_dir():
         return f"--out {a.out} exists and is not a directory"
@@ -117,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "release":
         return cmd_release(a.solutions, a.out, a.check)
     if a.cmd == "execute":
-        return cmd_execute(a.notebooks or _solutions(a.solutions), a.timeout)
+        return cmd_execute(a.notebooks or course_notebooks(a.solutions), a.timeout)
     return cmd_validate(a.solutions)
 
 

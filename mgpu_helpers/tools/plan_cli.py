@@ -82,7 +82,7 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def check_sizes(a) -> None:
+def check_counts(a) -> None:
     """The counts, before a batch is built of them (a negative one would reach torch as a traceback)."""
     if a.batch < 1 or (a.seq is not None and a.seq < 1):
         raise PlanInputError("--batch and --seq must be >= 1")
@@ -91,7 +91,7 @@ def check_sizes(a) -> None:
 
 
 def settings(a):
-    """Validated settings, before anything is traced: bad input fails here, fast (the counts: check_sizes)."""
+    """Validated settings, before anything is traced: bad input fails here, fast (the counts: check_counts)."""
     if a.gpu is None and a.gpu_memory is None:
         raise PlanInputError("give the GPU: --gpu NAME (" + ", ".join(db.GPUS) + ") or --gpu-memory SIZE (80GB, 80GiB)")
     if a.gpu:
@@ -210,7 +210,7 @@ def _parameters(source) -> int:
 def run(a):
     source = resolve(a.model, a.attn, a.moe_imbalance)  # bad input fails here, before any worker starts,
     # the model first (a wrong model is the error to see, even when --gpu is missing too)
-    check_sizes(a)
+    check_counts(a)
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     s = settings(a)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nbformat
 
-from ..authoring import mgpu, release_notebook, validate
+from ..authoring import course_notebooks, mgpu, release_notebook, validate
 
 MAX_SUBMISSION_BYTES = 32 * 2**20  # a notebook with a few plots is < 5 MB; anything bigger is refused
 HARVEST_OUT = "mgpu_grade_out_{}.pt"  # written by the harvest cell in the work dir, one per exercise
@@ -44,7 +44,7 @@ class CourseNotebook:
 def load_course(solutions: Path) -> list[CourseNotebook]:
     """The solution notebooks, validated against the schema (a broken course is the instructor's error)."""
     course, problems = [], []
-    for p in sorted(Path(solutions).glob("[0-9][0-9]_*.ipynb")):
+    for p in course_notebooks(solutions):
         nb = nbformat.read(str(p), as_version=4)
         problems += validate(nb, p.name)
         checks = {mgpu(c)["check"]: c for c in nb.cells if "check" in mgpu(c)}

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib.util import find_spec
 from pathlib import Path
 
+from ..authoring import course_notebooks
 from .assemble import load_course, read_submission
 from .execute import (RUNNING, STOP, Limits, check_allowlist, course_files, default_processes, kill, needed_paths,
                       processes_bounded, protected_paths, reset_sandbox, sandbox)
@@ -81,12 +82,13 @@ def input_problem(a) -> str | None:
                         ("--memory", a.memory), ("--output-cap", a.output_cap), ("--jobs", a.jobs)):
         if not value > 0:
             return f"{flag} {value:g}: must be > 0"
-    for flag, d in [("--hidden", a.hidden)] * (a.hidden is not None) + [("--import-path", d) for d in a.import_path]:
+    folders = ([("--hidden", a.hidden)] if a.hidden is not None else []) + [("--import-path", d) for d in a.import_path]
+    for flag, d in folders:
         if not d.is_dir():  # a hidden-check folder mistyped must not grade the class without them
             return f"{flag} {d} is not a directory"
     if a.max_processes < 0:
         return f"--max-processes {a.max_processes}: must be >= 0 (0: the default)"
-    if not a.solutions.is_dir() or not any(a.solutions.glob("[0-9][0-9]_*.ipynb")):
+    if not course_notebooks(a.solutions):
         return f"no solution notebooks (NN_name.ipynb) in {a.solutions}"
     out, sub = a.out.resolve(), a.submissions.resolve()
     if out.exists() and not out.is_dir():
