@@ -44,7 +44,8 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
         for n in drift:
             print(f"drift: {out.name}/{n} differs from the release of {sol.name}/{n}")
         for n in extra:
-            foreign = "" if Path(n).match(NOTEBOOK_GLOB) else " (not a course notebook's name: release leaves it; remove it)"
+            foreign = "" if Path(n).match(NOTEBOOK_GLOB) else \
+                " (not a course notebook's name: release leaves it; remove it)"
             print(f"drift: {out.name}/{n} has no source in {sol.name}/{foreign}")
         if drift or extra:
             print("notebooks/ is out of date: run `mgpu-course release`")
