@@ -51,3 +51,38 @@ def test_lt_and_times_world_size_are_told_apart(edits, named, other):
     for seed in range(20):
         ok, msg = mutant_verdict(NB, "11.1", "choose_plan", [tuple(e) for e in edits], seed=seed)
         assert not ok and named in msg and other not in msg, f"seed {seed}: {msg}"
+
+
+@pytest.mark.ex_11_1
+def test_the_kernel_and_the_judge_agree_whatever_threads_each_has(monkeypatch):
+    """Under mgpu-grade the cases are made twice: in the learner's kernel (whose check cell planned at the
+    kernel's thread count) and in the judge, a fresh process. On AVX-512 and AMX a bf16 matmul's scratch grows
+    with the threads (0 on AVX2, so this machine cannot show it): here each matmul is given scratch per thread
+    by hand. The course's solution once lost 11.1 this way on a 16-core Xeon; it must pass."""
+    import torch
+
+    from mgpu_helpers.checks.base import REGISTRY
+    from mgpu_helpers.planner import accounting, capstone, kernels
+    from mgpu_helpers.tools.authoring import exec_cell, exercise_source
+
+    real = accounting.cpu_kernel_scratch
+    monkeypatch.setattr(accounting, "cpu_kernel_scratch", lambda func, args, kwargs: real(func, args, kwargs) + (
+        16384 * kernels.step_thread_count() if "mm" in str(func) else 0))
+    check, choose = REGISTRY["11.1"], exec_cell(exercise_source(NB, "11.1"))["choose_plan"]
+
+    def new_process():
+        capstone._trace.cache_clear()
+        capstone._plans.cache_clear()
+    before = torch.get_num_threads()
+    try:
+        new_process()
+        torch.set_num_threads(16)
+        check(choose, seed=5)                  # the check cell, in the kernel
+        results = check.run_all(choose, 5)     # what the grader's hidden cell sends from that kernel
+        new_process()
+        torch.set_num_threads(1)
+        ok, msg = check.judge_all(5, results)  # the judge
+    finally:
+        new_process()
+        torch.set_num_threads(before)
+    assert ok, msg

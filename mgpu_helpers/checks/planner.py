@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 
 from ..planner import Plan, candidate_plans
-from ..planner.capstone import _summary
+from ..planner.capstone import CHECK_THREADS, _summary
 from .base import REGISTRY, describe_value, expect, expect_equal
 from .remember import RemembersVerdict
 
@@ -13,7 +13,7 @@ class Check11_1(RemembersVerdict):
     id, function, points = "11.1", "choose_plan", 3
 
     def cases(self, rng):
-        peaks = sorted({p.peak_bytes for p in candidate_plans()})
+        peaks = sorted({p.peak_bytes for p in candidate_plans(threads=CHECK_THREADS)})
         lo, hi = peaks[0], peaks[-1]
         cases = [{"budget": lo - 1, "what": "below every plan's peak"},            # nothing fits
                  *self._separating(rng),
@@ -35,7 +35,7 @@ class Check11_1(RemembersVerdict):
             return min((p for p in ps if p.peak_bytes <= budget), key=lambda p: (p.config["world_size"], p.step_cost),
                        default=None)
 
-        plans = candidate_plans()
+        plans = candidate_plans(threads=CHECK_THREADS)
         peaks = sorted({p.peak_bytes for p in plans})
         at_peak = [p.peak_bytes for p in plans if p.config["world_size"] == 1 and
                    _summary(cheapest_plan(plans, p.peak_bytes)) == _summary(p)]
@@ -50,7 +50,7 @@ class Check11_1(RemembersVerdict):
         return f"budget {case['budget']:,} B ({case['what']})"
 
     def _plans(self, case):
-        plans = candidate_plans()
+        plans = candidate_plans(threads=CHECK_THREADS)
         random.Random(case["order"]).shuffle(plans)
         if case.get("worst_first"):  # the first listed of the fewest ranks is then never the cheapest
             plans.sort(key=lambda p: -p.step_cost)

@@ -61,7 +61,8 @@ def step_threads(n: int | None):
         _THREADS[0] = old
 
 
-def _threads() -> int:
+def step_thread_count() -> int:
+    """The threads the step being planned runs its CPU kernels on (:func:`step_threads`, else this process's)."""
     return _THREADS[0] or torch.get_num_threads()
 
 
@@ -96,7 +97,7 @@ def _signature(func, specs):
     leaves, tree = tree_flatten(specs)
     key = tuple(x.key() if isinstance(x, _Spec) else
                 (x if isinstance(x, (int, float, bool, str, type(None), torch.dtype)) else repr(x)) for x in leaves)
-    return (str(func), str(tree), key, _threads(), torch.is_grad_enabled())
+    return (str(func), str(tree), key, step_thread_count(), torch.is_grad_enabled())
 
 
 def _real(t: _Spec) -> torch.Tensor:
@@ -131,7 +132,7 @@ def measured_scratch(func, args, kwargs):
     specs = tree_map(lambda x: _Spec(x) if isinstance(x, torch.Tensor) else x, (args, kwargs or {}))
     sig = _signature(func, specs)
     if sig not in _CACHE:
-        _PENDING.setdefault(sig, (func, specs, _threads(), torch.is_grad_enabled()))
+        _PENDING.setdefault(sig, (func, specs, step_thread_count(), torch.is_grad_enabled()))
         return None
     return _CACHE[sig]
 
