@@ -66,9 +66,22 @@ def measured_ops(model_fn, batch, loss_fn, precision, ckpt):
     from test_planner import profiled  # the reference tests/test_planner.py holds the plan against
     mode = Bracket()
     ref = profiled(model_fn, batch, loss_fn, precision, ckpt, mode=mode)
-    rows = [(str(func), max(0, ref.peak_in(f"diag_op{i}") - ref.at(f"diag_after{i}")))
-            for i, func in enumerate(mode.ops) if kernels.probed(func)]
-    return ref.peak_in("step"), rows
+    every = [(str(func), max(0, ref.peak_in(f"diag_op{i}") - ref.at(f"diag_after{i}")), kernels.probed(func))
+             for i, func in enumerate(mode.ops)]
+    rows = [(name, got) for name, got, probed in every if probed]
+    # where the real step peaks: the op whose range holds it, the live bytes as it began and its own scratch
+    peak = ref.peak_in("step")
+    at_peak = next((i for i in range(len(mode.ops)) if ref.peak_in(f"diag_op{i}") == peak), None)
+    if at_peak is None:
+        print(f"the step's peak {peak:,} lies between ops")
+    else:
+        print(f"the step's peak {peak:,} is inside op {at_peak} of {len(mode.ops)} ({mode.ops[at_peak]}): live as "
+              f"it began {ref.at(f'diag_op{at_peak}'):,}, its scratch {every[at_peak][1]:,}")
+    unprobed = [(i, name, got) for i, (name, got, probed) in enumerate(every) if not probed and got]
+    print(f"ops the planner does not probe that took scratch in the real step: {len(unprobed)}")
+    for i, name, got in unprobed[:40]:
+        print(f"  op {i:4d} {name:50s} scratch {got:>9,}")
+    return peak, rows
 
 
 def main(argv=None):

@@ -20,19 +20,20 @@ start=$(date +%s)
 # --dist loadfile keeps a file's module fixtures on one worker; notebook 12's planted mistakes (one file, ~10
 # minutes in a row) go to workers of their own, test by test, beside the rest. -v names every result in the log
 # (an outer `timeout` that cuts pytest before its summary still leaves which test failed). LIMIT: seconds.
-jobs=${JOBS:-15}; slow=${SLOW-tests/test_mutants_12.py}   # SLOW= (empty): one run over the paths given
+jobs=${JOBS:-15}; slow=${SLOW-tests/test_mutants_12.py}   # SLOW: files split test by test (space-separated);
+# SLOW= (empty): one run over the paths given
 run() { timeout "${LIMIT:-100000}" $py -m pytest -p no:cacheprovider -v -n "$1" --dist "$2" --tb=short --durations=15 \
     -o addopts="--nbval --nbval-current-env --nbval-cell-timeout=300 -m 'not browser and not answers' -rfEs" "${@:3}"; }
 rc_slow=0
 if [ -n "$slow" ]; then
-  run 4 load "$slow" > "$out/$isa.slow.log" 2>&1 &
+  run 4 load $slow > "$out/$isa.slow.log" 2>&1 &
   slow_pid=$!
-  run $(( jobs > 8 ? jobs - 4 : 4 )) loadfile --ignore="$slow" "$@" > "$out/$isa.log" 2>&1
+  run $(( jobs > 8 ? jobs - 4 : 4 )) loadfile $(printf -- '--ignore=%s ' $slow) "$@" > "$out/$isa.log" 2>&1
   rc=$?
   wait $slow_pid; rc_slow=$?
   cat "$out/$isa.slow.log" >> "$out/$isa.log"
 else
-  run "$jobs" loadfile "$@" > "$out/$isa.log" 2>&1
+  run "$jobs" "${DIST:-loadfile}" "$@" > "$out/$isa.log" 2>&1   # DIST=load: a file's tests spread over workers
   rc=$?
 fi
 rc=$(( rc || rc_slow ))
