@@ -78,7 +78,7 @@ def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocas
 
 @functools.lru_cache(maxsize=None)
 def _plans(size, batch, precision, threads, world_sizes, stages, ckpts, micro):
-    with step_threads(threads):
+    with step_threads(threads):  # shard() can trace again (an FSDP2 plan): on the same threads
         return tuple(cached_trace(size, *batch, precision, ck, k, threads=threads).shard(s, n)
                      for n in world_sizes for s in stages if n > 1 or s == 0 for ck in ckpts for k in micro)
 
