@@ -149,25 +149,57 @@ def measure_pending() -> int:
     if not items:
         return 0
     with _disable_current_modes(), AllocationReference() as ref:
+        log = ref.every_thread  # c10's line for each block of each thread: the workers' too
         for i, (sig, (func, specs, threads, grad)) in enumerate(items):
             # as the trace called it: same grad mode, same threads, inputs that require grad where its did
             with torch.set_grad_enabled(grad), _set_threads(threads):
                 try:
                     a, k = tree_map(lambda x: _real(x) if isinstance(x, _Spec) else x, specs)
                     func(*a, **k)
+                    log.mark(f"in{i}")
                     with record_function(f"mgpu_probe{i}"):
                         out = func(*a, **k)
+                    log.mark(f"out{i}")
                     with record_function(f"mgpu_probe_after{i}"):
                         pass
                     del out, a, k
                 except Exception:  # noqa: BLE001 - a kernel that will not run on made-up inputs: the fallback
                     failed.add(sig)
-    for i, (sig, (func, specs, _, _)) in enumerate(items):
+    for i, (sig, (func, specs, threads, _)) in enumerate(items):
         if sig in failed:
             _CACHE[sig] = derived_scratch(func, *specs)
-        else:  # the most held inside the op, less what it left allocated (its outputs)
-            _CACHE[sig] = max(0, ref.peak_in(f"mgpu_probe{i}") - ref.at(f"mgpu_probe_after{i}"))
+            continue
+        # the most held inside the op, less what it left allocated (its outputs): by every thread, as it happened
+        seen = max(0, ref.peak_in(f"mgpu_probe{i}") - ref.at(f"mgpu_probe_after{i}"))
+        _CACHE[sig] = max(seen, every_thread_bound(ref.own_events(f"mgpu_probe{i}"),
+                                                   log.between(f"in{i}", f"out{i}"), threads))
     return len(items)
+
+
+def every_thread_bound(own: list, every: list, threads: int) -> int:
+    """Scratch of a kernel that allocates on its worker threads too, with every thread holding the most it
+    holds at once; 0 for a kernel whose every allocation is the calling thread's (the profiler saw it all).
+
+    ``own``: the calling thread's allocations and frees (signed bytes, in order; the profiler's), ``every``:
+    every thread's (``EveryThreadAllocations``). The workers' blocks are the sizes ``every`` has beyond
+    ``own``. The calling thread runs its share of the same parallel loop, so what one worker holds at once
+    is read off it: the most the calling thread held of blocks of the sizes workers also made (flash attention's
+    backward: its row sums and one oneDNN gemm scratchpad; not the per-thread buffers it allocated for all
+    threads before the loop), and never less than the largest worker block. The real peak of one call lies
+    anywhere between the calling thread's own and this bound, by how the threads' gemms happen to overlap;
+    a plan must not be under it."""
+    from collections import Counter
+    workers = Counter(n for n, _ in every if n > 0) - Counter(n for n in own if n > 0)
+    if not workers or threads < 2:
+        return 0
+    live = peak = local = local_peak = 0
+    for n in own:
+        live += n
+        peak = max(peak, live)
+        if abs(n) in workers:
+            local += n
+            local_peak = max(local_peak, local)
+    return peak - live + (threads - 1) * max(local_peak, max(workers))
 
 
 @contextlib.contextmanager

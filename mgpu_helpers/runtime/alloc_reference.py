@@ -35,34 +35,14 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from .every_thread import EveryThreadAllocations, c10_library as _c10, count_every_thread as _count_every_thread
+
 __all__ = ["AllocationReference", "profiler_running"]
 
 
 def profiler_running() -> bool:
     """True while a torch profiler is on in this process (a second one cannot start then)."""
     return torch._C._autograd._profiler_enabled()
-
-
-def _count_every_thread():
-    # The profiler records an allocation or a free only on threads where it is on; gloo's worker threads
-    # drop the last reference to some tensors (FSDP2's all-gather outputs), so a sum of the recorded
-    # events drifts. With c10's flag `caffe2_report_cpu_memory_usage`, ProfiledCPUMemoryReporter keeps one
-    # running total of every thread's allocations and frees (from when the flag is set), which each
-    # recorded event carries as `total_allocated` (found on branch issue18p). The flag stays on for the
-    # process: a mutex and a hash-map update per CPU allocation, and an INFO log line nobody prints.
-    flag = ctypes.c_bool.in_dll(_c10(), "FLAGS_caffe2_report_cpu_memory_usage")
-    if not flag.value:
-        # From now on each 1000th free of a block allocated before this line logs "Memory block of unknown
-        # size was allocated before the profiling started" on fd 2 (in a rank or a notebook: a line in the
-        # output, which nbval compares). Spend the first of those here, silenced.
-        blocks = [torch.empty(1)]
-        flag.value = True
-        with _quiet_stderr():
-            blocks.clear()
-
-
-def _c10():
-    return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
 
 
 @contextlib.contextmanager
@@ -77,6 +57,37 @@ def _no_c10_warnings():
         yield
     finally:
         level.value = old
+
+
+def _with_other_threads(allocs, every):
+    """The profiled thread's allocation events [(t_ns, bytes, total, ptr)] with every other thread's put in
+    between: ``every`` is c10's log of all threads' [(bytes, total)] (``EveryThreadAllocations``). Each
+    event of ours is one of the log's lines (same bytes, same total: both are the reporter's counter, taken
+    under its lock); the lines between two of ours are other threads' -- a kernel's OpenMP workers, gloo's
+    threads -- and get the time of ours before them (they carry none), ``ptr`` None. Without them a worker's
+    block shows only in the total our next event carries, and a peak between two of our events is missed
+    (pytorch/pytorch#192290: the profiler records the memory events of its own thread only)."""
+    if not every or not allocs:
+        return allocs
+    where: dict = {}
+    for i, line in enumerate(every):
+        where.setdefault(line, []).append(i)
+    at = []  # the log's line of each of our events, None where it is not in the log (made before it opened)
+    j = 0
+    for _, n, total, _ in allocs:
+        lines = where.get((n, total), ())
+        k = bisect.bisect_left(lines, j)
+        at.append(lines[k] if k < len(lines) else None)
+        if at[-1] is not None:
+            j = at[-1] + 1
+    out, nxt = [], len(every)
+    for i in range(len(allocs) - 1, -1, -1):  # backwards: the next matched line bounds each gap
+        if at[i] is not None:
+            out.extend(reversed([(allocs[i][0], n, total, None) for n, total in every[at[i] + 1:nxt]]))
+            nxt = at[i]
+        out.append(allocs[i])
+    out.reverse()
+    return out
 
 
 def _walk(events):
@@ -160,11 +171,16 @@ class AllocationReference(_Series):
         self._quiet.__enter__()
         with _quiet_stderr():
             self._prof.__enter__()
+        # the blocks worker threads allocate, which the profiler does not record (see every_thread)
+        self._log = EveryThreadAllocations().__enter__() if self.device.type == "cpu" else None
+        self.every_thread = self._log
         AllocationReference.running = self
         return self
 
     def __exit__(self, *exc):
         AllocationReference.running = None
+        if self._log is not None:
+            self._log.__exit__(None, None, None)
         with _quiet_stderr():
             self._prof.__exit__(*exc)
         self._quiet.__exit__(None, None, None)
@@ -179,6 +195,7 @@ class AllocationReference(_Series):
         for spans in self._ranges.values():
             spans.sort()
         allocs.sort(key=lambda a: a[0])
+        allocs = _with_other_threads(allocs, self._log.events if self._log is not None else [])
         # The allocator's running total of every thread, less its value just before the first event
         zero = allocs[0][2] - allocs[0][1] if allocs else 0
         self.timeline = [(t, total - zero) for t, _, total, _ in allocs]
@@ -219,7 +236,7 @@ class AllocationReference(_Series):
         model collected by ``gc`` during the step -- would make the figure drop below what the step holds."""
         made, keep, back, lives = set(), set(keep), 0, []
         for (t, live), (n, ptr) in zip(self.timeline, self._blocks):
-            if t > t0:  # events at t0 are in live_at(t0) already
+            if t > t0 and ptr is not None:  # events at t0 are in live_at(t0) already; None: another thread's
                 if n > 0:
                     made.add(ptr)
                 elif ptr in made:
@@ -266,6 +283,13 @@ class AllocationReference(_Series):
         start, end = self._range(label, occurrence)
         i, j = bisect.bisect_left(self._times, start), bisect.bisect_right(self._times, end)
         return max([self._live_before(start)] + [b for _, b in self.timeline[i:j]])
+
+    def own_events(self, label: str, occurrence: int = 0) -> list:
+        """[signed bytes] of the allocations and frees recorded while the range was open, in order: those of
+        the profiled thread only (a worker thread's show in the totals, never as events of their own)."""
+        start, end = self._range(label, occurrence)
+        i, j = bisect.bisect_left(self._times, start), bisect.bisect_right(self._times, end)
+        return [n for n, ptr in self._blocks[i:j] if ptr is not None]
 
     def peak_between(self, start_label: str, end_label: str | None = None) -> int:
         """Highest live bytes from the opening of ``start_label`` to that of ``end_label`` (or the end)."""
