@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mgpu_helpers import sharding
 from mgpu_helpers.planner import (SIZES, cached_trace, decoder, lm_loss, model_state_bytes, plan,
                                   step_cost, token_batch)
-from mgpu_helpers.planner import accounting
+from mgpu_helpers.planner import accounting, kernels
 from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up
 from mgpu_helpers.runtime.alloc_reference import AllocationReference
 from testkit import record_figure
@@ -126,18 +126,28 @@ def test_plan_holds_against_the_profiler_on_16_threads(model):
     grows with the threads (on AVX-512 bf16 and AMX; none on AVX2), which moves the peak of bf16 autocast +
     checkpointing into a matmul of the backward, where checkpointing's generator states are live. On the H200
     host's Xeon as AVX512_CORE_BF16 that step measured 717,240 B (MLP) and 3,537,484 B (decoder), planned 5,056
-    and 10,112 B low until the plan counted them; this 2-core Xeon measures the same bytes at 16 threads."""
+    and 10,112 B low until the plan counted them; this 2-core Xeon measures the same bytes at 16 threads.
+
+    The decoder's flash-attention backward allocates on its worker threads too (planner.kernels, "Worker
+    threads"): the plan has every thread holding its most at once, which 16 threads on fewer cores seldom do.
+    So the step lies between the plan of the calling thread's share (the bytes above, the peak of a matmul)
+    and the plan; where the workers' blocks overlapped enough, above the former (3,412,816 B, decoder, AMX)."""
     model_fn, batch, loss_fn = MODELS[model]
     before = torch.get_num_threads()
     torch.set_num_threads(16)
     try:
         p = plan(model_fn, batch, loss_fn=loss_fn, precision="bf16-autocast", checkpointing=True, device="cpu")
+        with kernels.calling_thread_only():
+            own = plan(model_fn, batch, loss_fn=loss_fn, precision="bf16-autocast", checkpointing=True,
+                       device="cpu")
         measured = profiled(model_fn, batch, loss_fn, "bf16-autocast", True).peak_in("step")
     finally:
         torch.set_num_threads(before)
     record_figure(f"profiler {model} bf16-autocast ckpt 16 threads", p.peak_bytes, measured)
-    assert abs(p.peak_bytes / measured - 1) <= 0.01, (p.peak_bytes, measured)
-    assert p.peak_bytes >= measured - 64, f"planned {p.peak_bytes:,} B under the measured {measured:,} B"
+    assert own.peak_bytes - 64 <= measured <= p.peak_bytes + 64, \
+        f"measured {measured:,} B outside [{own.peak_bytes:,}, {p.peak_bytes:,}] (calling thread's share, every thread)"
+    if own.peak_bytes == p.peak_bytes:  # no kernel of this step allocates on worker threads: it is exact
+        assert abs(p.peak_bytes / measured - 1) <= 0.01, (p.peak_bytes, measured)
 
 
 class _EachOp(TorchDispatchMode):

@@ -23,6 +23,17 @@ later step does; the figure is the second's.
 ``ONEDNN_MAX_CPU_ISA=AVX2``, nothing (bench/probe_threads.py). So the probe runs the kernel with the
 thread count the planned step runs with: :func:`step_threads` sets it (``planner.plan`` does, for ranks
 that ``run_ranks`` starts: its default share of the cores per rank); by default, this process's.
+
+**Worker threads.** Most kernels allocate on the calling thread only (oneDNN's matmul sizes one scratchpad
+for all its threads there). Flash attention's CPU kernels allocate inside their parallel loop: each
+thread's row sums and, on AVX-512 bf16 and AMX, a oneDNN gemm scratchpad per gemm call -- itself sized
+for every thread, so the op's scratch grows as the square of the threads (bf16 backward, 4x4 heads of 32x16:
+38,148 B at 1 thread, 69,384 at 2, up to 1,960,000 at 16). How many of those blocks are live at once
+depends on how the threads' gemms overlap: with as many threads as cores nearly all of them (2 threads on
+2 cores: 69,384 B in 29 calls of 30); with 16 threads on 2 cores, 0.4-0.9 MB. The probe sees the workers'
+blocks in c10's log of every thread (``runtime.every_thread``) and plans such an op with every thread holding
+at once the most one thread holds (:func:`every_thread_bound`): the planner must not be under, and with a
+core per thread that is what the step takes.
 """
 from __future__ import annotations
 
@@ -134,7 +145,7 @@ def measured_scratch(func, args, kwargs):
     if sig not in _CACHE:
         _PENDING.setdefault(sig, (func, specs, step_thread_count(), torch.is_grad_enabled()))
         return None
-    return _CACHE[sig]
+    return _OWN.get(sig, _CACHE[sig]) if _CALLING_THREAD_ONLY[0] else _CACHE[sig]
 
 
 def measure_pending() -> int:
@@ -171,9 +182,36 @@ def measure_pending() -> int:
             continue
         # the most held inside the op, less what it left allocated (its outputs): by every thread, as it happened
         seen = max(0, ref.peak_in(f"mgpu_probe{i}") - ref.at(f"mgpu_probe_after{i}"))
-        _CACHE[sig] = max(seen, every_thread_bound(ref.own_events(f"mgpu_probe{i}"),
-                                                   log.between(f"in{i}", f"out{i}"), threads))
+        own = ref.own_events(f"mgpu_probe{i}")
+        bound = every_thread_bound(own, log.between(f"in{i}", f"out{i}"), threads)
+        _CACHE[sig] = max(seen, bound)
+        if bound:
+            _OWN[sig] = _own_scratch(own)
     return len(items)
+
+
+def _own_scratch(own: list) -> int:
+    live = peak = 0
+    for n in own:
+        live += n
+        peak = max(peak, live)
+    return peak - live
+
+
+_OWN: dict = {}  # signature -> what the calling thread alone held, for kernels that allocate on workers too
+_CALLING_THREAD_ONLY = [False]
+
+
+@contextlib.contextmanager
+def calling_thread_only():
+    """Plan kernels that allocate on worker threads with the calling thread's share only (what the profiler's
+    own events show), not every thread at its most: for tests and benches that set a plan beside a step
+    whose threads outnumber the cores, where the workers seldom all hold their scratch at once."""
+    old, _CALLING_THREAD_ONLY[0] = _CALLING_THREAD_ONLY[0], True
+    try:
+        yield
+    finally:
+        _CALLING_THREAD_ONLY[0] = old
 
 
 def every_thread_bound(own: list, every: list, threads: int) -> int:
@@ -192,14 +230,12 @@ def every_thread_bound(own: list, every: list, threads: int) -> int:
     workers = Counter(n for n, _ in every if n > 0) - Counter(n for n in own if n > 0)
     if not workers or threads < 2:
         return 0
-    live = peak = local = local_peak = 0
+    local = local_peak = 0
     for n in own:
-        live += n
-        peak = max(peak, live)
         if abs(n) in workers:
             local += n
             local_peak = max(local_peak, local)
-    return peak - live + (threads - 1) * max(local_peak, max(workers))
+    return _own_scratch(own) + (threads - 1) * max(local_peak, max(workers))
 
 
 @contextlib.contextmanager

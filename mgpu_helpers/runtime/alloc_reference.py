@@ -66,7 +66,11 @@ def _with_other_threads(allocs, every):
     under its lock); the lines between two of ours are other threads' -- a kernel's OpenMP workers, gloo's
     threads -- and get the time of ours before them (they carry none), ``ptr`` None. Without them a worker's
     block shows only in the total our next event carries, and a peak between two of our events is missed
-    (pytorch/pytorch#192290: the profiler records the memory events of its own thread only)."""
+    (pytorch/pytorch#192290: the profiler records the memory events of its own thread only). The naive
+    alternative, reading only the totals our events carry, is what this reference did before: a draw for
+    flash attention's CPU backward. What the earlier time cannot place: a range opened between two of our
+    events, before another thread's block, without an event of ours inside before it, misses that block (a
+    kernel allocates its buffers on the calling thread before its workers start, so an op's range does not)."""
     if not every or not allocs:
         return allocs
     where: dict = {}
@@ -86,6 +90,10 @@ def _with_other_threads(allocs, every):
             out.extend(reversed([(allocs[i][0], n, total, None) for n, total in every[at[i] + 1:nxt]]))
             nxt = at[i]
         out.append(allocs[i])
+    # lines before our first matched event: other threads' blocks made since the log opened, at its time
+    first = next((i for i in range(len(allocs)) if at[i] is not None), None)
+    if first is not None:
+        out.extend(reversed([(allocs[first][0], n, total, None) for n, total in every[:at[first]]]))
     out.reverse()
     return out
 
