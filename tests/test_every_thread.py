@@ -96,8 +96,7 @@ def test_the_bound_adds_one_workers_most_for_each_other_thread():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_flash_attention_backward_is_planned_at_what_every_thread_takes(threads):
     # CPU flash attention's backward allocates on its workers (a row-sum buffer each; on AVX-512 bf16 and AMX
-    # a oneDNN gemm scratchpad per gemm). With a core per thread, as here, the real calls reach the plan,
-    # and none exceeds it; the profiler's own events showed less (65,032 ... 69,384 B at 2 threads, AVX512_CORE_BF16).
+    # a oneDNN gemm scratchpad per gemm); the plan has every thread at its most at once.
     if threads > len(os.sched_getaffinity(0)):
         pytest.skip(f"{threads} threads need as many cores")
     before = torch.get_num_threads()
@@ -119,5 +118,7 @@ def test_flash_attention_backward_is_planned_at_what_every_thread_takes(threads)
     finally:
         torch.set_num_threads(before)
     taken = [ref.peak_in(f"call{i}") - ref.at(f"after{i}") for i in range(10)]
+    # Never over the plan. Reached only when each thread has its core to itself: alone on 2 cores, 10 of 10
+    # calls took 69,384 B (AVX512_CORE_BF16; the plan's figure); beside another pytest worker, 59,268 of 77,576
+    # (AMX) -- so that is bench/sdpa_scratch_spread.py's to show, not a test's to assert.
     assert max(taken) <= planned, (taken, planned)
-    assert max(taken) >= planned - 64, (taken, planned)   # reached: with a core per thread the bound is the step's
