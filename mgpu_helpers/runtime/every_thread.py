@@ -39,7 +39,8 @@ __all__ = ["EveryThreadAllocations", "count_every_thread", "c10_library"]
 
 _EVENT = re.compile(rb"C10 (alloc|deleted) (\d+) bytes, total alloc (-?\d+) bytes|mgpu_every_thread_mark (\S+)\n")
 _MARK = b"mgpu_every_thread_mark "
-_C10_LINE = re.compile(rb"^\[([IWEF])\d{4} ")  # c10's own log format: severity letter, month and day
+# c10's own log format: severity letter, month and day; in a process group's ranks c10 puts "[rankN]:" first
+_C10_LINE = re.compile(rb"^(?:\[rank\d+\]:)?\[([IWEF])\d{4} ")
 _SEVERITY = {b"I": 0, b"W": 1, b"E": 2, b"F": 3}
 
 
