@@ -35,7 +35,8 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .every_thread import EveryThreadAllocations, c10_library as _c10, count_every_thread as _count_every_thread
+from .every_thread import EveryThreadAllocations, fd2_to
+from .every_thread import c10_library as _c10, count_every_thread as _count_every_thread
 
 __all__ = ["AllocationReference", "profiler_running"]
 
@@ -104,22 +105,10 @@ def _walk(events):
         yield from _walk(e.children)
 
 
-@contextlib.contextmanager
 def _quiet_stderr():
     # Kineto prints "USDT: ... profiler_start/stop" on file descriptor 2 (not sys.stderr): in a notebook that
     # lands in the cell's output and nbval would compare a timestamp. Silence fd 2 for the start/stop only.
-    try:
-        fd = os.dup(2)
-    except OSError:  # no fd 2 (some embedded interpreters): nothing to silence
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(fd, 2)
-        os.close(fd)
+    return fd2_to(os.devnull)
 
 
 class _Series:

@@ -35,7 +35,7 @@ import tempfile
 
 import torch
 
-__all__ = ["EveryThreadAllocations", "count_every_thread", "c10_library"]
+__all__ = ["EveryThreadAllocations", "count_every_thread", "c10_library", "fd2_to"]
 
 _EVENT = re.compile(rb"C10 (alloc|deleted) (\d+) bytes, total alloc (-?\d+) bytes|mgpu_every_thread_mark (\S+)\n")
 _MARK = b"mgpu_every_thread_mark "
@@ -50,7 +50,8 @@ def c10_library():
 
 
 @contextlib.contextmanager
-def _fd2_to(path):
+def fd2_to(path):
+    """File descriptor 2 -- where C++ code (c10, Kineto) writes, not ``sys.stderr`` -- into ``path`` for a while."""
     try:
         fd = os.dup(2)
     except OSError:  # no fd 2 (an embedded interpreter): nothing to silence
@@ -81,7 +82,7 @@ def count_every_thread():
         # output, which nbval compares). Spend the first of those here, silenced.
         blocks = [torch.empty(1)]
         flag.value = True
-        with _fd2_to(os.devnull):
+        with fd2_to(os.devnull):
             blocks.clear()
 
 
