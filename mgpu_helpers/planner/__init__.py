@@ -11,8 +11,10 @@ gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP, stage 2 the cour
 **Data flows one way: trace -> plan -> budget -> report.** Each module imports only those above it:
 
 =================  ==========================================================================================
+``kernel_rules``   what no probe measures: oneDNN convolutions' fitted lines, the copies FSDP2's
+                   ``_chunk_cat`` and gloo's reduce-scatter make (read off their arguments)
 ``kernels``        what a CPU kernel borrows inside one op beside what it returns (oneDNN's scratch, by ISA
-                   and thread count): measured on this machine, once per op signature
+                   and thread count; its worker threads' too): measured on this machine, once per op signature
 ``accounting``     ``FakeTracker``: the course's ``MemoryTracker`` over fake storages, plus ``kernels``' figures
                    on the CPU and cuDNN's calibrated workspace on a GPU (what no tensor owns)
 ``cuda``           CUDA-faithful kernels on any host (attention backends, fused RMSNorm, CUDA autocast lists)
