@@ -134,6 +134,9 @@ def test_reduce_scatter_scratch_line_is_what_gloo_takes():
     got = run_ranks(_reduce_scatter_rank, 2, rows, timeout=300)
     inp, out = torch.randn(rows, 512), torch.empty(rows // 2, 512)
     planned = cpu_kernel_scratch(torch.ops.c10d._reduce_scatter_base_.default, (out, inp, None, None, True, -1), {})
+    from mgpu_helpers.planner.kernels import fake_collectives
+    with fake_collectives():  # a rank measured in one process under a fake group (notebook 12): no gloo, no copy
+        assert cpu_kernel_scratch(torch.ops.c10d._reduce_scatter_base_.default, (out, inp, None, None, True, -1), {}) == 0
     for taken, input_bytes in got:
         assert planned == input_bytes
         assert input_bytes <= taken <= input_bytes + 64, (taken, input_bytes)  # the copy, and a few bytes more
