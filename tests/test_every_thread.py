@@ -123,3 +123,22 @@ def test_flash_attention_backward_is_planned_at_what_every_thread_takes(threads)
     # calls took 69,384 B (AVX512_CORE_BF16; the plan's figure); beside another pytest worker, 59,268 of 77,576
     # (AMX) -- so that is bench/sdpa_scratch_spread.py's to show, not a test's to assert.
     assert max(taken) <= planned, (taken, planned)
+
+
+def test_validate_holds_a_step_between_the_calling_threads_plan_and_the_plan(monkeypatch):
+    # Ranks whose threads outnumber the free cores seldom reach the worker-thread bound: a rank over by more
+    # than the bar is held when its measurement lies between the plan of the calling thread's share and the
+    # plan; over that, or under the share, it is not.
+    from types import SimpleNamespace
+
+    from mgpu_helpers.planner import plans, validation
+    measured = [{"peak": 1000, "start": 0, "start_prev": 0}, {"peak": 1000, "start": 0, "start_prev": 0}]
+    monkeypatch.setattr(validation, "measure", lambda *a, **k: [dict(m) for m in measured])
+
+    def fake_plan(*a, **k):
+        own = kernels._CALLING_THREAD_ONLY[0]
+        return SimpleNamespace(rank_peaks=(1000, 1300) if own else (1500, 1500))
+    monkeypatch.setattr(plans, "plan", fake_plan)
+    rows = validation.validate(lambda: None, None, loss_fn=None, model="m", methods=("ddp",), world_sizes=(2,))
+    assert [(r["own"], r["held"]) for r in rows] == [(1000, True), (1300, False)]
+    assert "calling thread's share 1,300" in validation.table(rows)
