@@ -142,3 +142,15 @@ def test_validate_holds_a_step_between_the_calling_threads_plan_and_the_plan(mon
     rows = validation.validate(lambda: None, None, loss_fn=None, model="m", methods=("ddp",), world_sizes=(2,))
     assert [(r["own"], r["held"]) for r in rows] == [(1000, True), (1300, False)]
     assert "calling thread's share 1,300" in validation.table(rows)
+
+
+def test_without_c10s_library_the_reference_still_counts_its_own_thread(monkeypatch):
+    # c10's flags are read from its library by name (libc10.so, libc10.dylib on macOS, c10.dll); where none
+    # is found the reference is the profiler's events alone, as before, instead of an import error
+    from mgpu_helpers.runtime import every_thread
+    monkeypatch.setattr(every_thread, "c10_library", lambda: None)
+    with AllocationReference() as ref:
+        with record_function("r"):
+            x = torch.empty(MIB, dtype=torch.uint8)
+            del x
+    assert ref.peak_in("r") - ref.at("r") == MIB

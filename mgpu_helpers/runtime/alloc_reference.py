@@ -36,7 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .every_thread import EveryThreadAllocations, fd2_to
-from .every_thread import c10_library as _c10, count_every_thread as _count_every_thread
+from .every_thread import _flag, count_every_thread as _count_every_thread
 
 __all__ = ["AllocationReference", "profiler_running"]
 
@@ -52,7 +52,10 @@ def _no_c10_warnings():
     # unknown size was allocated before the profiling started" (c10 LOG(WARNING), to fd 2: in a notebook,
     # a line nbval would compare). Those frees are what memory_allocated-since-entry semantics ignore, so
     # c10's warnings are raised to errors for the reference's lifetime only.
-    level = ctypes.c_int.in_dll(_c10(), "FLAGS_caffe2_log_level")
+    level = _flag(ctypes.c_int, "FLAGS_caffe2_log_level")
+    if level is None:  # c10's library not found (see every_thread.c10_library): nothing to quieten
+        yield
+        return
     old, level.value = level.value, max(level.value, 2)
     try:
         yield

@@ -46,7 +46,23 @@ _SEVERITY = {b"I": 0, b"W": 1, b"E": 2, b"F": 3}
 
 @functools.lru_cache(maxsize=None)
 def c10_library():
-    return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    """torch's c10 library (its flags are globals there), or None where it is not found: Linux names it
+    libc10.so, macOS libc10.dylib, Windows c10.dll."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libc10.so", "libc10.dylib", "c10.dll"):
+        try:
+            return ctypes.CDLL(os.path.join(lib, name))
+        except OSError:
+            continue
+    return None
+
+
+def _flag(ctype, name):
+    lib = c10_library()
+    try:
+        return ctype.in_dll(lib, name) if lib is not None else None
+    except ValueError:  # a build without that flag
+        return None
 
 
 @contextlib.contextmanager
@@ -75,8 +91,8 @@ def count_every_thread():
     thread's allocations and frees (from when the flag is set), which each recorded event carries as
     ``total_allocated``, and logs each block at INFO level (off unless :class:`EveryThreadAllocations` is
     open). Cost: a mutex and a hash-map update per CPU allocation."""
-    flag = ctypes.c_bool.in_dll(c10_library(), "FLAGS_caffe2_report_cpu_memory_usage")
-    if not flag.value:
+    flag = _flag(ctypes.c_bool, "FLAGS_caffe2_report_cpu_memory_usage")
+    if flag is not None and not flag.value:
         # From now on each 1000th free of a block allocated before this line logs "Memory block of unknown
         # size was allocated before the profiling started" on fd 2 (in a rank or a notebook: a line in the
         # output, which nbval compares). Spend the first of those here, silenced.
@@ -101,7 +117,9 @@ class EveryThreadAllocations:
         if outer is not None and outer._file is not None:
             self._outer, self._start = outer, os.lseek(outer._file.fileno(), 0, os.SEEK_CUR)
             return self
-        self._level = ctypes.c_int.in_dll(c10_library(), "FLAGS_caffe2_log_level")
+        self._level = _flag(ctypes.c_int, "FLAGS_caffe2_log_level")
+        if self._level is None:  # no c10 flags to set (not found): nothing to read; events stay empty
+            return self
         try:
             self._fd2 = os.dup(2)
         except OSError:  # no fd 2 (an embedded interpreter): nothing to read; events stay empty
