@@ -154,3 +154,14 @@ def test_without_c10s_library_the_reference_still_counts_its_own_thread(monkeypa
             x = torch.empty(MIB, dtype=torch.uint8)
             del x
     assert ref.peak_in("r") - ref.at("r") == MIB
+
+
+def test_other_threads_lines_keep_the_timeline_in_time_order():
+    from mgpu_helpers.runtime.alloc_reference import _with_other_threads
+    # ours: one event before the log opened (unmatched), then two the log has; another thread's block before
+    # and between them
+    allocs = [(10, 100, 100, 1), (20, 40, 180, 2), (30, -40, 140, 2)]
+    every = [(40, 140), (40, 180), (-40, 140), (8, 148)]
+    out = _with_other_threads(allocs, every)
+    assert [t for t, *_ in out] == sorted(t for t, *_ in out)
+    assert [(n, ptr) for _, n, _, ptr in out] == [(100, 1), (40, None), (40, 2), (-40, 2), (8, None)]

@@ -88,16 +88,16 @@ def _with_other_threads(allocs, every):
         at.append(lines[k] if k < len(lines) else None)
         if at[-1] is not None:
             j = at[-1] + 1
+    # lines before our first matched event: other threads' blocks made since the log opened, just before it
+    first = next((i for i in range(len(allocs)) if at[i] is not None), None)
     out, nxt = [], len(every)
     for i in range(len(allocs) - 1, -1, -1):  # backwards: the next matched line bounds each gap
         if at[i] is not None:
             out.extend(reversed([(allocs[i][0], n, total, None) for n, total in every[at[i] + 1:nxt]]))
             nxt = at[i]
         out.append(allocs[i])
-    # lines before our first matched event: other threads' blocks made since the log opened, at its time
-    first = next((i for i in range(len(allocs)) if at[i] is not None), None)
-    if first is not None:
-        out.extend(reversed([(allocs[first][0], n, total, None) for n, total in every[:at[first]]]))
+        if i == first:
+            out.extend(reversed([(allocs[i][0], n, total, None) for n, total in every[:at[i]]]))
     out.reverse()
     return out
 
