@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -61,17 +62,25 @@ _SKIPPED = {"resize_", "set_", "_local_scalar_dense", "record_stream", "copy_", 
             "ones", "ones_like", "full", "full_like", "scalar_tensor", "_to_copy", "clone", "t", "view"}
 
 _CACHE: dict = {}   # signature -> bytes; per process (the ISA and the build do not change under it)
-_THREADS: list = [None]  # the planned step's thread count; None: this process's
+_OWN: dict = {}  # signature -> what the calling thread alone held, for kernels that allocate on workers too
+# how the step being planned runs, each set for a while by a context manager below
+_THREADS: list = [None]  # its thread count; None: this process's
+_CALLING_THREAD_ONLY = [False]  # plan worker-thread kernels with the calling thread's share only
+_FAKE_COLLECTIVES = [False]  # its collectives are a fake process group's
 
 
 @contextlib.contextmanager
-def step_threads(n: int | None):
-    """Probe kernels as a step running on ``n`` threads takes them (None: this process's thread count)."""
-    old, _THREADS[0] = _THREADS[0], n
+def _setting(cell: list, value):
+    old, cell[0] = cell[0], value
     try:
         yield
     finally:
-        _THREADS[0] = old
+        cell[0] = old
+
+
+def step_threads(n: int | None):
+    """Probe kernels as a step running on ``n`` threads takes them (None: this process's thread count)."""
+    return _setting(_THREADS, n)
 
 
 def step_thread_count() -> int:
@@ -200,34 +209,17 @@ def _own_scratch(own: list) -> int:
     return peak - live
 
 
-_FAKE_COLLECTIVES = [False]
-
-
-@contextlib.contextmanager
 def fake_collectives():
     """Plan a step whose collectives are a fake process group's (a rank measured in one process, as notebook
     12's ``fake_world``): no gloo, so no copy of a reduce-scatter's input."""
-    old, _FAKE_COLLECTIVES[0] = _FAKE_COLLECTIVES[0], True
-    try:
-        yield
-    finally:
-        _FAKE_COLLECTIVES[0] = old
+    return _setting(_FAKE_COLLECTIVES, True)
 
 
-_OWN: dict = {}  # signature -> what the calling thread alone held, for kernels that allocate on workers too
-_CALLING_THREAD_ONLY = [False]
-
-
-@contextlib.contextmanager
 def calling_thread_only():
     """Plan kernels that allocate on worker threads with the calling thread's share only (what the profiler's
     own events show), not every thread at its most: for tests and benches that set a plan beside a step
     whose threads outnumber the cores, where the workers seldom all hold their scratch at once."""
-    old, _CALLING_THREAD_ONLY[0] = _CALLING_THREAD_ONLY[0], True
-    try:
-        yield
-    finally:
-        _CALLING_THREAD_ONLY[0] = old
+    return _setting(_CALLING_THREAD_ONLY, True)
 
 
 def every_thread_bound(own: list, every: list, threads: int) -> int:
@@ -242,7 +234,6 @@ def every_thread_bound(own: list, every: list, threads: int) -> int:
     threads before the loop), and never less than the largest worker block. The real peak of one call lies
     anywhere between the calling thread's own and this bound, by how the threads' gemms happen to overlap;
     a plan must not be under it."""
-    from collections import Counter
     workers = Counter(n for n, _ in every if n > 0) - Counter(n for n in own if n > 0)
     if not workers or threads < 2:
         return 0
