@@ -11,3 +11,21 @@ Four parts (AUTHORING.md):
   ``mgpu_helpers.tools``         instructors' and authors' commands: mgpu-course, mgpu-grade, mgpu-plan, make lab
 """
 __version__ = "0.1.0"
+
+# The oldest torch the course runs on (every notebook under nbval on a GPU with 2.11; tests on 2.13). An older
+# one (a Colab or Kaggle image, say) fails later in obscure ways, so say it here, once, in one line.
+MIN_TORCH = (2, 11)
+
+
+def _torch_is_new_enough() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        have = version("torch")
+    except PackageNotFoundError:
+        return  # torch's own import will say it is missing
+    if tuple(int(p) for p in have.split("+")[0].split(".")[:2]) < MIN_TORCH:
+        raise ImportError(f"mgpu_helpers needs torch >= {'.'.join(map(str, MIN_TORCH))}, this kernel has {have}: "
+                          f"run `pip install -U torch` (PyPI's Linux wheel is a CUDA build), then restart the kernel")
+
+
+_torch_is_new_enough()

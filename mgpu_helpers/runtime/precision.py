@@ -1,0 +1,66 @@
+"""The reduced precision a lesson trains in on this device, decided in one place.
+
+    from mgpu_helpers.runtime.precision import training_precision
+    p = training_precision()                        # this process's device: cuda if visible, else cpu
+    print(p.why)                                    # one line: what was chosen and why
+    scaler = torch.amp.GradScaler(p.device_type, enabled=p.needs_scaler)
+    with torch.autocast(p.device_type, dtype=p.dtype):
+        loss = model(x)...
+
+* A GPU of compute capability 8.0 or newer (A100, H100, L4, ...) computes bf16 natively: bf16 autocast, no
+  loss scaling (bf16 has fp32's exponent range, so gradients do not underflow).
+* An older NVIDIA GPU (T4 = 7.5, V100 = 7.0) has fp16 tensor cores but no bf16 units: fp16 autocast with
+  ``torch.amp.GradScaler``, which is then not optional (fp16's smallest normal is 6.1e-5: small gradients
+  round to subnormals or zero without a loss scale). ``torch.cuda.is_bf16_supported()`` still answers True
+  there: its default ``including_emulation=True`` only tries to create a bf16 tensor
+  (torch/cuda/__init__.py); bf16 math then runs without tensor cores. This module asks
+  ``including_emulation=False``, which is the compute capability test.
+* ROCm GPUs: bf16 (``is_bf16_supported`` returns True for every HIP device).
+* A CPU: bf16 autocast (``torch.autocast("cpu")``'s default dtype), no scaler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Precision", "for_gpu", "training_precision"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    device_type: str      # what torch.autocast and torch.amp.GradScaler take: "cuda" or "cpu"
+    dtype: torch.dtype    # the autocast dtype
+    needs_scaler: bool    # fp16: loss scaling is required
+    why: str              # one line for the learner
+
+    @property
+    def name(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+
+
+def training_precision(device: torch.device | str | None = None) -> Precision:
+    """The autocast dtype and whether a GradScaler is needed on ``device`` (default: cuda if visible)."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cpu":
+        return Precision("cpu", torch.bfloat16, False, "CPU: bf16 autocast, no loss scaling (bf16 has fp32's range)")
+    if device.type != "cuda":
+        raise ValueError(f"training_precision: device {str(device)!r}: the course trains on 'cuda' or 'cpu'")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    if torch.version.hip:
+        return Precision("cuda", torch.bfloat16, False, f"{name} (ROCm): bf16 autocast, no loss scaling")
+    return for_gpu(name, torch.cuda.get_device_capability(index))
+
+
+def for_gpu(name: str, capability: tuple[int, int]) -> Precision:
+    """The choice for an NVIDIA GPU of this compute capability (what ``training_precision`` decides on it)."""
+    major, minor = capability
+    if major >= 8:
+        return Precision("cuda", torch.bfloat16, False,
+                         f"{name} (compute capability {major}.{minor}): native bf16, so bf16 autocast and no loss scaling")
+    return Precision("cuda", torch.float16, True,
+                     f"{name} (compute capability {major}.{minor}) has no native bf16: fp16 autocast with "
+                     f"torch.amp.GradScaler (loss scaling is required in fp16)")
