@@ -21,7 +21,7 @@ UNSHARE = ["--mount", "--pid", "--kill-child", "--propagation", "private"]
 ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH")
 # GPU, NCCL and threading settings must reach the kernel (e.g. NCCL_NVLS_ENABLE=0 on shared GPU hosts).
 ENV_KEEP_PREFIXES = ("LC_", "CUDA_", "NCCL_", "NVIDIA_", "NVSHMEM_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_")
-_probed: tuple | None = None  # (prefix, net, why not, processes bounded)
+_probed: tuple | None = None  # (prefix, net, why not, processes bounded, own user)
 RUNNING: set = set()  # live sandbox processes, killed by the CLI on Ctrl-C
 STOP = threading.Event()  # set on Ctrl-C: no new sandbox starts
 DISABLED = "sandbox disabled with --no-sandbox"
@@ -42,11 +42,15 @@ def default_processes() -> int:
     return 256 + 16 * (os.cpu_count() or 1)
 
 
-def sandbox(disable: bool = False) -> tuple[list[str] | None, bool, str]:
-    """(unshare prefix or None, network namespace?, why not): probed once per process."""
+def sandbox(disable: bool = False, user_only: bool = False) -> tuple[list[str] | None, bool, str]:
+    """(unshare prefix or None, network namespace?, why not): probed once per process. ``user_only``: skip the
+    namespaces, as on a host that refuses them (to test and show that mode anywhere root runs the grader)."""
     global _probed
     if disable:
-        _probed = (None, False, DISABLED, False)
+        _probed = (None, False, DISABLED, False, False)
+    if user_only:
+        _probed = (None, False, "namespaces not used (--isolation user)", False, False)
+        _probed = _probed[:3] + (_own_user_works(),) * 2
     if _probed is None:
         _probed = _probe()
     return _probed[:3]
@@ -54,7 +58,54 @@ def sandbox(disable: bool = False) -> tuple[list[str] | None, bool, str]:
 
 def processes_bounded() -> bool:
     """Whether the probe saw RLIMIT_NPROC hold a process of the kernel's kind (False: warn)."""
-    return bool(sandbox()[0]) and _probed[3]
+    return (bool(sandbox()[0]) or own_user()) and _probed[3]
+
+
+def own_user() -> bool:
+    """No namespaces, but the grader is root: the kernel runs as a user of its own (sandbox.py), which can
+    read only what every user can (the grader checks that the protected paths are not among them)."""
+    sandbox()
+    return _probed[4]
+
+
+def _own_user_works() -> bool:
+    """Root, and a python started as an unused unprivileged user imports the sandbox (the environment is
+    readable by every user)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return False
+    from .sandbox import UID_BASE
+    uid = UID_BASE + os.getpid()
+    try:
+        r = subprocess.run([sys.executable, "-c", "import mgpu_helpers.tools.grading.sandbox"], user=uid, group=uid,
+                           extra_groups=[], capture_output=True, timeout=60, env=kernel_env([]), cwd="/")
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0
+
+
+def readable_by_kernel(paths: list[str]) -> list[str]:
+    """Which of ``paths`` the kernel's own user (own_user mode) can open: each must be none."""
+    from .sandbox import UID_BASE
+    uid = UID_BASE + os.getpid()
+    code = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n        (os.listdir if os.path.isdir(p) else "
+            "lambda q: open(q, 'rb').close())(p)\n    except OSError:\n        continue\n    print(p)")
+    r = subprocess.run([sys.executable, "-c", code, *paths], user=uid, group=uid, extra_groups=[],
+                       capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": os.defpath})
+    return r.stdout.split()
+
+
+def isolation_line() -> str:
+    """What isolates learner code on this host, in one line: the instructor's log and every results.json."""
+    prefix, net, why = sandbox()
+    bounded = "processes bounded" if processes_bounded() else "processes NOT bounded (RLIMIT_NPROC does not hold)"
+    if prefix:
+        return ("isolation: namespaces (mount, pid" + (", net" if net else "") + (", user" if "--map-root-user"
+                in prefix else "") + f"): the kernel sees only the allowlisted files; {bounded}")
+    if own_user():
+        return (f"isolation: container + the kernel's own unprivileged user (no namespaces here: {why}): it can "
+                f"read only what every user can, the protected paths checked unreadable; network open; {bounded}")
+    return (f"isolation: NONE ({why or 'no namespaces and not root'}): learner code runs as the grader and can "
+            "read everything the grader can")
 
 
 def _setuid(prefix) -> bool:
@@ -70,7 +121,8 @@ def reset_sandbox() -> None:
 def _probe():
     unshare = shutil.which("unshare")
     if not unshare or not sys.platform.startswith("linux"):
-        return None, False, "unshare(1) is not available", False
+        ok = _own_user_works()
+        return None, False, "unshare(1) is not available", ok, ok
     users = [[]] if os.geteuid() == 0 else [["--map-root-user"]]
     if os.geteuid() == 0:
         users.append(["--map-root-user"])
@@ -88,9 +140,10 @@ def _probe():
                     why = str(e)
                     continue
             if r.returncode in (0, 3):
-                return prefix, net, "", r.returncode == 0
+                return prefix, net, "", r.returncode == 0, False
             why = (r.stderr.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
-    return None, False, why, False
+    ok = _own_user_works()  # a container as root without namespaces (Gradescope's, a cluster's): its own user
+    return None, False, why, ok, ok
 
 
 def kernel_env(import_paths: list[str]) -> dict:
@@ -202,7 +255,8 @@ def kill(proc) -> None:
 
 
 def work_dir(job: Path) -> str:
-    return NS_WORK if sandbox()[0] else str(job)
+    """The notebook's directory as the kernel sees it; with its own user, a folder it owns inside the job."""
+    return NS_WORK if sandbox()[0] else str(job / "work") if own_user() else str(job)
 
 
 def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: list[str], limits: Limits,
@@ -215,15 +269,17 @@ def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: 
     spec = {"notebook": notebook, "exercises": exercises, "cell_timeout": limits.cell_timeout,
             "notebook_timeout": limits.notebook_timeout, "memory": limits.memory, "output_cap": limits.output_cap,
             "output_cap_total": limits.output_cap_total, "keep": keep, "mask": hidden_from_kernel(), "net": net,
-            "namespace": prefix is not None, "setuid": prefix is not None and _setuid(prefix),
+            "namespace": prefix is not None, "setuid": _setuid(prefix) if prefix is not None else own_user(),
             "tasks": limits.processes or default_processes(), "env": kernel_env(import_paths), "mpl_cache": mpl_cache,
             "extra": sorted(extra or {})}
     for rel, data in (extra or {}).items():
         (job / rel).parent.mkdir(parents=True, exist_ok=True)
         (job / rel).write_bytes(data)
-    (job / "job.json").write_text(json.dumps(spec))
-    (job / notebook).write_text(nb_text, encoding="utf-8")
-    (job / "mgpu_grade_in.pt").write_bytes(grade_in)
+    for name, data in (("job.json", json.dumps(spec).encode()), (notebook, nb_text.encode("utf-8")),
+                       ("mgpu_grade_in.pt", grade_in)):  # the grader's alone: other sandboxes' users cannot read them
+        fd = os.open(job / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
     jobfd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
     cmd = [*(prefix or []), sys.executable, "-m", "mgpu_helpers.tools.grading.sandbox", str(job), str(jobfd)]
     try:
