@@ -18,6 +18,7 @@ import os
 import queue
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import traceback
@@ -31,7 +32,7 @@ from .execute import (RUNNING, STOP, Limits, check_allowlist, course_files, defa
                       isolation_line, kill, needed_paths, own_user, processes_bounded, protected_paths,
                       readable_by_kernel, reset_sandbox, sandbox)
 from .score import Context, Row, grade_notebook
-from .shards import merge, parse_shard, partition, write_marker
+from .shards import MARKER, merge, parse_shard, partition, write_marker
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -174,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mgpu-grade: {e}", file=sys.stderr)
         return 2
     if prefix is None and own_user():
-        scratch.chmod(0o711)  # the kernel's user reaches its own work folder, lists nothing
-        exposed = readable_by_kernel([*protect, *hidden_from_kernel()])
+        scratch.chmod(0o755)  # pytest lists the work folder's parents; every job file but the assets is 0600
+        out.chmod(0o700)      # earlier runs' grades
+        exposed = readable_by_kernel([p for p in protect if p != str(scratch)] + hidden_from_kernel())
         if exposed:
             print("mgpu-grade: WARNING: without namespaces the kernel's user can read " + ", ".join(exposed)
                   + ": make them unreadable to other users (chmod go-rwx) or grade where namespaces work",
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.shard:
         k, n = parse_shard(a.shard)
         students = partition(everyone, key, n)[k - 1]
+        (out / MARKER).unlink(missing_ok=True)  # an earlier run's: this one has not finished yet
         print(f"mgpu-grade: shard {k}/{n}: {len(students)} of {len(everyone)} students", flush=True)
     for s in students:
         extra = sorted({p.name for p in (a.submissions / s).glob("*.ipynb")} - {nb.name for nb in course})
@@ -220,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(scratch / f"{i:05d}", ignore_errors=True)
 
     rows: list[Row] = []
+
+    def _terminate(signum, frame):  # SLURM's time limit and scancel send SIGTERM: stop as on Ctrl-C
+        raise KeyboardInterrupt
+    before = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     pool = ThreadPoolExecutor(jobs)
     try:
         for k, got in enumerate(pool.map(grade, tasks), 1):
@@ -234,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         print("mgpu-grade: interrupted; nothing written", file=sys.stderr)
         return 130
     finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
         pool.shutdown(wait=True, cancel_futures=True)
         while not judges.empty():
             judges.get().close()

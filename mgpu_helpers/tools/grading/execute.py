@@ -49,8 +49,8 @@ def sandbox(disable: bool = False, user_only: bool = False) -> tuple[list[str] |
     if disable:
         _probed = (None, False, DISABLED, False, False)
     if user_only:
-        _probed = (None, False, "namespaces not used (--isolation user)", False, False)
-        _probed = _probed[:3] + (_own_user_works(),) * 2
+        why = _own_user_works()
+        _probed = (None, False, "namespaces not used (--isolation user)" + (f"; {why}" if why else ""), not why, not why)
     if _probed is None:
         _probed = _probe()
     return _probed[:3]
@@ -68,19 +68,20 @@ def own_user() -> bool:
     return _probed[4]
 
 
-def _own_user_works() -> bool:
-    """Root, and a python started as an unused unprivileged user imports the sandbox (the environment is
-    readable by every user)."""
+def _own_user_works() -> str:
+    """"" when root can start python as an unused unprivileged user and it imports the sandbox (the interpreter
+    and the environment are readable by every user); else why not."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return False
+        return "not root"
     from .sandbox import UID_BASE
     uid = UID_BASE + os.getpid()
     try:
         r = subprocess.run([sys.executable, "-c", "import mgpu_helpers.tools.grading.sandbox"], user=uid, group=uid,
                            extra_groups=[], capture_output=True, timeout=60, env=kernel_env([]), cwd="/")
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return r.returncode == 0
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"another user cannot run {sys.executable}: {e}"
+    tail = (r.stderr.decode("utf-8", "replace").strip().splitlines() or [""])[-1]
+    return "" if r.returncode == 0 else f"another user cannot import the package: {tail}"
 
 
 def readable_by_kernel(paths: list[str]) -> list[str]:
@@ -121,8 +122,8 @@ def reset_sandbox() -> None:
 def _probe():
     unshare = shutil.which("unshare")
     if not unshare or not sys.platform.startswith("linux"):
-        ok = _own_user_works()
-        return None, False, "unshare(1) is not available", ok, ok
+        user = _own_user_works()
+        return None, False, "unshare(1) is not available" + (f"; {user}" if user else ""), not user, not user
     users = [[]] if os.geteuid() == 0 else [["--map-root-user"]]
     if os.geteuid() == 0:
         users.append(["--map-root-user"])
@@ -142,8 +143,8 @@ def _probe():
             if r.returncode in (0, 3):
                 return prefix, net, "", r.returncode == 0, False
             why = (r.stderr.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
-    ok = _own_user_works()  # a container as root without namespaces (Gradescope's, a cluster's): its own user
-    return None, False, why, ok, ok
+    user = _own_user_works()  # a container as root without namespaces (Gradescope's, a cluster's): its own user
+    return None, False, why + (f"; {user}" if user else ""), not user, not user
 
 
 def kernel_env(import_paths: list[str]) -> dict:
@@ -246,6 +247,22 @@ def course_files(solutions: Path, cap: int = 64 * 2**20) -> dict[str, bytes]:
     return files
 
 
+def die_with_grader():
+    """preexec_fn of the grader's children (sandboxes, judges): SIGKILL when the thread that started them
+    dies (Linux's PR_SET_PDEATHSIG), so a grader killed outright (SLURM's time limit, the OOM killer) leaves
+    nothing running; unshare --kill-child then takes the sandbox's namespace down with it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    parent = os.getpid()
+
+    def preexec():
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the grader died before the prctl
+            os._exit(1)
+    return preexec
+
+
 def kill(proc) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -283,9 +300,9 @@ def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: 
     jobfd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
     cmd = [*(prefix or []), sys.executable, "-m", "mgpu_helpers.tools.grading.sandbox", str(job), str(jobfd)]
     try:
-        with open(job / "sandbox.log", "wb") as log:
+        with os.fdopen(os.open(job / "sandbox.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=kernel_env([]),
-                                    start_new_session=True, pass_fds=(jobfd,))
+                                    start_new_session=True, pass_fds=(jobfd,), preexec_fn=die_with_grader())
             RUNNING.add(proc)
             try:
                 proc.wait(timeout=limits.notebook_timeout + 60)

@@ -97,7 +97,7 @@ def _copy_out(work, jobfd, names):
             if not stat.S_ISREG(st.st_mode) or st.st_size > RESULT_CAP:
                 continue
             data = f.read(RESULT_CAP + 1)
-        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=jobfd)
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=jobfd)
         with os.fdopen(out, "wb") as f:
             f.write(data)
 
@@ -149,7 +149,8 @@ def main(job, jobfd=None):
            f"--mgpu-output-cap={spec['output_cap']}", f"--mgpu-output-cap-total={spec['output_cap_total']}",
            *([f"--mgpu-max-tasks={tasks}"] if tasks else []),
            "-o", "addopts=", "-c", os.devnull, "--rootdir", work, "-q", "--no-header"]
-    log = open(os.path.join(logdir, "pytest.log"), "w+b")
+    log = os.fdopen(os.open(os.path.join(logdir, "pytest.log"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                            0o600), "w+b")
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             pass_fds=(wfd,), start_new_session=True,
                             preexec_fn=lambda: _drop_privileges(spec["memory"], tasks, uid))
@@ -185,7 +186,7 @@ def main(job, jobfd=None):
               "returncode": rc, "records": records, "log": log.read().decode("utf-8", "replace")}
     if spec["namespace"] or uid:
         _copy_out(work, jobfd, [f"mgpu_grade_out_{ex}.pt" for ex in spec["exercises"]])
-    out = os.open("sandbox.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=jobfd)
+    out = os.open("sandbox.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=jobfd)
     with os.fdopen(out, "w") as f:
         json.dump(result, f)
     return 0
