@@ -90,9 +90,12 @@ def readable_by_kernel(paths: list[str]) -> list[str]:
     uid = UID_BASE + os.getpid()
     code = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n        (os.listdir if os.path.isdir(p) else "
             "lambda q: open(q, 'rb').close())(p)\n    except OSError:\n        continue\n    print(p)")
-    r = subprocess.run([sys.executable, "-c", code, *paths], user=uid, group=uid, extra_groups=[],
-                       capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": os.defpath})
-    return r.stdout.split()
+    try:
+        r = subprocess.run([sys.executable, "-c", code, *paths], user=uid, group=uid, extra_groups=[],
+                           capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": os.defpath})
+    except (OSError, subprocess.SubprocessError) as e:  # unknown: say so rather than claim they are safe
+        return [f"(the check failed: {e})"]
+    return r.stdout.splitlines() if r.returncode == 0 else [f"(the check failed: exit {r.returncode})"]
 
 
 def isolation_line() -> str:
