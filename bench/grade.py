@@ -14,9 +14,10 @@ tests/grading_fixtures when solutions/ has none): student i is perfect, half don
 Prints both wall times (and CPU times of all child processes) and their ratios (goal: grader <= 1.3 x
 plain). With --repeat R the two are alternated R times (the machine's load drifts) and the medians printed.
 Then the throughput, students per hour per core, both from wall time x the cores the run could use
-(min(--jobs, cores)) and from CPU time, and what it means for a class of --class-size: core-hours, hours on
-one node of --node-cores (`mgpu-grade --jobs`, or SLURM shards), and per submission on Gradescope
-(each submission in its own container with 1/2 vCPU by default, more if the assignment's settings ask).
+(min(--jobs, cores)) and from CPU time (steadier on a shared machine), and what the CPU figure means for a
+class of --class-size: core-hours, hours on one node of --node-cores (`mgpu-grade --jobs`, or SLURM shards),
+and per submission on Gradescope (each submission in its own container with 1/2 vCPU by default, more if
+the assignment's settings ask).
 """
 from __future__ import annotations
 
@@ -135,12 +136,11 @@ def main() -> None:
         wall, cpu_rate, plain_wall, plain_cpu = (statistics.median(r[i] for r in rates) for i in range(4))
         print(f"throughput, students/hour/core: mgpu-grade {wall:.1f} (wall x {min(a.jobs, os.cpu_count() or 1)} "
               f"cores), {cpu_rate:.1f} (CPU); plain nbval {plain_wall:.1f} (wall), {plain_cpu:.1f} (CPU)")
-        n = a.class_size
-        print(f"a class of {n}: {n / wall:.1f} core-hours; on one {a.node_cores}-core node "
-              f"{60 * n / (wall * a.node_cores):.0f} min (if memory allows {a.node_cores} notebooks at once); "
-              f"on Gradescope {3600 / (wall * 0.5) / 60:.1f} min per submission at 1/2 vCPU, "
-              f"{3600 / (wall * 2) / 60:.1f} min at 2 vCPUs (containers run side by side)")
-
+        n, rate = a.class_size, cpu_rate  # CPU time: what a core of its own gives, whatever else the machine runs
+        print(f"a class of {n} (from the CPU figure): {n / rate:.1f} core-hours; on one {a.node_cores}-core node "
+              f"{60 * n / (rate * a.node_cores):.0f} min (if memory allows {a.node_cores} notebooks at once); "
+              f"on Gradescope {60 / (rate * 0.5):.1f} min per submission at 1/2 vCPU (its default), "
+              f"{60 / (rate * 2):.1f} min at 2 vCPUs (submissions run side by side)")
 
 def cpu() -> float:
     """CPU seconds of every finished child process and its descendants: steadier than wall time when
