@@ -79,9 +79,9 @@ def cmd_execute(paths: list[Path], timeout: int) -> int:
 def cmd_autograder(a) -> int:
     from .grading.gradescope import build
     limits = {k: getattr(a, k) for k in ("jobs", "timeout", "notebook_timeout", "memory")}
-    config = build(a.out, a.solutions, a.hidden, a.import_path, a.key, limits)
+    build(a.out, a.solutions, a.hidden, a.import_path, a.key, limits)
     print(f"wrote {a.out}: {len(course_notebooks(a.solutions))} notebooks" + (f", hidden checks from {a.hidden}"
-          if a.hidden else "") + f"; its grading key ({config['key'][:8]}...) is inside: keep the zip private")
+          if a.hidden else "") + "; the solutions and the grading key are inside: keep the zip private")
     return 0
 
 
