@@ -25,6 +25,7 @@ _probed: tuple | None = None  # (prefix, net, why not, processes bounded, own us
 RUNNING: set = set()  # live sandbox processes, killed by the CLI on Ctrl-C
 STOP = threading.Event()  # set on Ctrl-C: no new sandbox starts
 DISABLED = "sandbox disabled with --no-sandbox"
+UID_BASE = 0x70000000  # + a host pid (< 2**22): the kernel's own user where the grader is root, one per sandbox
 
 
 @dataclass
@@ -73,7 +74,6 @@ def _own_user_works() -> str:
     and the environment are readable by every user); else why not."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "not root"
-    from .sandbox import UID_BASE
     uid = UID_BASE + os.getpid()
     try:
         r = subprocess.run([sys.executable, "-c", "import mgpu_helpers.tools.grading.sandbox"], user=uid, group=uid,
@@ -86,7 +86,6 @@ def _own_user_works() -> str:
 
 def readable_by_kernel(paths: list[str]) -> list[str]:
     """Which of ``paths`` the kernel's own user (own_user mode) can open: each must be none."""
-    from .sandbox import UID_BASE
     uid = UID_BASE + os.getpid()
     code = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n        (os.listdir if os.path.isdir(p) else "
             "lambda q: open(q, 'rb').close())(p)\n    except OSError:\n        continue\n    print(p)")

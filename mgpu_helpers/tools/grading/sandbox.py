@@ -19,7 +19,8 @@ is skipped. As root, the kernel still runs as a user of its own (UID_BASE + this
 it owns inside the job (``work/``), bounded by RLIMIT_NPROC; it reads only what every user may (the grader
 checks its protected paths are not), its results come out as in step 3, and at the end every process of
 that user is killed. Not root either: best effort, the grader warns and says so in every results.json.
-Only the standard library is imported here: this process starts once per notebook.
+Only the standard library is imported here (and execute.py, which imports no more): this process starts
+once per notebook.
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ import sys
 import threading
 
 ROOT = "/tmp/mgpu-grade"
-UID_BASE = 0x70000000         # + the host pid (< 2**22): a user no one else has, one per sandbox
 RESULT_CAP = 64 * 2**20       # bytes per harvested results file
 REPORT_CAP = 8 * 2**20        # bytes of per-cell records
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -114,6 +114,7 @@ def main(job, jobfd=None):
         mpl = {n: open(os.path.join(spec["mpl_cache"], n), "rb").read()
                for n in os.listdir(spec["mpl_cache"]) if n.endswith(".json")}
     uid = 0
+    from .execute import UID_BASE                    # standard library only, like this module
     if spec["namespace"]:
         from .mounts import isolate
         uid = UID_BASE + int(os.readlink("/proc/self")) if spec.get("setuid") else 0  # the host's proc, still
@@ -195,7 +196,7 @@ def main(job, jobfd=None):
 def probe(base: str, net: bool, setuid: bool) -> int:
     """Run under the unshare prefix being tried: exit 0 when this process can build the sandbox and a
     process of the kernel's kind is held to RLIMIT_NPROC, 3 when only the latter fails (see the grader)."""
-    from .execute import hidden_from_kernel, needed_paths
+    from .execute import UID_BASE, hidden_from_kernel, needed_paths
     from .mounts import isolate
     uid = UID_BASE + int(os.readlink("/proc/self")) if setuid else 0
     isolate({"keep": needed_paths([]), "mask": hidden_from_kernel(), "net": net}, base, uid)
