@@ -72,7 +72,8 @@ def _gone_within(pids, seconds: float) -> list[int]:
 def _start_lab(tmp_path, port: int):
     """The launcher as `make lab` runs it, and the first lines it printed up to the URL."""
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
-    env.update(JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"))
+    env.update(JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"),
+               TMPDIR=str(tmp_path))  # the runtime folder a killed launcher cannot remove stays in the test's
     proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.lab", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     out, url, deadline = [], None, time.monotonic() + 120
