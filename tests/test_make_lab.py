@@ -42,26 +42,68 @@ def test_no_display_means_no_browser(monkeypatch):
     assert lab.has_display()
 
 
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (not reaped by a container's pid 1) is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone_within(pids, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def _start_lab(tmp_path, port: int):
+    """The launcher as `make lab` runs it, and the first lines it printed up to the URL."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    env.update(JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"),
+               TMPDIR=str(tmp_path))  # the runtime folder a killed launcher cannot remove stays in the test's
+    proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.lab", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    out, url, deadline = [], None, time.monotonic() + 120
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append(line)
+        m = re.search(r"(http://localhost:\d+/\S+)", line)
+        url = m.group(1) if m else None
+    return proc, out, url
+
+
+def _kill(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_busy_port_printed_url_serves_notebook_00(tmp_path):
     pytest.importorskip("jupyterlab")  # make lab installs it; a bare host (the H200's) has none
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
     port = busy.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
-    env.update(JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"))
-    proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.lab", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc, out, url = _start_lab(tmp_path, port)
+    servers = []
     try:
-        out, url, deadline = [], None, time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out.append(line)
-            m = re.search(r"(http://localhost:\d+/\S+)", line)
-            url = m.group(1) if m else None
         assert url, "no URL printed:\n" + "".join(out)
+        servers = _children(proc.pid) if sys.platform.startswith("linux") else []
         assert f":{port}/" not in url, "the busy port was printed instead of the one JupyterLab took"
         assert url.endswith("00_setup.ipynb?token=" + url.rsplit("token=", 1)[1])
         assert "/lab/tree/00_setup.ipynb?token=" in url
@@ -75,16 +117,46 @@ def test_busy_port_printed_url_serves_notebook_00(tmp_path):
         base, token = url.split("/lab/tree/")[0], url.rsplit("token=", 1)[1]
         with urllib.request.urlopen(f"{base}/api/contents/00_setup.ipynb?token={token}", timeout=30) as r:
             assert r.status == 200
+        # Ctrl-C: the launcher stops JupyterLab (SIGTERM, SIGKILL 5 s later) and exits, promptly even under load
+        t = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        assert time.monotonic() - t < 60
+        assert proc.returncode in (0, 130, -signal.SIGINT), proc.returncode
+        assert not _gone_within(servers, 10), "JupyterLab outlived the launcher's Ctrl-C"
     finally:
         busy.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:  # the lab gives JupyterLab 20 s to stop (lab.stop); 30 s here was too short once, on 2 busy cores
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    assert proc.returncode in (0, 130, -signal.SIGINT), proc.returncode
+        _kill(proc)
+        for pid in servers:  # never leave a server behind, whatever failed above
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_launcher_leaves_no_server_behind(tmp_path):
+    """SIGKILL cannot be caught: the server must die with its parent (PR_SET_PDEATHSIG), port and all."""
+    pytest.importorskip("jupyterlab")
+    proc, out, url = _start_lab(tmp_path, _free_port())
+    servers = _children(proc.pid)
+    try:
+        assert url and servers, "no URL printed or no server:\n" + "".join(out)
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, as the OOM killer or a test's timeout would
+        proc.wait()
+        assert not _gone_within(servers, 30), "JupyterLab outlived its killed launcher"
+        port = int(re.search(r"localhost:(\d+)/", url).group(1))
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        _kill(proc)
+        for pid in servers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_overrides_merge_and_a_read_only_environment(tmp_path, capsys):

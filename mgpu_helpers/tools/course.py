@@ -4,6 +4,8 @@
     mgpu-course release --check    exit 1 if notebooks/ differs from what release would write
     mgpu-course execute [NB ...]   re-run solution notebooks in place, storing the outputs nbval compares
     mgpu-course validate           check the metadata schema of every solution notebook
+    mgpu-course autograder --out autograder.zip [--hidden DIR] [--key KEY]
+                                   the Gradescope autograder (GRADING.md says how to upload it)
 """
 from __future__ import annotations
 
@@ -74,6 +76,15 @@ def cmd_execute(paths: list[Path], timeout: int) -> int:
     return 0
 
 
+def cmd_autograder(a) -> int:
+    from .grading.gradescope import build
+    limits = {k: getattr(a, k) for k in ("jobs", "timeout", "notebook_timeout", "memory")}
+    build(a.out, a.solutions, a.hidden, a.import_path, a.key, limits)
+    print(f"wrote {a.out}: {len(course_notebooks(a.solutions))} notebooks" + (f", hidden checks from {a.hidden}"
+          if a.hidden else "") + "; the solutions and the grading key are inside: keep the zip private")
+    return 0
+
+
 def input_problem(a) -> str | None:
     """What is wrong with the command line, in one line (None: nothing)."""
     if a.cmd != "execute" or not a.notebooks:
@@ -83,6 +94,14 @@ def input_problem(a) -> str | None:
             return f"no solution notebooks (NN_name.ipynb) in {a.solutions}"
     if a.cmd == "release" and a.out.exists() and not a.out.is_dir():
         return f"--out {a.out} exists and is not a directory"
+    if a.cmd == "autograder":
+        for flag, d in [("--hidden", a.hidden)] * (a.hidden is not None) + [("--import-path", d) for d in a.import_path]:
+            if not d.is_dir():
+                return f"{flag} {d} is not a directory"
+        if a.out.suffix != ".zip" or a.out.is_dir():
+            return f"--out {a.out}: the name of the zip to write, e.g. autograder.zip"
+        if not all(v > 0 for v in (a.jobs, a.timeout, a.notebook_timeout, a.memory)):
+            return "--jobs, --timeout, --notebook-timeout and --memory must be > 0"
     if a.cmd == "execute":
         missing = [str(p) for p in a.notebooks if not p.is_file()]
         if missing:
@@ -102,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("notebooks", nargs="*", type=Path)
     e.add_argument("--timeout", type=int, default=600)
     sub.add_parser("validate", help="check the metadata schema")
+    g = sub.add_parser("autograder", help="write the Gradescope autograder zip (GRADING.md)")
+    g.add_argument("--out", type=Path, default=Path("autograder.zip"))
+    g.add_argument("--hidden", type=Path, default=None, help="directory of hidden checks (*.py)")
+    g.add_argument("--import-path", type=Path, action="append", default=[], help="extra course module folder")
+    g.add_argument("--key", default=None, help="grading key for the seeds (default: a new random one)")
+    g.add_argument("--jobs", type=int, default=2, help="notebooks run at once in one container (its CPUs)")
+    g.add_argument("--timeout", type=float, default=120, help="seconds per cell")
+    g.add_argument("--notebook-timeout", type=float, default=900, help="seconds per notebook")
+    g.add_argument("--memory", type=float, default=8, help="GiB of address space for nbval and the kernel")
     a = ap.parse_args(argv)
     problem = input_problem(a)
     if problem:  # before anything is written: a wrong --solutions once released 0 notebooks, deleting the rest
@@ -109,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.cmd == "release":
         return cmd_release(a.solutions, a.out, a.check)
+    if a.cmd == "autograder":
+        return cmd_autograder(a)
     if a.cmd == "execute":
         return cmd_execute(a.notebooks or course_notebooks(a.solutions), a.timeout)
     return cmd_validate(a.solutions)

@@ -12,6 +12,11 @@ What plain ``jupyter lab`` gets wrong for this course, and what this does instea
 * A busy port: Jupyter moves on to the next free one (``port_retries``), and the URL it printed is
   lost among its log lines -- we read the port it actually bound from its runtime file and print one
   line to open, token included, pointing at notebook 00.
+* Ctrl-C, a closed terminal or a kill of this launcher stops JupyterLab too: the server runs in its own
+  session (so Ctrl-C does not reach it and ask "Shutdown this Jupyter server (y/[n])?"), we stop it
+  (SIGTERM, then SIGKILL after a few seconds), and on Linux the kernel kills it the moment this launcher
+  dies any other way, SIGKILL included (PR_SET_PDEATHSIG); its kernels follow it (ipykernel exits when its
+  parent does).
 * The "Would you like to get notified about official Jupyter news?" pop-up sits over the notebook:
   an ``overrides.json`` in this environment turns news and update checks off.
 
@@ -21,6 +26,7 @@ printed URL (use the port it printed on both sides of ``-L``).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import json
 import os
@@ -97,6 +103,15 @@ def open_url(info: dict, token: str, target: str) -> str:
     return f"{base}lab/tree/{target}?token={token}"
 
 
+def _die_with_parent(parent: int):
+    """preexec_fn of the server: SIGKILL when the launcher dies, however it dies (Linux)."""
+    def preexec():
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before the prctl: no signal will come
+            os._exit(1)
+    return preexec if sys.platform.startswith("linux") else None
+
+
 def start(root: Path, port: int = 8888, token: str | None = None, extra: list[str] = (),
           env: dict | None = None, runtime_dir: Path | None = None, log: Path | None = None):
     """Start JupyterLab in the background: (process, token, info). Used by ``main`` and the browser test."""
@@ -109,7 +124,7 @@ def start(root: Path, port: int = 8888, token: str | None = None, extra: list[st
     install_overrides()
     out = open(log, "ab") if log else None  # None: JupyterLab's log goes to this terminal
     proc = subprocess.Popen(lab_command(root, port, config, extra), env=env, stdout=out, stderr=out,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
     if out:
         out.close()  # the child holds its own copy
     try:
@@ -155,32 +170,36 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError) as e:  # JupyterLab's own log, above, says why
         print(f"make lab: error: {e} (JupyterLab's log above says why)", file=sys.stderr)
         return 1
-    url = open_url(info, token, a.open)
-    bar = "=" * min(100, len(url) + 4)
-    print(f"\n{bar}\n  The course is running. Open this URL in your browser:\n\n  {url}\n", flush=True)
-    if int(info["port"]) != a.port:
-        print(f"  (port {a.port} was busy: JupyterLab took {info['port']})")
-    print("  On a remote machine, first run on your laptop:\n"
-          f"    ssh -L {info['port']}:localhost:{info['port']} <user>@<this machine>\n"
-          f"  Stop with Ctrl-C.\n{bar}\n", flush=True)
-    if not a.no_browser and has_display():
-        webbrowser.open(url)
     # Ctrl-C, a closed terminal or a kill: stop JupyterLab (and its kernels) too, never leave it behind.
     def _stop(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGHUP, _stop)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
     try:
+        url = open_url(info, token, a.open)
+        bar = "=" * min(100, len(url) + 4)
+        print(f"\n{bar}\n  The course is running. Open this URL in your browser:\n\n  {url}\n", flush=True)
+        if int(info["port"]) != a.port:
+            print(f"  (port {a.port} was busy: JupyterLab took {info['port']})")
+        print("  On a remote machine, first run on your laptop:\n"
+              f"    ssh -L {info['port']}:localhost:{info['port']} <user>@<this machine>\n"
+              f"  Stop with Ctrl-C.\n{bar}\n", flush=True)
+        if not a.no_browser and has_display():
+            webbrowser.open(url)
         return proc.wait()
     except KeyboardInterrupt:
         stop(proc)
         return 130
     finally:
+        stop(proc)  # a no-op once it has exited
         shutil.rmtree(info["runtime_dir"], ignore_errors=True)
 
 
-def stop(proc, timeout: float = 20.0) -> None:
-    """SIGTERM to JupyterLab's process group (it shuts its kernels down), SIGKILL if it lingers."""
+def stop(proc, timeout: float = 5.0) -> None:
+    """SIGTERM to JupyterLab's process group (it shuts its kernels down), SIGKILL if it lingers: Ctrl-C stops
+    the lab within seconds on a loaded machine (its kernels exit on their own once the server is gone)."""
     if proc.poll() is not None:
         return
     try:

@@ -1,11 +1,15 @@
 """`mgpu-grade`: grade submitted notebooks without trusting them (DESIGN.md §5).
 
     mgpu-grade SUBMISSIONS --out OUT [--jobs N] [--timeout S] [--hidden DIR] [--solutions DIR]
+    mgpu-grade SUBMISSIONS --out OUT_K --shard K/N --key KEY     one of N slices of the class (a SLURM array task)
+    mgpu-grade merge OUT_1 ... OUT_N --out OUT                   the class's grades from its N slices
 
 SUBMISSIONS holds ``<student>/<NN_name>.ipynb``; the notebook names are those of the solution notebooks.
 Writes OUT/grades.csv, OUT/<student>/feedback.md, OUT/<student>/results.json (Gradescope) and
 OUT/summary.png. Submissions are only read. Seeds come from a key (``--key``, $MGPU_GRADE_KEY, or
-OUT/.mgpu-grade-key, created on the first run): keep it to reproduce a grading run exactly.
+OUT/.mgpu-grade-key, created on the first run): keep it to reproduce a grading run exactly. Every run says
+in one line what isolates learner code here (namespaces; else, as root, the kernel's own user; else none),
+on stdout and in every results.json.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import os
 import queue
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import traceback
@@ -23,9 +28,11 @@ from pathlib import Path
 
 from ..authoring import course_notebooks
 from .assemble import load_course, read_submission
-from .execute import (RUNNING, STOP, Limits, check_allowlist, course_files, default_processes, kill, needed_paths,
-                      processes_bounded, protected_paths, reset_sandbox, sandbox)
+from .execute import (RUNNING, STOP, Limits, check_allowlist, course_files, default_processes, hidden_from_kernel,
+                      isolation_line, kill, needed_paths, own_user, processes_bounded, protected_paths,
+                      readable_by_kernel, reset_sandbox, sandbox)
 from .score import Context, Row, grade_notebook
+from .shards import MARKER, merge, parse_shard, partition, write_marker
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -71,6 +78,11 @@ def parse(argv):
     ap.add_argument("--keep-scratch", action="store_true", help="keep the assembled notebooks and run logs")
     ap.add_argument("--no-sandbox", action="store_true",
                     help="UNSAFE: run nbval without namespaces (learner code can read everything); for debugging")
+    ap.add_argument("--isolation", choices=("auto", "user"), default="auto",
+                    help="user: skip the namespaces and run the kernel as its own user, as where the host "
+                         "refuses namespaces (needs root)")
+    ap.add_argument("--shard", default=None, metavar="K/N",
+                    help="grade only the K-th of N slices of the class (needs --key or $MGPU_GRADE_KEY)")
     return ap.parse_args(argv)
 
 
@@ -86,6 +98,15 @@ def input_problem(a) -> str | None:
     for flag, d in folders:
         if not d.is_dir():  # a hidden-check folder mistyped must not grade the class without them
             return f"{flag} {d} is not a directory"
+    if a.shard is not None:
+        try:
+            parse_shard(a.shard)
+        except ValueError as e:
+            return str(e)
+        if not (a.key or os.environ.get("MGPU_GRADE_KEY")):  # each shard would make a key of its own
+            return "--shard needs the class's key (--key or $MGPU_GRADE_KEY), the same for every shard"
+    if a.isolation == "user" and os.geteuid() != 0:
+        return "--isolation user needs root (it runs the kernel as a user of its own)"
     if a.max_processes < 0:
         return f"--max-processes {a.max_processes}: must be >= 0 (0: the default)"
     if not course_notebooks(a.solutions):
@@ -108,6 +129,9 @@ def input_problem(a) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
     a = parse(argv)
     problem = input_problem(a)
     if problem:
@@ -130,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for ex in sorted(set(hidden) - known):
         print(f"mgpu-grade: warning: hidden checks for exercise {ex}, which no notebook has", file=sys.stderr)
     reset_sandbox()
-    prefix, _, why = sandbox(disable=a.no_sandbox)
-    if prefix is None:
+    prefix, _, why = sandbox(disable=a.no_sandbox, user_only=a.isolation == "user")
+    if prefix is None and not own_user():
         print("mgpu-grade: WARNING: no mount/pid namespace here (" + why + "): learner code runs with the grader's "
               "view of the file system and CAN READ the solutions, the hidden checks and other submissions. "
               "Grade on Linux with unshare(1) (as root, or with unprivileged user namespaces).", file=sys.stderr)
@@ -141,19 +165,37 @@ def main(argv: list[str] | None = None) -> int:
     imports = [str(p.resolve()) for p in a.import_path]
     scratch = Path(tempfile.mkdtemp(prefix="mgpu-grade-"))
     keep = needed_paths(imports)
+    protect = protected_paths([a.solutions.resolve(), a.hidden and a.hidden.resolve(), a.submissions.resolve(),
+                               out, scratch])
+    isolation = isolation_line()
     try:
-        check_allowlist(keep, protected_paths([a.solutions.resolve(), a.hidden and a.hidden.resolve(),
-                                               a.submissions.resolve(), out, scratch]))
+        check_allowlist(keep, protect)
     except ValueError as e:
         shutil.rmtree(scratch, ignore_errors=True)
         print(f"mgpu-grade: {e}", file=sys.stderr)
         return 2
+    if prefix is None and own_user():
+        scratch.chmod(0o755)  # pytest lists the work folder's parents; every job file but the assets is 0600
+        out.chmod(0o700)      # earlier runs' grades
+        exposed = readable_by_kernel([p for p in protect if p != str(scratch)] + hidden_from_kernel())
+        if exposed:
+            print("mgpu-grade: WARNING: without namespaces the kernel's user can read " + ", ".join(exposed)
+                  + ": make them unreadable to other users (chmod go-rwx) or grade where namespaces work",
+                  file=sys.stderr)
+            isolation += "; but it CAN READ " + ", ".join(exposed)
+    print(f"mgpu-grade: {isolation}", flush=True)
     import matplotlib
     ctx = Context(key, Limits(a.timeout, a.notebook_timeout, int(a.memory * 2**30), a.output_cap, 8 * a.output_cap,
                               a.max_processes),
                   {ex: hs for ex, hs in hidden.items() if ex in known}, {nb.name: resolve_module(nb.module) for nb in course},
                   keep, imports, matplotlib.get_cachedir(), course_files(a.solutions))
     students = sorted(d.name for d in a.submissions.iterdir() if d.is_dir() and not d.name.startswith("."))
+    everyone = students
+    if a.shard:
+        k, n = parse_shard(a.shard)
+        students = partition(everyone, key, n)[k - 1]
+        (out / MARKER).unlink(missing_ok=True)  # an earlier run's: this one has not finished yet
+        print(f"mgpu-grade: shard {k}/{n}: {len(students)} of {len(everyone)} students", flush=True)
     for s in students:
         extra = sorted({p.name for p in (a.submissions / s).glob("*.ipynb")} - {nb.name for nb in course})
         foreign = [n for n in extra if n not in ungraded]
@@ -181,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(scratch / f"{i:05d}", ignore_errors=True)
 
     rows: list[Row] = []
+
+    def _terminate(signum, frame):  # SLURM's time limit and scancel send SIGTERM: stop as on Ctrl-C
+        raise KeyboardInterrupt
+    before = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     pool = ThreadPoolExecutor(jobs)
     try:
         for k, got in enumerate(pool.map(grade, tasks), 1):
@@ -195,18 +241,31 @@ def main(argv: list[str] | None = None) -> int:
         print("mgpu-grade: interrupted; nothing written", file=sys.stderr)
         return 130
     finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
         pool.shutdown(wait=True, cancel_futures=True)
         while not judges.empty():
             judges.get().close()
         if not a.keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
-    write_all(rows, out)
+    write_all(rows, out, isolation)
+    if a.shard:  # written last: a shard without it did not finish (merge reports it missing)
+        write_marker(out, *parse_shard(a.shard), everyone, key)
     if a.keep_scratch:
         print(f"mgpu-grade: scratch kept in {scratch}")
     errors = [r for r in rows if r.status == "error"]
     print(f"mgpu-grade: {len(students)} students, {len(course)} notebooks, {len(rows)} checks graded -> {out}"
           + (f"; {len(errors)} grader errors (see grades.csv)" if errors else ""))
     return 1 if errors else 0
+
+
+def merge_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="mgpu-grade merge", description="the class's grades.csv, feedback and "
+                                 "summary plot from the output folders of its --shard K/N runs")
+    ap.add_argument("shards", type=Path, nargs="+", help="the shards' --out folders")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    return merge(a.shards, a.out)
 
 
 if __name__ == "__main__":

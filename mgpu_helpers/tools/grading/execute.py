@@ -21,10 +21,11 @@ UNSHARE = ["--mount", "--pid", "--kill-child", "--propagation", "private"]
 ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH")
 # GPU, NCCL and threading settings must reach the kernel (e.g. NCCL_NVLS_ENABLE=0 on shared GPU hosts).
 ENV_KEEP_PREFIXES = ("LC_", "CUDA_", "NCCL_", "NVIDIA_", "NVSHMEM_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_")
-_probed: tuple | None = None  # (prefix, net, why not, processes bounded)
+_probed: tuple | None = None  # (prefix, net, why not, processes bounded, own user)
 RUNNING: set = set()  # live sandbox processes, killed by the CLI on Ctrl-C
 STOP = threading.Event()  # set on Ctrl-C: no new sandbox starts
 DISABLED = "sandbox disabled with --no-sandbox"
+UID_BASE = 0x70000000  # + a host pid (< 2**22): the kernel's own user where the grader is root, one per sandbox
 
 
 @dataclass
@@ -42,11 +43,15 @@ def default_processes() -> int:
     return 256 + 16 * (os.cpu_count() or 1)
 
 
-def sandbox(disable: bool = False) -> tuple[list[str] | None, bool, str]:
-    """(unshare prefix or None, network namespace?, why not): probed once per process."""
+def sandbox(disable: bool = False, user_only: bool = False) -> tuple[list[str] | None, bool, str]:
+    """(unshare prefix or None, network namespace?, why not): probed once per process. ``user_only``: skip the
+    namespaces, as on a host that refuses them (to test and show that mode anywhere root runs the grader)."""
     global _probed
     if disable:
-        _probed = (None, False, DISABLED, False)
+        _probed = (None, False, DISABLED, False, False)
+    if user_only:
+        why = _own_user_works()
+        _probed = (None, False, "namespaces not used (--isolation user)" + (f"; {why}" if why else ""), not why, not why)
     if _probed is None:
         _probed = _probe()
     return _probed[:3]
@@ -54,7 +59,56 @@ def sandbox(disable: bool = False) -> tuple[list[str] | None, bool, str]:
 
 def processes_bounded() -> bool:
     """Whether the probe saw RLIMIT_NPROC hold a process of the kernel's kind (False: warn)."""
-    return bool(sandbox()[0]) and _probed[3]
+    return (bool(sandbox()[0]) or own_user()) and _probed[3]
+
+
+def own_user() -> bool:
+    """No namespaces, but the grader is root: the kernel runs as a user of its own (sandbox.py), which can
+    read only what every user can (the grader checks that the protected paths are not among them)."""
+    sandbox()
+    return _probed[4]
+
+
+def _own_user_works() -> str:
+    """"" when root can start python as an unused unprivileged user and it imports the sandbox (the interpreter
+    and the environment are readable by every user); else why not."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "not root"
+    uid = UID_BASE + os.getpid()
+    try:
+        r = subprocess.run([sys.executable, "-c", "import mgpu_helpers.tools.grading.sandbox"], user=uid, group=uid,
+                           extra_groups=[], capture_output=True, timeout=60, env=kernel_env([]), cwd="/")
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"another user cannot run {sys.executable}: {e}"
+    tail = (r.stderr.decode("utf-8", "replace").strip().splitlines() or [""])[-1]
+    return "" if r.returncode == 0 else f"another user cannot import the package: {tail}"
+
+
+def readable_by_kernel(paths: list[str]) -> list[str]:
+    """Which of ``paths`` the kernel's own user (own_user mode) can open: each must be none."""
+    uid = UID_BASE + os.getpid()
+    code = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n        (os.listdir if os.path.isdir(p) else "
+            "lambda q: open(q, 'rb').close())(p)\n    except OSError:\n        continue\n    print(p)")
+    try:
+        r = subprocess.run([sys.executable, "-c", code, *paths], user=uid, group=uid, extra_groups=[],
+                           capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": os.defpath})
+    except (OSError, subprocess.SubprocessError) as e:  # unknown: say so rather than claim they are safe
+        return [f"(the check failed: {e})"]
+    return r.stdout.splitlines() if r.returncode == 0 else [f"(the check failed: exit {r.returncode})"]
+
+
+def isolation_line() -> str:
+    """What isolates learner code on this host, in one line: the instructor's log and every results.json."""
+    prefix, net, why = sandbox()
+    bounded = "processes bounded" if processes_bounded() else "processes NOT bounded (RLIMIT_NPROC does not hold)"
+    if prefix:
+        return ("isolation: namespaces (mount, pid" + (", net" if net else "") + (", user" if "--map-root-user"
+                in prefix else "") + f"): the kernel sees only the allowlisted files; {bounded}")
+    if own_user():
+        return (f"isolation: container + the kernel's own unprivileged user (no namespaces here: {why}): it can "
+                f"read only what every user can, the protected paths checked unreadable; network open; {bounded}")
+    return (f"isolation: NONE ({why or 'no namespaces and not root'}): learner code runs as the grader and can "
+            "read everything the grader can")
 
 
 def _setuid(prefix) -> bool:
@@ -70,7 +124,8 @@ def reset_sandbox() -> None:
 def _probe():
     unshare = shutil.which("unshare")
     if not unshare or not sys.platform.startswith("linux"):
-        return None, False, "unshare(1) is not available", False
+        user = _own_user_works()
+        return None, False, "unshare(1) is not available" + (f"; {user}" if user else ""), not user, not user
     users = [[]] if os.geteuid() == 0 else [["--map-root-user"]]
     if os.geteuid() == 0:
         users.append(["--map-root-user"])
@@ -88,9 +143,10 @@ def _probe():
                     why = str(e)
                     continue
             if r.returncode in (0, 3):
-                return prefix, net, "", r.returncode == 0
+                return prefix, net, "", r.returncode == 0, False
             why = (r.stderr.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
-    return None, False, why, False
+    user = _own_user_works()  # a container as root without namespaces (Gradescope's, a cluster's): its own user
+    return None, False, why + (f"; {user}" if user else ""), not user, not user
 
 
 def kernel_env(import_paths: list[str]) -> dict:
@@ -193,6 +249,22 @@ def course_files(solutions: Path, cap: int = 64 * 2**20) -> dict[str, bytes]:
     return files
 
 
+def die_with_grader():
+    """preexec_fn of the grader's children (sandboxes, judges): SIGKILL when the thread that started them
+    dies (Linux's PR_SET_PDEATHSIG), so a grader killed outright (SLURM's time limit, the OOM killer) leaves
+    nothing running; unshare --kill-child then takes the sandbox's namespace down with it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    parent = os.getpid()
+
+    def preexec():
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the grader died before the prctl
+            os._exit(1)
+    return preexec
+
+
 def kill(proc) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -202,7 +274,8 @@ def kill(proc) -> None:
 
 
 def work_dir(job: Path) -> str:
-    return NS_WORK if sandbox()[0] else str(job)
+    """The notebook's directory as the kernel sees it; with its own user, a folder it owns inside the job."""
+    return NS_WORK if sandbox()[0] else str(job / "work") if own_user() else str(job)
 
 
 def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: list[str], limits: Limits,
@@ -215,21 +288,23 @@ def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: 
     spec = {"notebook": notebook, "exercises": exercises, "cell_timeout": limits.cell_timeout,
             "notebook_timeout": limits.notebook_timeout, "memory": limits.memory, "output_cap": limits.output_cap,
             "output_cap_total": limits.output_cap_total, "keep": keep, "mask": hidden_from_kernel(), "net": net,
-            "namespace": prefix is not None, "setuid": prefix is not None and _setuid(prefix),
+            "namespace": prefix is not None, "setuid": _setuid(prefix) if prefix is not None else own_user(),
             "tasks": limits.processes or default_processes(), "env": kernel_env(import_paths), "mpl_cache": mpl_cache,
             "extra": sorted(extra or {})}
     for rel, data in (extra or {}).items():
         (job / rel).parent.mkdir(parents=True, exist_ok=True)
         (job / rel).write_bytes(data)
-    (job / "job.json").write_text(json.dumps(spec))
-    (job / notebook).write_text(nb_text, encoding="utf-8")
-    (job / "mgpu_grade_in.pt").write_bytes(grade_in)
+    for name, data in (("job.json", json.dumps(spec).encode()), (notebook, nb_text.encode("utf-8")),
+                       ("mgpu_grade_in.pt", grade_in)):  # the grader's alone: other sandboxes' users cannot read them
+        fd = os.open(job / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
     jobfd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
     cmd = [*(prefix or []), sys.executable, "-m", "mgpu_helpers.tools.grading.sandbox", str(job), str(jobfd)]
     try:
-        with open(job / "sandbox.log", "wb") as log:
+        with os.fdopen(os.open(job / "sandbox.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=kernel_env([]),
-                                    start_new_session=True, pass_fds=(jobfd,))
+                                    start_new_session=True, pass_fds=(jobfd,), preexec_fn=die_with_grader())
             RUNNING.add(proc)
             try:
                 proc.wait(timeout=limits.notebook_timeout + 60)

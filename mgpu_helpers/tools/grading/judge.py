@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from .execute import die_with_grader
+
 RESULT_CAP = 64 * 2**20
 
 
@@ -98,7 +100,7 @@ class Judge:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.grading.judge", json.dumps(self.config)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                         stderr=open(self.log, "a"))
+                                         stderr=open(self.log, "a"), preexec_fn=die_with_grader())
             self.ready = False
         return self
 

@@ -49,12 +49,14 @@ def pytest_configure(config):
 
 
 def _tasks() -> int:
-    """Processes and threads in this pid namespace (the sandbox's own /proc)."""
-    n = 0
+    """Processes and threads of this user (RLIMIT_NPROC's count) in /proc: the sandbox's own in its pid
+    namespace; without one, the host's, of which only the kernel's own user's count."""
+    n, me = 0, os.getuid()
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                n += len(os.listdir(f"/proc/{pid}/task"))
+                if os.stat(f"/proc/{pid}").st_uid == me:
+                    n += len(os.listdir(f"/proc/{pid}/task"))
             except OSError:
                 pass
     return n

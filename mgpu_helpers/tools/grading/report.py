@@ -52,11 +52,14 @@ def feedback(student: str, rows: list[Row]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def gradescope(rows: list[Row]) -> dict:
+def gradescope(rows: list[Row], isolation: str = "") -> dict:
+    """Gradescope's results.json: per test name, score, max_score, status, output and visibility (hidden
+    checks' rows are shown once grades are published); the total score; ``output``: what isolated the run."""
     tests = [{"name": f"{r.notebook}: {_label(r)}", "score": r.points, "max_score": r.max_points,
-              "status": "passed" if r.status == "passed" else "failed", "visibility": "visible",
+              "status": "passed" if r.status == "passed" else "failed",
+              "visibility": "after_published" if r.hidden else "visible",
               "output": f"[{r.status}] {r.message}"} for r in rows]
-    return {"score": sum(r.points for r in rows), "tests": tests}
+    return {"score": sum(r.points for r in rows), "output": isolation, "tests": tests}
 
 
 def summary_plot(rows: list[Row], path: Path) -> None:
@@ -84,7 +87,7 @@ def summary_plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def write_all(rows: list[Row], out: Path) -> None:
+def write_all(rows: list[Row], out: Path, isolation: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "grades.csv")
     by_student: dict[str, list[Row]] = defaultdict(list)
@@ -94,7 +97,7 @@ def write_all(rows: list[Row], out: Path) -> None:
         d = out / s
         d.mkdir(exist_ok=True)
         (d / "feedback.md").write_text(feedback(s, srows), encoding="utf-8")
-        (d / "results.json").write_text(json.dumps(gradescope(srows), indent=2, ensure_ascii=False) + "\n",
+        (d / "results.json").write_text(json.dumps(gradescope(srows, isolation), indent=2, ensure_ascii=False) + "\n",
                                         encoding="utf-8")
     if rows:
         summary_plot(rows, out / "summary.png")

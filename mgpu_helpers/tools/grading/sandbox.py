@@ -14,8 +14,13 @@ mgpu_helpers.tools.grading.sandbox JOB_DIR JOB_FD``; this process is then pid 1 
 3. kills everything in the namespace at the notebook timeout, and copies the results out through
    JOB_FD, a directory fd the grader opened outside the namespace (its mount stays writable).
 
-Without namespaces (``spec["namespace"]`` false) step 1 is skipped: best effort, the grader warns.
-Only the standard library is imported here: this process starts once per notebook.
+Without namespaces (``spec["namespace"]`` false: a container as root under seccomp, as on Gradescope) step 1
+is skipped. As root, the kernel still runs as a user of its own (UID_BASE + this process's pid), in a folder
+it owns inside the job (``work/``), bounded by RLIMIT_NPROC; it reads only what every user may (the grader
+checks its protected paths are not), its results come out as in step 3, and at the end every process of
+that user is killed. Not root either: best effort, the grader warns and says so in every results.json.
+Only the standard library is imported here (and execute.py, which imports no more): this process starts
+once per notebook.
 """
 from __future__ import annotations
 
@@ -30,7 +35,6 @@ import sys
 import threading
 
 ROOT = "/tmp/mgpu-grade"
-UID_BASE = 0x70000000         # + the host pid (< 2**22): a user no one else has, one per sandbox
 RESULT_CAP = 64 * 2**20       # bytes per harvested results file
 REPORT_CAP = 8 * 2**20        # bytes of per-cell records
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -55,12 +59,22 @@ def _drop_privileges(memory, tasks=None, uid=0):
     _libc.capset(header, (ctypes.c_uint32 * 6)())    # effective = permitted = inheritable = 0
 
 
-def _kill_all(proc, namespace):
+def _kill_all(proc, namespace, uid=0):
     if namespace and os.getpid() == 1:
         try:
             os.kill(-1, signal.SIGKILL)              # pid 1 of a pid namespace: everything but us
         except ProcessLookupError:
             pass
+    elif uid:                                        # every process of the kernel's own user, daemons included
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)          # as that user: all its processes but this one
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
     else:                                            # best effort: the process tree as it is now
         try:
             import psutil
@@ -83,7 +97,7 @@ def _copy_out(work, jobfd, names):
             if not stat.S_ISREG(st.st_mode) or st.st_size > RESULT_CAP:
                 continue
             data = f.read(RESULT_CAP + 1)
-        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=jobfd)
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=jobfd)
         with os.fdopen(out, "wb") as f:
             f.write(data)
 
@@ -100,12 +114,15 @@ def main(job, jobfd=None):
         mpl = {n: open(os.path.join(spec["mpl_cache"], n), "rb").read()
                for n in os.listdir(spec["mpl_cache"]) if n.endswith(".json")}
     uid = 0
+    from .execute import UID_BASE                    # standard library only, like this module
     if spec["namespace"]:
         from .mounts import isolate
         uid = UID_BASE + int(os.readlink("/proc/self")) if spec.get("setuid") else 0  # the host's proc, still
         isolate(spec, job, uid)
-    work = f"{ROOT}/work" if spec["namespace"] else job
-    home = os.path.join(os.path.dirname(work) if spec["namespace"] else work, "home")
+    elif spec.get("setuid"):
+        uid = UID_BASE + os.getpid()
+    work = f"{ROOT}/work" if spec["namespace"] else os.path.join(job, "work") if uid else job
+    home = os.path.join(os.path.dirname(work) if spec["namespace"] or uid else work, "home")
     for d in (work, home, os.path.join(home, "mpl"), os.path.join(home, "runtime")):
         os.makedirs(d, exist_ok=True)
     for n, data in inputs.items():
@@ -120,12 +137,12 @@ def main(job, jobfd=None):
             for d, _, files in os.walk(top):
                 for p in [d, *(os.path.join(d, f) for f in files)]:
                     os.chown(p, uid, uid)
-    logdir = os.path.join(ROOT, "log") if spec["namespace"] else home
+    logdir = os.path.join(ROOT, "log") if spec["namespace"] else job if uid else home
     os.makedirs(logdir, mode=0o700, exist_ok=True)
     env = dict(spec["env"], HOME=home, TMPDIR="/tmp" if spec["namespace"] else home,
                MPLCONFIGDIR=os.path.join(home, "mpl"), IPYTHONDIR=os.path.join(home, ".ipython"),
                JUPYTER_RUNTIME_DIR=os.path.join(home, "runtime"), PYTHONDONTWRITEBYTECODE="1")
-    tasks = spec.get("tasks") if spec["namespace"] else None
+    tasks = spec.get("tasks") if spec["namespace"] or uid else None
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "pytest", os.path.join(work, spec["notebook"]), "--nbval", "--nbval-current-env",
            f"--nbval-cell-timeout={spec['cell_timeout']}", "--nbval-kernel-startup-timeout=60",
@@ -133,7 +150,8 @@ def main(job, jobfd=None):
            f"--mgpu-output-cap={spec['output_cap']}", f"--mgpu-output-cap-total={spec['output_cap_total']}",
            *([f"--mgpu-max-tasks={tasks}"] if tasks else []),
            "-o", "addopts=", "-c", os.devnull, "--rootdir", work, "-q", "--no-header"]
-    log = open(os.path.join(logdir, "pytest.log"), "w+b")
+    log = os.fdopen(os.open(os.path.join(logdir, "pytest.log"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                            0o600), "w+b")
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             pass_fds=(wfd,), start_new_session=True,
                             preexec_fn=lambda: _drop_privileges(spec["memory"], tasks, uid))
@@ -155,7 +173,7 @@ def main(job, jobfd=None):
         rc = proc.wait(timeout=spec["notebook_timeout"])
     except subprocess.TimeoutExpired:
         timed_out, rc = True, None
-    _kill_all(proc, spec["namespace"])               # also whatever the learner left running
+    _kill_all(proc, spec["namespace"], uid)          # also whatever the learner left running
     reader.join(timeout=5)
     records = []
     for line in lines:
@@ -165,11 +183,11 @@ def main(job, jobfd=None):
             pass
     log.seek(0, os.SEEK_END)
     log.seek(max(0, log.tell() - 4000))
-    result = {"mode": "namespace" if spec["namespace"] else "fallback", "timed_out": timed_out,
+    result = {"mode": "namespace" if spec["namespace"] else "user" if uid else "fallback", "timed_out": timed_out,
               "returncode": rc, "records": records, "log": log.read().decode("utf-8", "replace")}
-    if spec["namespace"]:
+    if spec["namespace"] or uid:
         _copy_out(work, jobfd, [f"mgpu_grade_out_{ex}.pt" for ex in spec["exercises"]])
-    out = os.open("sandbox.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=jobfd)
+    out = os.open("sandbox.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=jobfd)
     with os.fdopen(out, "w") as f:
         json.dump(result, f)
     return 0
@@ -178,7 +196,7 @@ def main(job, jobfd=None):
 def probe(base: str, net: bool, setuid: bool) -> int:
     """Run under the unshare prefix being tried: exit 0 when this process can build the sandbox and a
     process of the kernel's kind is held to RLIMIT_NPROC, 3 when only the latter fails (see the grader)."""
-    from .execute import hidden_from_kernel, needed_paths
+    from .execute import UID_BASE, hidden_from_kernel, needed_paths
     from .mounts import isolate
     uid = UID_BASE + int(os.readlink("/proc/self")) if setuid else 0
     isolate({"keep": needed_paths([]), "mask": hidden_from_kernel(), "net": net}, base, uid)
