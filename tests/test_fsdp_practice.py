@@ -201,3 +201,33 @@ def test_on_real_gpus_recipe_shards_a_hugging_face_llama():
     from torch.distributed.fsdp import FSDPModule
     assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in model.model.layers)
     assert model.lm_head.weight is model.model.embed_tokens.weight        # still one parameter, in the root's unit
+
+
+def test_on_real_gpus_recipe_untied_is_torchtitans_layout():
+    """Untied, apply_fsdp2 is torchtitan's apply_fsdp: the embedding a unit, each block, [norm, lm_head], the root."""
+    transformers = pytest.importorskip("transformers")
+    ns = {"torch": torch}
+    exec(compile(_notebook_cell("c12-43"), "c12-43", "exec"), ns)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    with fake_world(2):
+        model = transformers.LlamaForCausalLM(cfg)
+        ns["apply_fsdp2"](model, ns["init_device_mesh"]("cpu", (2,)))
+        ids = torch.randint(0, 64, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        from torch.distributed.fsdp import FSDPModule
+        assert isinstance(model.model.embed_tokens, FSDPModule)
+        assert model.model.norm._get_fsdp_state() is model.lm_head._get_fsdp_state()
+        assert ns["units"](model) == 5
+
+
+def test_accumulation_without_sync_holds_more_and_moves_less():
+    """Skipping the sync (and the reshard after backward) until the last micro-batch: reduce-scatters only in
+    the last one, fewer bytes on the wire, a higher peak; reduce-scattering every micro-batch: the reverse."""
+    from mgpu_helpers.fsdp_practice import accumulation
+    with fake_world(2):
+        sync, nosync = (accumulation(0, 2, 3, sync_each=s) for s in (True, False))
+    assert all(m.get("reduce_scatter") for m in sync["per_micro"])
+    assert [bool(m.get("reduce_scatter")) for m in nosync["per_micro"]] == [False, False, True]
+    assert nosync["peak"] > sync["peak"] and nosync["reduced"] * 3 == sync["reduced"]
+    assert nosync["gathered"] < sync["gathered"]

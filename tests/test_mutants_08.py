@@ -34,6 +34,8 @@ CASES = {
         ([("        loss = self.local.step(closure)",
            "        [dist.all_reduce(p.grad) for p in self.owner if p.grad is not None]\n"
            "        loss = self.local.step(closure)")], "summed over the", False),
+        # right values, nothing sharded on ranks 1..N-1: rank 0 owns (and keeps the state of) every parameter
+        ([("            r = self.load.index(min(self.load))", "            r = 0")], "unbalanced: rank 0 owns", True),
     ]),
     "8.2": ("reduce_scatter_gradients", [
         ([("    return shard / world", "    return shard")], "summed over the ranks but not divided", True),
@@ -51,6 +53,10 @@ CASES = {
          "sizes that do not pair up: rank 0: output", True),
         ([(RS, "    shard.copy_(flat[rank * shard_len:(rank + 1) * shard_len]) #"),
           ("    return shard / world", "    return shard")], "never reduced across ranks", False),
+        # right values from every rank's whole gradient: N times the traffic and the memory
+        ([(RS, "    bufs = [torch.empty_like(flat) for _ in range(world)]; dist.all_gather(bufs, flat); "
+               "shard = sum(bufs)[rank * shard_len:(rank + 1) * shard_len] #")],
+         "all_gather of every rank's whole gradient", False),
     ]),
 }
 

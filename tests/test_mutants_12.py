@@ -1,6 +1,6 @@
 """Each check of notebook 12 passes the solution, fails the stub, and names each planted mistake. The mistakes
 are issue 28's: for 12.1 a policy that misses either budget, no or too much forward prefetch, the root left
-unsharded; for 12.2 the optimizer not saved, nothing loaded, ``dcp.load`` without ``set_state_dict`` (the lr a
+unsharded; for 12.2 the optimizer not saved, its state keyed by position (``optimizer.state_dict()``), nothing loaded, ``dcp.load`` without ``set_state_dict`` (the lr a
 scheduler set is lost), each rank's shards written with ``torch.save``, the whole model gathered to rank 0 and
 written with ``torch.save``, a full state dict written with DCP, and only rank 0 saving.
 
@@ -56,6 +56,10 @@ CASES = {
          "a rank held whole parameters while saving", True),
         ([(SAVE, f"            {RANK} == 0 and dcp.save(state, checkpoint_id=path, no_dist=True)")],
          "only some ranks' shards are in the checkpoint", True),
+        # the optimizer's own state_dict(): keyed by position, right only while the parameter order is the same
+        # (every draw has the case whose optimizer lists them in reverse: two seeds say as much as twenty)
+        ([(GET, "        model_sd, _ = get_state_dict(model, optimizer); optim_sd = optimizer.state_dict()")],
+         "keyed by position", False),
     ]),
 }
 

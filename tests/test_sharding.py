@@ -107,7 +107,8 @@ def _fsdp_state(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_model_state_within_1_over_n_plus_5_percent(world):
-    full = sum(run_ranks(lambda r, w: measure(r, w, "DDP (replica)", WIDTHS)["state"], 1)[0].values())
+    replica = run_ranks(lambda r, w: measure(r, w, "DDP (DistributedDataParallel)", WIDTHS)["state"], 1)[0]
+    full = sum(replica.values()) - replica["buckets"]  # the model state alone, without DDP's bucket copy
     per_rank = run_ranks(_fsdp_state, world, timeout=60)
     for r, state in enumerate(per_rank):
         assert sum(state.values()) <= full * (1 / world + 0.05), (r, state, full)
@@ -129,3 +130,47 @@ def test_sweep_matches_formula_for_zero2_and_fsdp2():
 def test_torchrun_entry():
     out = run_torchrun("mgpu_helpers.sharding").stdout
     assert out.count("equal one process") == 2 and "FSDP2 per block + root on 2 ranks" in out, out
+
+
+def test_ddp_holds_a_bucketed_copy_of_the_gradients():
+    """DDP's default gradient_as_bucket_view=False: its buckets are one more copy of the fp32 gradients,
+    on every world size (the row notebook 08 adds to the ZeRO paper's accounting)."""
+    res = sweep((1, 2), ["DDP (DistributedDataParallel)", "ZeRO-1 (ZeroRedundancyOptimizer)"], WIDTHS)
+    for m, by_world in res.items():
+        for w, r in by_world.items():
+            assert r["state"]["buckets"] == 4 * r["n_params"] == formula(r["n_params"], m, w)["buckets"], (m, w)
+            assert r["state"]["gradients"] == 4 * r["n_params"]
+
+
+def _comm_received(rank, world, method):
+    from mgpu_helpers.fsdp_practice import CommLog
+    from mgpu_helpers.sharding import make_batch
+    from mgpu_helpers.sharding.fsdp import build
+    import torch.nn.functional as F
+    model, _, step = build(method, WIDTHS, reduce_scatter_fn=reference_reduce_scatter)
+    x, y = make_batch(1, 8, WIDTHS[0], WIDTHS[-1])
+    with CommLog() as comm:
+        F.cross_entropy(model(x), y).backward()
+        step()
+    return {op: sum(o - i if op == "all_gather" else i - o for o2, _, i, o in comm.calls if o2 == op)
+            for op in ("all_gather", "reduce_scatter")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_comm_bytes_per_step_against_fsdp2_and_zero2(world):
+    """What a rank receives per step in FSDP2's and Zero2's all-gathers and reduce-scatters (a reduce-scatter
+    receives its input less its own shard), counted at the dispatcher, against comm_bytes_per_step: equal for
+    Zero2's flat buffer; for FSDP2 within its per-parameter padding, less the root's second all-gather (the
+    root is not resharded after forward)."""
+    from mgpu_helpers.sharding import comm_bytes_per_step
+    n = sum(p.numel() for p in make_model(WIDTHS).parameters())
+    with fake_world(world):
+        zero2 = _comm_received(0, world, "ZeRO-2 (Zero2)")
+        fsdp = _comm_received(0, world, "FSDP2 per block + root")
+    want2, want3 = (comm_bytes_per_step(n, zero_stage=s, world_size=world) for s in (2, 3))
+    assert zero2 == {"all_gather": want2["all-gather"], "reduce_scatter": want2["reduce-scatter"]}, zero2
+    root = sum(p.numel() * 4 for p in linears(make_model(WIDTHS))[-1].parameters()) * (world - 1) // world
+    assert abs(fsdp["all_gather"] - (want3["all-gather"] - root)) <= 64 * world * 8, fsdp  # padding: < a row each
+    assert abs(fsdp["reduce_scatter"] - want3["reduce-scatter"]) <= 64 * world * 8, fsdp
+    big = [comm_bytes_per_step(10**9, zero_stage=s, world_size=8)["total"] for s in range(4)]
+    assert [round(b / big[0], 6) for b in big] == [1, 1.5, 1, 1.5]

@@ -123,9 +123,12 @@ def _batch(case, step):
     return make_batch(case["seed"] + 100 + step, ROWS, MODEL_12_2["d_in"], MODEL_12_2["classes"])
 
 
-def _sharded(seed):
+def _sharded(seed, reorder=False):
+    """The FSDP2 model and its Adam; ``reorder``: the optimizer lists the parameters in reverse (a run resumed
+    from code that builds its param groups in another order: state keyed by name survives it, by position not)."""
     model = shard(make_model(**MODEL_12_2, seed=seed).to(DTYPE))
-    return model, torch.optim.Adam(model.parameters(), lr=LR)
+    params = list(model.parameters())
+    return model, torch.optim.Adam(params[::-1] if reorder else params, lr=LR)
 
 
 def _train(model, opt, case, steps, first):
@@ -161,7 +164,7 @@ def _rank_save(rank, world, cls, case, path):
 
 
 def _rank_load(rank, world, cls, case, path):
-    model, opt = _sharded(case["seed"] + 1)  # another init: a load that does nothing is visible
+    model, opt = _sharded(case["seed"] + 1, case.get("reorder", False))  # another init: a no-op load shows
     with CommLog() as comm:
         cls().load(model, opt, path)
     params = list(model.parameters())
@@ -225,11 +228,12 @@ class ShardedCheckpointCheck(Check):
         return [{"save_on": 2, "load_on": 4, "before": rng.randint(2, 3), "after": 2, "seed": rng.randrange(2**31),
                  "lr": lr()},
                 {"save_on": 3, "load_on": 2, "before": rng.randint(1, 2), "after": 2, "seed": rng.randrange(2**31),
-                 "lr": lr()}]
+                 "lr": lr(), "reorder": True}]
 
     def describe(self, case):
         return (f"{case['before']} steps on {case['save_on']} ranks, lr set to {case['lr']}, saved; loaded on "
-                f"{case['load_on']} ranks, {case['after']} more steps")
+                f"{case['load_on']} ranks" + (" by an optimizer listing the parameters in reverse order"
+                                              if case.get("reorder") else "") + f", {case['after']} more steps")
 
     def run(self, cls, case):
         path = tempfile.mkdtemp(prefix="mgpu-ckpt-")
@@ -245,6 +249,11 @@ class ShardedCheckpointCheck(Check):
             shutil.rmtree(path, ignore_errors=True)
 
     def hint(self, error):
+        import re
+        if re.search(r"Size mismatch between saved .* for \w+\.state\.\d+\.", error):
+            return ("the optimizer's state was keyed by position (optimizer.state_dict(): parameter 0, 1, ...): "
+                    "an optimizer that lists its parameters in another order loaded one parameter's moments into "
+                    "another. get_state_dict(model, optimizer) keys the optimizer's state by parameter name")
         if "Timeout" in error and "dcp" in error and ("barrier" in error or "all_gather" in error):
             return ("dcp.save and dcp.load are collective: every rank calls them (each writes or reads its own "
                     "shards), never only rank 0 -- the ranks that did not call it waited for it")

@@ -192,6 +192,7 @@ class ShardedOptimizerCheck(RemembersVerdict):
                    "exactly one rank's share" + (" (it is the tied tensor: keep it once)" if i in tied else ""))
             expect(len(rs) == 1, f"parameter {i} (trainable) has optimizer state on no rank: nobody stepped it"
                    + (" (it was added with add_param_group)" if case["add_group"] and i >= len(base) - 2 else ""))
+        self._judge_balance(model, trainable, owners, world)
         flat = lambda ts: torch.cat([t.flatten() for t in ts])  # noqa: E731
         variants = {"the param groups' own hyperparameters (lr, weight_decay) ignored: every group used the "
                     "constructor's": dict(hparams=False),
@@ -218,6 +219,25 @@ class ShardedOptimizerCheck(RemembersVerdict):
                              **{k: flat(v[0]) for k, v in variants.items()}})
             expect_close(flat(res["params"]), flat(base), f"rank {r}'s parameters after {case['steps']} steps",
                          rtol=1e-5, atol=1e-6, hint=hint, mistakes={k: flat(v[1]) for k, v in variants.items()})
+
+    @staticmethod
+    def _judge_balance(model, trainable, owners, world):
+        """Each rank's share within one parameter of an even split: the bound any greedy partition meets
+        (each parameter to the least-loaded rank: the rank that got the last one held at most the average
+        before it). An answer where one rank owns everything trains right and shards nothing."""
+        params = unique(model.parameters())
+        size = {i: params[i].numel() * params[i].element_size() for i in trainable}
+        load = [sum(b for i, b in size.items() if owners[i] == [r]) for r in range(world)]
+        total, largest = sum(size.values()), max(size.values())
+        heavy = max(range(world), key=load.__getitem__)
+        greedy = [0] * world
+        for b in sorted(size.values(), reverse=True):  # ZeroRedundancyOptimizer's partition: largest first
+            greedy[greedy.index(min(greedy))] += b
+        expect(load[heavy] <= total / world + largest,
+               f"unbalanced: rank {heavy} owns {load[heavy]} of {total} bytes of trainable parameters "
+               f"(shares {load}); giving each parameter, largest first, to the least-loaded rank (as "
+               f"ZeroRedundancyOptimizer does) gives at most {max(greedy)} per rank. The heaviest rank's "
+               "optimizer state sets the memory ZeRO-1 saves")
 
     def _judge_bad(self, got):
         for probe, want, word in [("an optimizer instance", "TypeError", "optimizer_cls"),
@@ -383,6 +403,12 @@ class ReduceScatterCheck(RemembersVerdict):
                 expect(world == 1 or not ar or rs, f"rank {r}: all_reduce of the whole gradient, then a slice: "
                        "right values, but every rank received all of it; reduce-scatter sends each rank "
                        f"only its 1/N (collectives seen: {counts})")
+                ag = sum(v for k, v in counts.items() if "allgather" in k.replace("_", ""))
+                expect(world == 1 or not ag, f"rank {r}: all_gather of every rank's whole gradient, then a sum: "
+                       f"right values, but each rank received (and held) {world} full gradients; reduce-scatter "
+                       f"sends each rank only the sum of its 1/N (collectives seen: {counts})")
+                expect(world == 1 or rs, f"rank {r}: no reduce-scatter among the collectives ({counts}): each "
+                       "rank must receive only the sum of its own slice (dist.reduce_scatter_single)")
             expect_equal(len(res["shards"]), case["steps"], f"rank {r}: steps taken")
             expect_close(torch.cat([p.flatten() for p in res["params"]]), torch.cat([p.flatten() for p in final]),
                          f"rank {r}'s parameters after {case['steps']} ZeRO-2 steps", rtol=1e-4, atol=1e-5)

@@ -181,6 +181,40 @@ def measure(rank, world_size, knobs=None, model_kw=None, categories=True, seed=0
             "unit_bytes": [sum(p.numel() for p in b.parameters()) * 4 for b in blocks(model)]}
 
 
+def accumulation(rank, world_size, micro_batches=4, sync_each=True, rows=8, seed=0) -> dict:
+    """One optimizer step of the notebook's model over ``micro_batches`` micro-batches of ``rows`` rows per
+    rank. ``sync_each=True`` (torchtitan's ``train_step``: plain ``backward()`` per micro-batch): every
+    backward reduce-scatters and the blocks reshard, so a rank holds sharded gradients in between.
+    ``False``: ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` until the
+    last micro-batch -- no reduce-scatter, no second all-gather, but every unit's unsharded parameters and
+    unsharded gradients stay on every rank (in ``reduce_dtype`` when it differs: ``_fsdp_param.py``,
+    ``to_accumulated_grad_if_needed``). ``{"peak"`` (the profiler's, the whole step), ``"gathered"``,
+    ``"reduced"`` (bytes this rank sent into reduce-scatters), ``"per_micro"`` ({op: calls} per micro-batch)}."""
+    model, opt, _ = build({}, seed=seed)
+    x, y = make_batch(seed + 1, rows * micro_batches * world_size, MODEL["d_in"], MODEL["classes"])
+    x, y = x.tensor_split(world_size)[rank].to(rank_device()), y.tensor_split(world_size)[rank].to(rank_device())
+    per_micro = []
+
+    def step():
+        per_micro.clear()
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            last = i == micro_batches - 1
+            if not sync_each:
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+            with CommLog() as comm:
+                (F.cross_entropy(model(xm), ym) / micro_batches).backward()
+            per_micro.append({op: sum(1 for c in comm.calls if c[0] == op) for op in sorted({c[0] for c in comm.calls})})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    with CommLog() as comm, profiled_peak(sum(state_bytes(model, opt).values())) as prof:
+        step()
+    reduced = sum(i for op, _, i, _ in comm.calls if op == "reduce_scatter")
+    return {"peak": prof["peak"], "gathered": comm.gathered, "reduced": reduced, "per_micro": list(per_micro)}
+
+
 def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
     """:func:`measure` for each knob dict in ``options``, as rank 0 of ``world_size`` (fake process group:
     no process started; bytes as real ranks give, tested), each row ``{**knobs, "peak", "forward_compute"``
@@ -233,4 +267,4 @@ def _demo(rank, world_size):
 
 
 __all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes", "state_bytes",
-           "profiled_peak", "build", "measure", "sweep", "knob_grid", "knob_sweep", "budgets", "KNOBS", "PHASES"]
+           "profiled_peak", "build", "measure", "accumulation", "sweep", "knob_grid", "knob_sweep", "budgets", "KNOBS", "PHASES"]

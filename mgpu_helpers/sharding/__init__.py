@@ -12,13 +12,13 @@ FSDP2 and matplotlib (3 s), and the planner (``mgpu-plan``) needs only ``model_s
     torchrun --nproc-per-node 2 -m mgpu_helpers.sharding
     python -m mgpu_helpers.sharding                            # no torchrun: 2 ranks via run_ranks
 """
-from .zero import (PRECISIONS, STATES_PER_PARAM, Zero2, all_gather_flat, linears, make_batch, make_model,
-                   model_state_bytes, reduce_scatter_flat, unique)
+from .zero import (PRECISIONS, STATES_PER_PARAM, Zero2, all_gather_flat, comm_bytes_per_step, linears, make_batch,
+                   make_model, model_state_bytes, reduce_scatter_flat, unique)
 
 _FSDP = ("STAGE", "MODEL_STATE", "build", "measure", "sweep", "fake_world", "trains_like_one_process", "formula",
          "plot_per_rank", "plot_peaks")
 
-__all__ = ["PRECISIONS", "STATES_PER_PARAM", "Zero2", "all_gather_flat", "linears", "make_batch", "make_model",
+__all__ = ["PRECISIONS", "STATES_PER_PARAM", "Zero2", "all_gather_flat", "comm_bytes_per_step", "linears", "make_batch", "make_model",
            "model_state_bytes", "reduce_scatter_flat", "unique", *_FSDP]
 
 

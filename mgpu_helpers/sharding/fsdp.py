@@ -21,23 +21,38 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..runtime.launch import rank_device
 from ..runtime.plots import COLORS, LABELS, unit_for
 from ..runtime.tracker import MemoryTracker
 from .zero import Zero2, all_gather_flat, linears, make_batch, make_model, model_state_bytes
 
-STAGE = {"DDP (replica)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
+STAGE = {"DDP (DistributedDataParallel)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
          "FSDP2 per block + root": 3, "FSDP2 root only": 3}
-MODEL_STATE = ("parameters", "gradients", "optimizer_state")
+# "buckets": DDP's gradient buckets (0 for the rest). With DDP's default gradient_as_bucket_view=False
+# (torch/nn/parallel/distributed.py) the reducer allocates flat buckets at construction and copies every
+# gradient into them for the all-reduce: a second copy of the gradients, alive as long as the model.
+MODEL_STATE = ("parameters", "gradients", "optimizer_state", "buckets")
 
 
-def _average_grads(model):
-    world = dist.get_world_size()
-    for p in model.parameters():
-        if p.grad is not None and world > 1:
-            dist.all_reduce(p.grad)
-            p.grad /= world  # what DDP does during backward, done after it here
+def _no_data_allreduce(state, bucket):
+    """DDP's comm hook under the fake process group, whose all-reduce future holds no tensor (DDP's reducer
+    asserts one): hand the bucket back untouched, as an in-place all-reduce would -- the bytes are the same."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _ddp(model):
+    """Real ``DistributedDataParallel`` (its buckets included); under the fake process group, a hook that
+    moves no data stands in for the all-reduce."""
+    with MemoryTracker() as mt:  # what the constructor allocates and keeps: the buckets (DDP's logging data
+        ddp = DDP(model)         # agrees: ``ddp._get_ddp_logging_data()["bucket_sizes"]``, bytes per bucket)
+    ddp.bucket_bytes = mt.current_bytes
+    if dist.get_backend() == "fake":
+        ddp.register_comm_hook(None, _no_data_allreduce)
+    return ddp
 
 
 def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
@@ -53,11 +68,13 @@ def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
     if method.startswith("ZeRO-2"):
         zero = Zero2(model, torch.optim.Adam, reduce_scatter_fn, lr=lr, foreach=True)
         return model, zero.optimizer, zero.step
+    if method.startswith(("DDP", "ZeRO-1")):  # ZeroRedundancyOptimizer is used over DDP: DDP all-reduces
+        model = _ddp(model)
     if method.startswith("ZeRO-1"):
         zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=lr, foreach=True)
-        return model, zero.optim, lambda: (_average_grads(model), zero.step())
+        return model, zero.optim, zero.step
     opt = torch.optim.Adam(model.parameters(), lr=lr, foreach=True)  # foreach: CUDA's default, everywhere
-    return model, opt, (lambda: (_average_grads(model), opt.step())) if method.startswith("DDP") else opt.step
+    return model, opt, opt.step
 
 
 def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatter_fn=None):
@@ -81,14 +98,17 @@ def _measure(rank, world_size, method, widths, per_rank, seed, reduce_scatter_fn
         F.cross_entropy(model(x), y).backward()
         step()
 
-    train_step()  # warm-up: Adam makes its state in the first step
-    with MemoryTracker(model, opt) as mt:
-        train_step()
+    buckets = getattr(model, "bucket_bytes", 0)
+    for _ in range(2 if buckets else 1):  # warm-up: Adam makes its state in the first step; DDP rebuilds
+        train_step()                      # its buckets (same bytes, in backward's order) in the second forward
+    with MemoryTracker(model, opt) as mt:  # it sees what it can claim (parameters, optimizer state) and what
+        train_step()                       # is allocated inside: DDP's buckets, made earlier, are added
         mt.mark("end")
-    state = mt.breakdown()
+    state, at_peak = mt.breakdown(), mt.peak_breakdown()
+    at_peak["other"] += buckets
     return {"n_params": sum(p.numel() for p in make_model(widths, seed).parameters()),
-            "state": {c: state[c] for c in MODEL_STATE}, "peak": mt.peak_bytes,
-            "peak_breakdown": mt.peak_breakdown(),
+            "state": {**{c: state[c] for c in MODEL_STATE[:3]}, "buckets": buckets},
+            "peak": mt.peak_bytes + buckets, "peak_breakdown": at_peak,
             "naive_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
@@ -137,9 +157,12 @@ def sweep(world_sizes, methods, widths, per_rank=8, reduce_scatter_fn=None) -> d
 
 
 def formula(n_params: int, method: str, world_size: int) -> dict[str, int]:
-    """The ZeRO accounting (fp32 Adam) for ``method``, with the tracker's category names."""
+    """The ZeRO accounting (fp32 Adam) for ``method``, with the tracker's category names; "buckets" is DDP's
+    gradient buckets (stages 0 and 1 run under DDP: one more fp32 copy of the gradients), which the ZeRO
+    paper's accounting leaves out."""
     f = model_state_bytes(n_params, zero_stage=STAGE[method], world_size=world_size, precision="fp32")
-    return {"parameters": f["parameters"], "gradients": f["gradients"], "optimizer_state": f["optimizer"]}
+    return {"parameters": f["parameters"], "gradients": f["gradients"], "optimizer_state": f["optimizer"],
+            "buckets": f["gradients"] if STAGE[method] <= 1 else 0}
 
 
 def plot_per_rank(results: dict, world_sizes, title="Per-rank model state after a training step"):
@@ -153,8 +176,9 @@ def plot_per_rank(results: dict, world_sizes, title="Per-rank model state after 
         for i, w in enumerate(world_sizes):
             r, pos, bottom = results[m][w], i + (j - (len(methods) - 1) / 2) * width, 0.0
             for c in MODEL_STATE:
-                ax.bar(pos, r["state"][c] / div, width * 0.9, bottom=bottom, color=COLORS[c],
-                       label=LABELS[c] if (i, j) == (0, 0) else None, edgecolor="white", lw=0.5)
+                color, label = (COLORS[c], LABELS[c]) if c in COLORS else (COLORS["other"], "DDP's gradient buckets")
+                ax.bar(pos, r["state"][c] / div, width * 0.9, bottom=bottom, color=color,
+                       label=label if (i, j) == (0, 0) else None, edgecolor="white", lw=0.5)
                 bottom += r["state"][c] / div
             f = sum(formula(r["n_params"], m, w).values()) / div
             ax.plot([pos - width * 0.45, pos + width * 0.45], [f, f], "k-", lw=2,

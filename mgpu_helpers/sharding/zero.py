@@ -82,6 +82,48 @@ def model_state_bytes(n_params: int, *, zero_stage: int = 0, world_size: int = 1
     return out
 
 
+def comm_bytes_per_step(n_params: int, *, zero_stage: int, world_size: int, param_bytes: int = 4,
+                        grad_bytes: int = 4) -> dict[str, int]:
+    """Bytes **one rank receives** per training step, by collective, for ZeRO stage ``zero_stage`` as the
+    course and torch build it, with ring collectives over padded shards of ``L = ceil(n / N)`` elements:
+    a reduce-scatter or an all-gather receives ``(N - 1) L`` elements, an all-reduce (a reduce-scatter, then
+    an all-gather) twice that, and a broadcast from each parameter's owner the ``(N - 1) / N`` of the
+    parameters a rank does not own (an even split).
+
+    ======  =============================================================  ======================
+    stage   per step                                                        x DDP (equal dtypes)
+    ======  =============================================================  ======================
+    0       DDP: all-reduce the gradients                                   1
+    1       ZeroRedundancyOptimizer / 8.1 over DDP: DDP's all-reduce, then  1.5
+            each owner broadcasts its updated parameters
+    2       reduce-scatter the gradients, all-gather the updated shards     1
+            (8.2's ``Zero2``)
+    3       FSDP2 (``reshard_after_forward=True``): all-gather parameters   1.5
+            in forward and again in backward, reduce-scatter gradients
+    ======  =============================================================  ======================
+
+    The ZeRO paper counts stage 1 at DDP's volume too (its section 7): a rank steps only its shard, so a
+    reduce-scatter of the gradients is enough, then an all-gather of the updated parameters. The course's
+    ZeRO-1 and torch's keep DDP's all-reduce and add the broadcast: 1.5x.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    n, peers = world_size, world_size - 1
+    shard = _ceil_div(n_params, n)
+    rs, ag = peers * shard * grad_bytes, peers * shard * param_bytes   # one reduce-scatter, one all-gather
+    out = {"all-reduce": 0, "reduce-scatter": 0, "all-gather": 0, "broadcast": 0}
+    if zero_stage <= 1:
+        out["all-reduce"] = 2 * rs
+    if zero_stage == 1:
+        out["broadcast"] = ag
+    if zero_stage == 2:
+        out.update({"reduce-scatter": rs, "all-gather": ag})
+    if zero_stage == 3:
+        out.update({"reduce-scatter": rs, "all-gather": 2 * ag})
+    out["total"] = sum(out.values())
+    return out
+
+
 # --- models and parameters ----------------------------------------------------------------------------
 
 def make_model(widths: list[int], seed: int = 0, tie: tuple[int, int] | None = None,
