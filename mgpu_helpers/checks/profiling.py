@@ -41,15 +41,19 @@ class PeakPhase(Check):
     may_use = ("mgpu_helpers.runtime.tracker",)  # the task: measure the phases with MemoryTracker
 
     def cases(self, rng):
-        # Fixed kinds, random sizes. Weight-heavy (tiny batch): the optimizer's first step peaks (Adam's
-        # two states, momentum's buffer). Activation-heavy (big batch, narrow layers): backward peaks.
+        # Fixed kinds, random sizes. Weight-heavy (tiny batch): the optimizer's first step peaks with Adam's two
+        # states or momentum's buffer, but backward with plain SGD (it makes no state). Activation-heavy (big
+        # batch, narrow layers): backward peaks. Wide layers with a mid-size batch: Adam's step peaks. So the
+        # peak phase is a function of no one of batch size, width or optimizer: it has to be measured.
         out = []
-        for kind, opt in (("weights", "adam"), ("weights", "momentum"), ("activations", "adam"),
-                          ("activations", "sgd")):
+        for kind, opt in (("weights", "adam"), ("weights", "momentum"), ("weights", "sgd"),
+                          ("activations", "adam"), ("activations", "sgd"), ("wide", "adam")):
             if kind == "weights":
                 hidden, batch, first = rng.randint(256, 384), rng.randint(2, 8), rng.randint(128, 256)
-            else:
+            elif kind == "activations":
                 hidden, batch, first = rng.randint(32, 64), rng.randint(1024, 2048), rng.randint(16, 32)
+            else:
+                hidden, batch, first = rng.randint(768, 1024), rng.randint(96, 192), rng.randint(128, 256)
             widths = [first] + [hidden] * rng.randint(1, 3) + [10]
             out.append({"widths": widths, "batch": batch, "optimizer": opt, "seed": rng.randrange(2**31)})
         return out
@@ -65,7 +69,10 @@ class PeakPhase(Check):
         expected = max(peaks, key=peaks.get)
         wrong: dict[str, list[str]] = {}  # mistaken answer -> the mistakes that give it here
         for name, value in (("returned the phase with the largest memory at its END, not the largest peak "
-                             "within it", max(ends, key=ends.get)), ("returned simply the first phase", "forward")):
+                             "within it", max(ends, key=ends.get)), ("returned simply the first phase", "forward"),
+                            ("guessed the phase from the batch size instead of measuring it (a weight-heavy "
+                             "step with plain SGD peaks in backward; a wide one with Adam, in the optimizer)",
+                             "backward" if case["batch"] > 64 else "optimizer")):
             if value != expected:
                 wrong.setdefault(value, []).append(name)
         expect_equal(result, expected, "the phase where memory peaks",
