@@ -27,6 +27,10 @@ CASES = {
          "one forward over the whole batch"),
         ([("total += loss.item()", "total = loss.item()")], "returned only the last micro-batch's share"),
         ([("total += loss.item()", "total = total + loss")], "returned a tensor"),
+        ([("        loss.backward()                      # adds into .grad: never zero it, here or before the loop\n"
+           "        total += loss.item()\n    return total",
+           "        total = total + loss\n    total.backward()\n    return total.item()")],
+         "the losses were summed and backward called once"),
     ]),
     "5.2": ("accumulate_ddp", [
         ([(CTX, "contextlib.nullcontext()")], "no no_sync"),
@@ -42,6 +46,9 @@ CASES = {
         ([("import contextlib", "import contextlib\nimport torch.distributed as dist"),
           (CTX, "contextlib.nullcontext() if last or dist.get_rank() else ddp_model.no_sync()")],
          "the ranks' collectives do not match"),
+        ([("            loss.backward()\n        total += loss.item()\n    return total",
+           "            total = total + loss\n    total.backward()\n    return total.item()")],
+         "the losses were summed and backward called once"),
     ]),
 }
 

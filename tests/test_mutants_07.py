@@ -26,6 +26,9 @@ EVERY_SEED = [
      "the recomputation ran the wrong blocks"),
     ([("use_reentrant=False)", "use_reentrant=False, preserve_rng_state=False)")],
      "preserve_rng_state=False"),
+    ([(LOOP, "    blocks.eval()\n" + LOOP)], "dropout switched off (the blocks put in eval mode)"),
+    ([(CALL, CALL.replace("use_reentrant=False)", "use_reentrant=False).detach().requires_grad_()"))],
+     "a detach() of the segments' outputs"),
 ]
 ONE_SEED = [
     ([(LOOP, "    for start in range(0, len(blocks), k + 1):\n"), ("start + k]", "start + k + 1]")],

@@ -44,18 +44,29 @@ def _summed(widths, seed, x, y):
     return flat_grads(model), loss.item(), int((y != -100).sum())
 
 
+def _grad_sum(model) -> float:
+    return sum(float(p.grad.detach().double().sum()) for p in model.parameters() if p.grad is not None)
+
+
 def _run_counted(model, call):
-    sizes = []  # the batch size of every forward of model: did the learner split at all?
-    hook = model.register_forward_pre_hook(lambda mod, args: sizes.append(len(args[0])))
+    sizes, grads_seen = [], []  # each forward's batch size (did the learner split?) and .grad's sum before it
+    hook = model.register_forward_pre_hook(lambda mod, args: (sizes.append(len(args[0])),
+                                                              grads_seen.append(_grad_sum(model))) and None)
     loss = call()
     hook.remove()
-    return {"loss": plain(loss), "grads": flat_grads(model), "forward_batches": sizes}
+    return {"loss": plain(loss), "grads": flat_grads(model), "forward_batches": sizes, "grads_seen": grads_seen}
 
 
 def _expect_split(who, res, k, m):
     expect_equal(res["forward_batches"], [m] * k, f"{who}the batch sizes the model's forward saw", mistakes={
         "one forward over the whole batch: that is the big batch itself, not k micro-batches": [k * m]},
         hint="Hint: split inputs and targets into k micro-batches (tensor_split); run each through the model.")
+    seen = res["grads_seen"]  # a backward between two forwards changes .grad
+    expect(all(a != b for a, b in zip(seen, seen[1:])), f"{who}no backward ran between two micro-batches' "
+           "forwards: it matches a common mistake: the losses were summed and backward called once at the end. "
+           "The gradients are right, but every micro-batch's activations stay alive until that one backward "
+           "-- the memory accumulation exists to save. Hint: call backward() on each micro-batch's loss before "
+           "the next forward.")
 
 
 def _expect_loss(who, res, k, loss, last_loss):

@@ -137,10 +137,11 @@ class CheckpointEvery(Check):
         expect(len(grads) == len(names), f"got {len(grads)} gradients for {len(names)} parameters")
         missing = sorted({int(n.split(".")[1]) for n, g in zip(names, grads) if g is None and n.startswith("blocks")})
         if missing == list(range(L)):
-            expect(False, "no block got a gradient (only the head did): it matches a common mistake: "
-                   "use_reentrant=True with an input that does not require grad -- the reentrant variant then "
-                   "returns an output that needs no gradient, so backward never reaches the blocks. "
-                   "Hint: use_reentrant=False.")
+            expect(False, "no block got a gradient (only the head did): the graph is cut between the head and the "
+                   "blocks. It matches a common mistake: use_reentrant=True with an input that does not require "
+                   "grad -- the reentrant variant then returns an output that needs no gradient, so backward never "
+                   "reaches the blocks; or a detach() of the segments' outputs. Hint: use_reentrant=False, and "
+                   "pass each segment's output on as it is.")
         if missing:
             tail = missing == list(range(missing[0], L))
             expect(False, f"blocks {missing} got no gradient" + (
@@ -151,6 +152,14 @@ class CheckpointEvery(Check):
         if not torch.allclose(flat, ref, rtol=1e-4, atol=1e-6):
             expect(not _stale(result.get("recomputed") or []), "the gradients differ from the same step without "
                    "checkpointing: " + _stale(result.get("recomputed") or []))
+            if case.get("dropout"):
+                off = Stack(L, case["d"], case["h"], case["classes"], seed=case["seed"])  # same weights, no dropout
+                F.cross_entropy(off.head(no_checkpointing(off.blocks, x)), y).backward()
+                expect(not torch.allclose(flat, torch.cat([p.grad.flatten() for p in off.parameters()]),
+                                          rtol=1e-4, atol=1e-6),
+                       "the gradients are those of the stack without dropout: it matches a common mistake: dropout "
+                       "switched off (the blocks put in eval mode). Hint: leave the blocks' mode alone; "
+                       "checkpoint's default preserve_rng_state=True replays the forward's dropout masks.")
             expect(not case.get("dropout"), "the gradients differ from the same step without checkpointing, in a "
                    "stack with dropout (the cases without dropout passed): it matches a common mistake: "
                    "preserve_rng_state=False -- the recomputation draws new dropout masks, so backward "
