@@ -34,25 +34,28 @@ F32 = 4
 
 class Block(nn.Module):
     """Residual MLP block ``x + down(relu(up(x)))``; ``transformer=True``: pre-norm with GELU,
-    ``x + down(gelu(up(norm(x))))``, the MLP half of a transformer layer."""
+    ``x + down(gelu(up(norm(x))))``, the MLP half of a transformer layer. ``dropout`` > 0: dropout on the
+    branch, whose random mask a recomputation must draw again identically (check 7.1)."""
 
-    def __init__(self, d: int, h: int, transformer: bool = False):
+    def __init__(self, d: int, h: int, transformer: bool = False, dropout: float = 0.0):
         super().__init__()
         self.norm = nn.LayerNorm(d) if transformer else nn.Identity()
         self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
         self.act = F.gelu if transformer else torch.relu
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()  # Identity allocates nothing
 
     def forward(self, x):
-        return x + self.down(self.act(self.up(self.norm(x))))
+        return x + self.drop(self.down(self.act(self.up(self.norm(x)))))
 
 
 class Stack(nn.Module):
     """``blocks`` (an nn.ModuleList of L :class:`Block`) followed by a classifier ``head``."""
 
-    def __init__(self, layers: int, d: int, h: int, classes: int, seed: int = 0, transformer: bool = False):
+    def __init__(self, layers: int, d: int, h: int, classes: int, seed: int = 0, transformer: bool = False,
+                 dropout: float = 0.0):
         super().__init__()
         torch.manual_seed(seed)
-        self.blocks = nn.ModuleList(Block(d, h, transformer) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, h, transformer, dropout) for _ in range(layers))
         self.head = nn.Linear(d, classes)
 
 

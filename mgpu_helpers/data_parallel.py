@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .memory import make_optimizer
+
 
 # The notebook's demo problem: a small "language-model head" whose logits (tokens x vocab) outweigh
 # its parameters, as in real LMs -- which is what makes gathering them on device 0 expensive.
@@ -69,11 +71,11 @@ class LossInside(nn.Module):
 class SimDevice:
     """A thread standing in for GPU ``index``: what its tasks allocate is counted by its own tracker."""
 
-    def __init__(self, index, model):
+    def __init__(self, index, model, optimizer=None):
         from .runtime.tracker import MemoryTracker
         self.index, self.model = index, model
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"device{index}")
-        self.tracker = MemoryTracker(model, device="cpu")
+        self.tracker = MemoryTracker(model, optimizer, device="cpu")
         self.run(self.tracker.__enter__)  # the mode is pushed on this device's thread only
 
     def run(self, fn, *args):
@@ -84,15 +86,17 @@ class SimDevice:
         self.pool.shutdown()
 
 
-def simulate_data_parallel(model, x, y, n, loss_inside=False):
+def simulate_data_parallel(model, x, y, n, loss_inside=False, adam=False):
     """One DataParallel step over ``n`` simulated devices (device 0 holds ``model`` itself, as replicate
     does); returns the loss, the gradients left in ``model`` and, per device, its peak bytes, the
     breakdown at the peak and the peak of each phase. Devices run one after another, so the figures are
-    exact and repeatable; DataParallel would run them at once, which changes no device's own figure."""
+    exact and repeatable; DataParallel would run them at once, which changes no device's own figure.
+    ``adam=True``: then an Adam step (its first) on device 0, the only place the optimizer exists."""
     xs, ys = x.chunk(n), y.chunk(n)
     replicas = [LossInside(model) if loss_inside else model]
     replicas += [copy.deepcopy(replicas[0]) for _ in xs[1:]]  # replicate: a full copy per extra device
-    devs = [SimDevice(i, r) for i, r in enumerate(replicas)]
+    opt = make_optimizer("adam", model.parameters()) if adam else None
+    devs = [SimDevice(i, r, opt if i == 0 else None) for i, r in enumerate(replicas)]
     for d in devs:
         d.run(d.tracker.mark, "forward")
     if loss_inside:  # each device: its chunk (scatter copies it over), forward, its share of the loss
@@ -123,11 +127,15 @@ def simulate_data_parallel(model, x, y, n, loss_inside=False):
             for c in copies:
                 p.grad += c.grad.clone()
     devs[0].run(reduce)
+    if opt:
+        devs[0].run(devs[0].tracker.mark, "optimizer")
+        devs[0].run(opt.step)
+    ends = [d.tracker.breakdown() for d in devs]  # what each device holds when the step is over
     for d in reversed(devs):  # exit in reverse order: each tracker restores what the one before patched
         d.close()
     return {"loss": loss, "grads": [p.grad for p in model.parameters()],
             "devices": [{"peak": d.tracker.peak_bytes, "breakdown": d.tracker.peak_breakdown(),
-                         "phases": d.tracker.phase_peaks()} for d in devs]}
+                         "phases": d.tracker.phase_peaks(), "end": e} for d, e in zip(devs, ends)]}
 
 
 def device_table(devices, name="device", cols=("parameters", "gradients", "activations", "other")):
@@ -206,9 +214,10 @@ def gil_demo(n=2):
     return out
 
 
-def ddp_step(rank, world_size, spec=None, seed=0):
+def ddp_step(rank, world_size, spec=None, seed=0, adam=False):
     """One DDP step on this rank's share of the batch (one process per device: no threads, no replicate,
-    no gather); returns the rank's peak bytes, breakdown and the gradients (on CPU)."""
+    no gather); returns the rank's peak bytes, breakdown and the gradients (on CPU). ``adam=True``: then
+    an Adam step (its first): every rank holds the whole optimizer state."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .runtime.launch import rank_device
@@ -217,13 +226,17 @@ def ddp_step(rank, world_size, spec=None, seed=0):
     model, x, y = make_problem(**(spec or DEMO), seed=seed)
     model = model.to(dev)
     xr, yr = x.chunk(world_size)[rank].to(dev), y.chunk(world_size)[rank].to(dev)
-    with MemoryTracker(model, device=dev) as mt:
+    opt = make_optimizer("adam", model.parameters()) if adam else None
+    with MemoryTracker(model, opt, device=dev) as mt:
         # Made inside: its gradient buckets count too. init_sync=False: skip DDP's initial broadcast of the
         # weights (every rank built the same ones from `seed`), whose buffer gloo's worker thread frees at a
         # moment of its own choosing -- under load, inside the forward of one rank and not the other's.
         ddp = DDP(model, init_sync=False)
         F.cross_entropy(ddp(xr), yr).backward()  # DDP averages grads: equal chunks give the full-batch mean
-    return {"peak": mt.peak_bytes, "breakdown": mt.peak_breakdown(),
+        if opt:
+            opt.step()  # the step changes the parameters, not .grad
+        end = mt.breakdown()
+    return {"peak": mt.peak_bytes, "breakdown": mt.peak_breakdown(), "end": end,
             "grads": [p.grad.detach().cpu() for p in model.parameters()]}
 
 

@@ -79,14 +79,18 @@ def allocator_demo(device="cuda") -> dict:
     del a
     torch.cuda.empty_cache()
     out["del a; empty_cache()"] = _counters(dev)  # every step that changes the figures has its row
-    # Fragmentation: 32 blocks of 20 MiB (each its own cudaMalloc segment), every other one freed. The
-    # 320 MiB of holes stay reserved, but blocks of different segments never merge: no hole holds 40 MiB.
-    blocks = [torch.empty(20 * MiB, dtype=torch.uint8, device=dev) for _ in range(32)]
-    del blocks[::2]
-    out["32 x 20 MiB, every other one freed"] = _counters(dev)
-    big = torch.empty(40 * MiB, dtype=torch.uint8, device=dev)
-    out["then one 40 MiB tensor"] = _counters(dev)
-    del big, blocks
+    # Fragmentation. Requests between 1 and 10 MiB are cut from 20 MiB segments (c10/cuda/
+    # CUDACachingAllocator.cpp), so 40 tensors of 2 MiB fill 4 segments; every other one freed leaves 40 MiB
+    # of 2 MiB holes, each between live tensors of its own segment.
+    small = [torch.empty(2 * MiB, dtype=torch.uint8, device=dev) for _ in range(40)]
+    del small[::2]
+    out["40 x 2 MiB, every other one freed"] = _counters(dev)
+    # What the allocator itself does before it raises out-of-memory: it frees only wholly free segments.
+    torch.cuda.empty_cache()
+    out["then empty_cache()"] = _counters(dev)
+    big = torch.empty(4 * MiB, dtype=torch.uint8, device=dev)  # fits no 2 MiB hole
+    out["then one 4 MiB tensor"] = _counters(dev)
+    del big, small
     torch.cuda.empty_cache()
     out["all freed, empty_cache()"] = _counters(dev)
     return out
@@ -101,17 +105,19 @@ def print_allocator_table(rows: dict) -> None:
 
 def explain_allocator(rows: dict) -> None:
     """What the table of :func:`allocator_demo` says, as differences between its rows."""
-    r = [v for k, v in rows.items() if k != "del a; empty_cache()"]  # stored runs before it lack that row
-
-    def d(i, k):  # the change row i made
-        return mib(r[i][k] - r[i - 1][k], sign=True)
-    print(f"del b:        allocated {d(2, 'allocated')}, reserved {d(2, 'reserved')}, device used "
-          f"{d(2, 'device_used')}; the peak still counts b ({mib(r[2]['peak'])})")
-    print(f"reset peak:   the peak drops to what is allocated now ({mib(r[3]['peak'])})")
-    print(f"empty_cache:  reserved {d(4, 'reserved')}, device used {d(4, 'device_used')}")
-    print(f"fragmented:   {mib(r[5]['reserved'] - r[5]['allocated'])} reserved but free, yet 40 MiB more "
-          f"grew reserved by {d(6, 'reserved')[1:]}")
-    print(f"not PyTorch's: device used - reserved = {mib(r[-1]['device_used'] - r[-1]['reserved'])} "
+    def d(label, before, k):  # the change from row `before` to row `label`
+        return mib(rows[label][k] - rows[before][k], sign=True)
+    b, frag = rows["b = a.float(); del b"], rows["40 x 2 MiB, every other one freed"]
+    print(f"del b:        allocated {d('b = a.float(); del b', 'a = 256 MiB tensor', 'allocated')}, reserved "
+          f"{d('b = a.float(); del b', 'a = 256 MiB tensor', 'reserved')}; the peak still counts b ({mib(b['peak'])})")
+    print(f"reset peak:   the peak drops to what is allocated now ({mib(rows['reset_peak_memory_stats()']['peak'])})")
+    print(f"empty_cache:  reserved {d('empty_cache()', 'reset_peak_memory_stats()', 'reserved')}, device used "
+          f"{d('empty_cache()', 'reset_peak_memory_stats()', 'device_used')}")
+    print(f"fragmented:   {mib(frag['reserved'] - frag['allocated'])} reserved but free; empty_cache() released "
+          f"{d('then empty_cache()', '40 x 2 MiB, every other one freed', 'reserved')}, and 4 MiB more grew "
+          f"reserved by {d('then one 4 MiB tensor', 'then empty_cache()', 'reserved')[1:]}")
+    last = rows["all freed, empty_cache()"]
+    print(f"not PyTorch's: device used - reserved = {mib(last['device_used'] - last['reserved'])} "
           f"(the CUDA context, and any other process on the GPU)")
 
 

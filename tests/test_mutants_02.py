@@ -20,6 +20,9 @@ CASES = {
          "largest memory at its END"),
         ("return max(peaks, key=peaks.get)", "return next(iter(peaks))", "returned simply the first phase"),
         ("return max(peaks, key=peaks.get)", "return [max(peaks, key=peaks.get)]", "returned a list; expected a str"),
+        ("    with MemoryTracker(model, optimizer) as t:",
+         "    return 'backward' if len(x) > 64 else 'optimizer'\n    with MemoryTracker(model, optimizer) as t:",
+         "guessed the phase from the batch size"),
     ]),
 }
 

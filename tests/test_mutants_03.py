@@ -27,6 +27,11 @@ MUTANTS = [  # (old, new, what the failure message must say)
      "the original model ran forward itself"),
     ("return loss.detach()", "return None", "returned None; expected the loss"),
 ]
+# One shared copy runs every chunk: autograd sums the chunks' gradients into it, so copying its .grad back
+# gives the right numbers without the reduce the lesson is about. The check counts the modules that ran.
+SHARED = [("replicas = [copy.deepcopy(model) for _ in chunks]",
+           "shared = copy.deepcopy(model)\n    replicas = [shared for _ in chunks]"),
+          (SUM, "total = copies[0].grad")]
 
 
 @pytest.mark.parametrize("seed", [None, 0, 1, 2])
@@ -43,6 +48,10 @@ def test_stub_fails():
 @pytest.mark.parametrize("old,new,named", MUTANTS, ids=[m[2][:32] for m in MUTANTS])
 def test_planted_mistake_is_named_under_20_seeds(old, new, named):
     mutant_fails_every_seed(NB, "3.1", FN, [(old, new)], named)
+
+
+def test_one_shared_copy_is_named_under_20_seeds():
+    mutant_fails_every_seed(NB, "3.1", FN, SHARED, "one shared copy ran every chunk")
 
 
 def test_no_warning_for_a_loss_that_requires_grad():

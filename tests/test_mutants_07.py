@@ -24,6 +24,11 @@ EVERY_SEED = [
     # there is no CheckpointError, only wrong gradients; either way the recomputed blocks name it)
     ([(CALL, "x = checkpoint(lambda h: run_segment(blocks[start:start + k], h), x, use_reentrant=False)")],
      "the recomputation ran the wrong blocks"),
+    ([("use_reentrant=False)", "use_reentrant=False, preserve_rng_state=False)")],
+     "preserve_rng_state=False"),
+    ([(LOOP, "    blocks.eval()\n" + LOOP)], "dropout switched off (the blocks put in eval mode)"),
+    ([(CALL, CALL.replace("use_reentrant=False)", "use_reentrant=False).detach().requires_grad_()"))],
+     "a detach() of the segments' outputs"),
 ]
 ONE_SEED = [
     ([(LOOP, "    for start in range(0, len(blocks), k + 1):\n"), ("start + k]", "start + k + 1]")],

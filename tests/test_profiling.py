@@ -53,7 +53,7 @@ def test_plot_snapshot_draws():
 
 def test_stored_assets_are_small_consistent_and_labelled():
     fig = P.stored_figures()
-    assert fig["made_by"] == "bench/profiling_gpu.py" and "H200" in fig["device"]
+    assert fig["made_by"] == "bench/profiling_gpu.py" and fig["device"].startswith("NVIDIA")
     for name in (P.FIGURES, P.SNAPSHOT, P.PNG):
         assert P.asset(name).stat().st_size < 2_000_000
     rows = fig["allocator"]
@@ -145,7 +145,7 @@ def test_2_2_cases_have_clear_answers():
         for c in REGISTRY["2.2"].make_cases(seed):
             peaks, _ = R.phase_peaks(c)
             top, second = sorted(peaks.values(), reverse=True)[:2]
-            assert max(peaks, key=peaks.get) == ("backward" if c["batch"] >= 1024 else "optimizer")
+            assert max(peaks, key=peaks.get) == ("backward" if c["kind"] in ("activations", "narrow") else "optimizer")
             assert top > 1.15 * second, (c, peaks)
 
 
@@ -160,7 +160,10 @@ def test_2_1_spike_exceeds_every_step_peak():
 def test_allocator_demo_on_a_gpu(tmp_path):  # runs where a GPU is
     rows = P.allocator_demo()
     assert rows["b = a.float(); del b"]["reserved"] - rows["a = 256 MiB tensor"]["reserved"] >= 1024 * M
-    assert rows["then one 40 MiB tensor"]["reserved"] > rows["32 x 20 MiB, every other one freed"]["reserved"]
+    frag = rows["40 x 2 MiB, every other one freed"]
+    assert frag["reserved"] - frag["allocated"] >= 40 * M  # the holes
+    assert rows["then empty_cache()"]["reserved"] == frag["reserved"]  # no segment is wholly free
+    assert rows["then one 4 MiB tensor"]["reserved"] > frag["reserved"]  # so 4 MiB needs a new segment
     marks = P.record_step_snapshot(tmp_path / "s.pickle", widths=(256, 256, 10), batch=64)
     s = P.snapshot_summary(pickle.loads((tmp_path / "s.pickle").read_bytes()), marks)
     assert s["peak in backward"] > 0 and s["peak allocated"] >= s["peak in forward"]

@@ -19,21 +19,54 @@ def _model_case(rng, k: int, m: int) -> dict:
 
 
 def _data(case, world=1):
-    return make_batch(case["seed"] + 1, world * case["k"] * case["micro"], case["widths"][0], case["widths"][-1])
+    x, y = make_batch(case["seed"] + 1, world * case["k"] * case["micro"], case["widths"][0], case["widths"][-1])
+    if case.get("pad"):  # padding: targets -100, which F.cross_entropy ignores; a different count per micro-batch
+        g, m = torch.Generator().manual_seed(case["seed"] + 2), case["micro"]
+        for j, pads in enumerate(torch.randperm(m, generator=g)[:case["k"]].tolist()):  # 0..m-1, all different
+            y[j * m:j * m + pads] = -100  # each micro-batch keeps at least one counted target
+    return x, y
+
+
+def _prefill(model, case):
+    """Gradients already in .grad when the function is called (the caller's, from earlier micro-batches)."""
+    if not case.get("prefilled"):
+        return torch.zeros(sum(p.numel() for p in model.parameters()))
+    g = torch.Generator().manual_seed(case["seed"] + 3)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    return flat_grads(model)
+
+
+def _summed(widths, seed, x, y):
+    """Gradient and value of the SUMMED loss over (x, y)'s counted targets, and their count."""
+    model = mlp(widths, seed=seed)
+    (loss := F.cross_entropy(model(x), y, reduction="sum")).backward()
+    return flat_grads(model), loss.item(), int((y != -100).sum())
+
+
+def _grad_sum(model) -> float:
+    return sum(float(p.grad.detach().double().sum()) for p in model.parameters() if p.grad is not None)
 
 
 def _run_counted(model, call):
-    sizes = []  # the batch size of every forward of model: did the learner split at all?
-    hook = model.register_forward_pre_hook(lambda mod, args: sizes.append(len(args[0])))
+    sizes, grads_seen = [], []  # each forward's batch size (did the learner split?) and .grad's sum before it
+    hook = model.register_forward_pre_hook(lambda mod, args: (sizes.append(len(args[0])),
+                                                              grads_seen.append(_grad_sum(model))) and None)
     loss = call()
     hook.remove()
-    return {"loss": plain(loss), "grads": flat_grads(model), "forward_batches": sizes}
+    return {"loss": plain(loss), "grads": flat_grads(model), "forward_batches": sizes, "grads_seen": grads_seen}
 
 
 def _expect_split(who, res, k, m):
     expect_equal(res["forward_batches"], [m] * k, f"{who}the batch sizes the model's forward saw", mistakes={
         "one forward over the whole batch: that is the big batch itself, not k micro-batches": [k * m]},
         hint="Hint: split inputs and targets into k micro-batches (tensor_split); run each through the model.")
+    seen = res["grads_seen"]  # a backward between two forwards changes .grad
+    expect(all(a != b for a, b in zip(seen, seen[1:])), f"{who}no backward ran between two micro-batches' "
+           "forwards: it matches a common mistake: the losses were summed and backward called once at the end. "
+           "The gradients are right, but every micro-batch's activations stay alive until that one backward "
+           "-- the memory accumulation exists to save. Hint: call backward() on each micro-batch's loss before "
+           "the next forward.")
 
 
 def _expect_loss(who, res, k, loss, last_loss):
@@ -51,27 +84,51 @@ class AccumulateGradients(Check):
     def cases(self, rng):
         k = rng.choice([2, 3, 4])
         return [_model_case(rng, k, rng.choice([m for m in range(3, 7) if m != k])),  # every mistake shows
-                _model_case(rng, rng.randint(4, 8), 1),                                # micro-batches of one sample
-                _model_case(rng, 1, rng.randint(2, 8)),                                # k=1: the big batch itself
-                _model_case(rng, rng.randint(2, 5), rng.randint(2, 6))]
+                dict(_model_case(rng, rng.randint(4, 8), 1), prefilled=True),        # one sample each; .grad set
+                dict(_model_case(rng, 1, rng.randint(2, 8)), pad=True),              # k=1: the big batch itself
+                dict(_model_case(rng, rng.randint(2, 4), rng.randint(4, 6)), pad=True, prefilled=True)]
+
+    def describe(self, case):
+        return (f"k={case['k']} micro-batches of {case['micro']} rows, widths {case['widths']}"
+                + (", padding (unequal counted targets)" if case.get("pad") else "")
+                + (", .grad already holding gradients" if case.get("prefilled") else ""))
 
     def run(self, fn, case):
         model, (x, y) = mlp(case["widths"], seed=case["seed"]), _data(case)
+        _prefill(model, case)
         return _run_counted(model, lambda: fn(model, F.cross_entropy, x, y, case["k"]))
 
     def judge(self, case, result):
         k, m, (x, y) = case["k"], case["micro"], _data(case)
-        base, loss = _grads_of(case["widths"], case["seed"], x, y)
-        last, last_loss = _grads_of(case["widths"], case["seed"], x[-m:], y[-m:])
+        g0 = _prefill(mlp(case["widths"], seed=case["seed"]), case)
+        parts = [_summed(case["widths"], case["seed"], xm, ym) for xm, ym in zip(x.tensor_split(k), y.tensor_split(k))]
+        n = sum(c for _, _, c in parts)
+        base, loss = sum(g for g, _, _ in parts) / n, sum(v for _, v, _ in parts) / n
+        means = sum(g / c for g, _, c in parts)  # the sum of the micro-batches' mean-loss gradients
         _expect_split("", result, k, m)
-        expect_close(result["grads"], base, "the accumulated gradient", rtol=1e-4, mistakes={
-            "loss not divided by k: gradients are k× too large": k * base,
-            "zero_grad inside the loop: only the last micro-batch's gradients survive": last / k,
+        expect_close(result["grads"], g0 + base, "the accumulated gradient (added to what .grad held)", rtol=1e-4,
+                     mistakes={
+            "weighted each micro-batch's mean loss by 1/k: with padding the micro-batches count different numbers "
+            "of targets, so their means are not equal shares of the big batch's mean (the 2024 transformers "
+            "Trainer bug). Divide each micro-batch's summed loss by the whole batch's count": g0 + means / k,
+            "zeroed the gradients already in .grad (zero_grad at the start): they are the caller's; "
+            "accumulate into them": base,
+            "loss not divided by k: each micro-batch's mean added whole, k× too large": g0 + means,
+            "zero_grad inside the loop: only the last micro-batch's gradients survive": parts[-1][0] / n,
             "gradients zeroed after the last backward": torch.zeros_like(base),
-            "divided by the micro-batch size instead of k: loss_fn already averages over it": k * base / m,
-            "divided by the batch size as well as by k: loss_fn already averages, so it counts twice": base / m,
-        }, hint="Hint: backward (loss_fn(model(x), y) / k) for each of the k micro-batches, and zero nothing.")
-        _expect_loss("", result, k, loss, last_loss)
+            "counted the padding: divided by the number of rows, not of counted targets (targets == -100 are "
+            "ignored)": g0 + base * n / len(y),
+            "divided the micro-batch's MEAN loss by the count: loss_fn already averaged it; take "
+            "reduction='sum'": g0 + means / n,
+            "divided by the micro-batch size instead of k: loss_fn already averages over it": g0 + means / m,
+        }, hint="Hint: loss_fn(model(x), y, reduction='sum') / (the whole batch's count of targets != -100) "
+                "for each micro-batch, backward, and zero nothing.")
+        expect_type(result["loss"], (float, int), "the function", "a float: the accumulated loss",
+                    hint="Hint: a Python number, as loss.item() gives, not a tensor (which would keep its graph alive).")
+        expect_close(result["loss"], loss, "the returned loss", rtol=1e-4, mistakes={
+            "summed the micro-batch losses without dividing": sum(v / c for _, v, c in parts),
+            "returned only the last micro-batch's share (total = instead of total +=)": parts[-1][1] / n},
+            hint="Hint: return the sum of the k shares: the big batch's mean loss over its counted targets.")
 
 
 def _ddp_case(rank, world, fn, case):

@@ -65,13 +65,18 @@ class CheckpointEvery(Check):
         bad = [dict(_case(rng, 4, 0), bad=True), dict(_case(rng, 5, 6), bad=True)]
         cases = fixed + random_
         rng.shuffle(cases)
-        return cases + bad
+        # Dropout: the recomputation must draw the same masks as the forward (checkpoint's default
+        # preserve_rng_state=True); judged after the others, so a mistake they catch is named there first.
+        dropout = [dict(_case(rng, rng.randint(4, 8), 2), dropout=0.5), dict(_case(rng, 5, 5), dropout=0.3)]
+        return cases + dropout + bad
 
     def describe(self, case):
-        return (f"{case['layers']} blocks, k={case['k']}, batch {case['batch']}, d={case['d']}, h={case['h']}")
+        return (f"{case['layers']} blocks, k={case['k']}, batch {case['batch']}, d={case['d']}, h={case['h']}"
+                + (f", dropout {case['dropout']}" if case.get("dropout") else ""))
 
     def run(self, fn, case):
-        model = Stack(case["layers"], case["d"], case["h"], case["classes"], seed=case["seed"])
+        model = Stack(case["layers"], case["d"], case["h"], case["classes"], seed=case["seed"],
+                      dropout=case.get("dropout", 0.0))
         x, y = make_data(case["batch"], case["d"], case["classes"], seed=case["seed"])
         if case.get("bad"):
             try:
@@ -93,6 +98,7 @@ class CheckpointEvery(Check):
 
         for i, b in enumerate(model.blocks):
             b.register_forward_pre_hook(lambda m, args, i=i: seen(i, args))
+        torch.manual_seed(case["seed"])  # dropout's masks: the judge's plain step draws the same
         with MemoryTracker(model) as mt:
             out = fn(model.blocks, x, case["k"])
             if not isinstance(out, torch.Tensor):
@@ -122,18 +128,20 @@ class CheckpointEvery(Check):
                    f"{result['checkpoint_error']}\n  " + (_stale(result.get("recomputed") or []) or
                    "Hint: checkpoint(function, *its inputs, use_reentrant=False), with everything the function "
                    "uses passed as an argument."))
-        model = Stack(L, case["d"], case["h"], case["classes"], seed=case["seed"])
+        model = Stack(L, case["d"], case["h"], case["classes"], seed=case["seed"], dropout=case.get("dropout", 0.0))
         x, y = make_data(case["batch"], case["d"], case["classes"], seed=case["seed"])
+        torch.manual_seed(case["seed"])
         F.cross_entropy(model.head(no_checkpointing(model.blocks, x)), y).backward()
         names = [n for n, _ in model.named_parameters()]
         grads = result["grads"]
         expect(len(grads) == len(names), f"got {len(grads)} gradients for {len(names)} parameters")
         missing = sorted({int(n.split(".")[1]) for n, g in zip(names, grads) if g is None and n.startswith("blocks")})
         if missing == list(range(L)):
-            expect(False, "no block got a gradient (only the head did): it matches a common mistake: "
-                   "use_reentrant=True with an input that does not require grad -- the reentrant variant then "
-                   "returns an output that needs no gradient, so backward never reaches the blocks. "
-                   "Hint: use_reentrant=False.")
+            expect(False, "no block got a gradient (only the head did): the graph is cut between the head and the "
+                   "blocks. It matches a common mistake: use_reentrant=True with an input that does not require "
+                   "grad -- the reentrant variant then returns an output that needs no gradient, so backward never "
+                   "reaches the blocks; or a detach() of the segments' outputs. Hint: use_reentrant=False, and "
+                   "pass each segment's output on as it is.")
         if missing:
             tail = missing == list(range(missing[0], L))
             expect(False, f"blocks {missing} got no gradient" + (
@@ -144,8 +152,23 @@ class CheckpointEvery(Check):
         if not torch.allclose(flat, ref, rtol=1e-4, atol=1e-6):
             expect(not _stale(result.get("recomputed") or []), "the gradients differ from the same step without "
                    "checkpointing: " + _stale(result.get("recomputed") or []))
+            if case.get("dropout"):
+                off = Stack(L, case["d"], case["h"], case["classes"], seed=case["seed"])  # same weights, no dropout
+                F.cross_entropy(off.head(no_checkpointing(off.blocks, x)), y).backward()
+                expect(not torch.allclose(flat, torch.cat([p.grad.flatten() for p in off.parameters()]),
+                                          rtol=1e-4, atol=1e-6),
+                       "the gradients are those of the stack without dropout: it matches a common mistake: dropout "
+                       "switched off (the blocks put in eval mode). Hint: leave the blocks' mode alone; "
+                       "checkpoint's default preserve_rng_state=True replays the forward's dropout masks.")
+            expect(not case.get("dropout"), "the gradients differ from the same step without checkpointing, in a "
+                   "stack with dropout (the cases without dropout passed): it matches a common mistake: "
+                   "preserve_rng_state=False -- the recomputation draws new dropout masks, so backward "
+                   "differentiates another function than the forward computed. Hint: leave checkpoint's "
+                   "preserve_rng_state at its default, True.")
         expect_close(flat, ref, "the gradients (compared with the same step without checkpointing)", hint="Hint: pass each segment's blocks and input to checkpoint as arguments; "
                      "non-reentrant checkpointing gives gradients equal to the plain step.", rtol=1e-4, atol=1e-6)
+        if case.get("dropout"):
+            return  # predict_peak models the stack without dropout (whose masks add to the peak)
         shape = (case["d"], case["h"], case["classes"], case["batch"])
         expected = predict_peak(plan_for(L, k), *shape)
         mistakes = {name: predict_peak(plan, *shape) for name, plan in _mistake_plans(L, k).items()}

@@ -29,10 +29,13 @@ class DataParallelStep(Check):
 
     def run(self, fn, case):
         model, x, y = self._problem(case)
-        calls, caller = [], threading.get_ident()
+        calls, caller, modules = [], threading.get_ident(), []
 
         def spy(module, args):  # copied along with the module by deepcopy: sees every replica's forward
-            calls.append([module is model, threading.get_ident() == caller, int(args[0].shape[0])])
+            if not any(m is module for m in modules):
+                modules.append(module)  # kept alive for the run, so each replica has its own index
+            which = next(i for i, m in enumerate(modules) if m is module)
+            calls.append([module is model, threading.get_ident() == caller, int(args[0].shape[0]), which])
         model.register_forward_pre_hook(spy)
         loss = fn(model, x.clone(), y.clone(), case["n_replicas"])
         return {"loss": plain(loss), "calls": calls,  # plain: detached, so no requires_grad warning
@@ -48,6 +51,11 @@ class DataParallelStep(Check):
         expect_equal(sorted(c[2] for c in calls), sorted(sizes), "the list of the replicas' batch sizes", mistakes={
             "split with tensor_split-style sizes; DataParallel's scatter uses torch.chunk "
             "(ceil(B/n) rows per chunk, so possibly fewer chunks than n)": sorted(len(c) for c in x.tensor_split(n))})
+        expect(len({c[3] for c in calls}) == len(calls), f"{len(calls)} forwards ran on "
+               f"{len({c[3] for c in calls})} module(s): it matches a common mistake: one shared copy ran every "
+               "chunk, so autograd summed the chunks' gradients into that one copy and the reduce step never "
+               "happened. DataParallel replicates the module onto every device: make one copy per chunk, then "
+               "sum the replicas' gradients into the model.")
         expect(len(sizes) == 1 or not all(c[1] for c in calls), "every replica ran forward in the calling "
                "thread: parallel_apply runs each replica in its own thread (e.g. ThreadPoolExecutor.map).")
         expect_type(r["loss"], (float, torch.Tensor), self.function, "the loss: a float or a 0-d tensor")
