@@ -28,7 +28,6 @@ from torch.utils.checkpoint import checkpoint
 from ..runtime.tracker import CATEGORIES, CUDA_BLOCK
 from .accounting import FakeTracker
 from .cuda import CudaKernels, recompute_contexts
-from .kernels import measure_pending
 
 PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (layouts: all layouts)
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
@@ -146,6 +145,16 @@ class Trace:
     config: dict = field(default_factory=dict)
     param_state_sizes: list = field(default_factory=list)  # per trainable parameter: its state's (numel, bytes)
     events: list = field(default_factory=list, repr=False)  # every storage's size change (planner.allocator)
+    tracker_peak: tuple = (0, None)    # the tracker's (peak_bytes, peak_breakdown) of the traced step
+    workspace_at_peak: int = 0         # cuDNN's workspace at the peak, when GPU kernels were traced
+    source: dict = field(default_factory=dict, repr=False)  # trace_step's arguments: what shard(3, n) runs
+    fsdp_plans: dict = field(default_factory=dict, repr=False, compare=False)  # shard(3, n)'s, by options
+
+    def shard(self, zero_stage: int = 0, world_size: int = 1, **options):
+        """The per-rank :class:`~mgpu_helpers.planner.Plan` of ZeRO ``zero_stage`` on ``world_size`` ranks
+        (``planner.plans.plan_from_trace``)."""
+        from .plans import plan_from_trace
+        return plan_from_trace(self, zero_stage, world_size, **options)
 
 
 def _fake_batch(batch, device):
@@ -197,9 +206,9 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
     ``fsdp``: ``dict(world_size=, rank=, **planner.fsdp.apply_fsdp options)`` traces that rank's step of
     the model wrapped by FSDP2 in a fake process group instead (``planner.fsdp``): two steps, the second
     counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run).
-    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): a convolution's scratch
-    (oneDNN's or cuDNN's workspace) and, for "cuda", the attention kernel a GPU would choose
-    (``planner.cuda``) -- ``mgpu-plan`` traces on any machine and plans for a GPU."""
+    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): for "cuda", the attention
+    kernel a GPU would choose (``planner.cuda``) and its kernels' scratch (cuDNN's workspace, flash
+    attention's buffers) -- ``mgpu-plan`` traces on any machine and plans for a GPU."""
     if kernels not in (None, "cpu", "cuda"):
         raise ValueError(f"kernels must be None, 'cpu' or 'cuda', got {kernels!r}")
     source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
@@ -217,10 +226,8 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
                           device, round_to, fsdp, kernels)
 
     trace = once()
-    if measure_pending():  # ops met for the first time in this process, now measured on this CPU: again
-        trace = once()
     trace.config["layout"] = precision
-    trace.source = source  # what Trace.shard(3, n) runs under FSDP2
+    trace.source = source
     return trace
 
 
