@@ -41,9 +41,17 @@ METHODS = {  # method: plan() options
 STEPS = 3  # the measured step is the last
 
 
-def wrap(model, method, precision="fp32", device="cpu", **options):
+def mesh_of(device):
+    """A 1-D mesh over the whole group on ``device``'s type (bench/planner_ranks_gpu.py: gloo ranks sharing
+    one GPU, each process with its own caching allocator)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh(torch.device(device).type, list(range(dist.get_world_size())))
+
+
+def wrap(model, method, precision="fp32", device="cpu", mesh=None, **options):
     """``(model, optimizer)`` as ``method`` wraps them on this rank (the process group is up; the model is
-    on ``device``); ``options``: plan()'s (``gradient_as_bucket_view`` for DDP, the FSDP2 ones)."""
+    on ``device``); ``options``: plan()'s (``gradient_as_bucket_view`` for DDP, the FSDP2 ones). ``mesh``:
+    FSDP2's (default :func:`mesh_of` the device; the planner makes it outside the step it counts)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     trainable = [p for p in model.parameters() if p.requires_grad]
     device = torch.device(device)
@@ -55,14 +63,10 @@ def wrap(model, method, precision="fp32", device="cpu", **options):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return model, ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.Adam, lr=1e-3, foreach=True)
     if method in ("fsdp2", "fsdp2-root"):
-        from torch.distributed.device_mesh import DeviceMesh
-
         from .fsdp import apply_fsdp  # the very code plan() runs on fake tensors
         fsdp = {k: v for k, v in options.items() if k in ("reshard_after_forward", "prefetch", "offload", "mp_policy")}
-        # a mesh over the whole group on this rank's device type (bench/planner_ranks_gpu.py: gloo ranks
-        # sharing one GPU, each process with its own caching allocator)
-        apply_fsdp(model, DeviceMesh(device.type, list(range(dist.get_world_size()))), precision=precision,
-                   fsdp_units=METHODS[method]["fsdp_units"], **fsdp)
+        apply_fsdp(model, mesh or mesh_of(device), precision=precision, fsdp_units=METHODS[method]["fsdp_units"],
+                   **fsdp)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=True)
     raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
 
@@ -74,6 +78,7 @@ def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, opti
     if precision == "bf16":
         x = x.bfloat16() if x.is_floating_point() else x
     step_precision = "fp32" if precision in ("fsdp-mixed", "bf16") else precision
+    mesh = mesh_of(device) if method.startswith("fsdp2") else None  # its rank tensor: before the count, as plan()
     cpu = device.type == "cpu"
     ref = AllocationReference() if cpu else contextlib.nullcontext()
     with ref, MemoryTracker(device=device) as mt:
@@ -81,7 +86,7 @@ def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, opti
             model = model_fn()
         if precision == "bf16":
             model = model.to(torch.bfloat16)
-        model, opt = wrap(model, method, precision, device=device, **options)
+        model, opt = wrap(model, method, precision, device=device, mesh=mesh, **options)
         starts = []
         for i in range(STEPS):
             starts.append(mt.current_bytes)
