@@ -27,7 +27,7 @@ import functools
 from .planner import budget as db
 from .planner.layouts import ZERO_STAGES
 from .planner.models import SIZES, Decoder, decoder, lm_loss, token_batch
-from .planner.plans import Plan
+from .planner.plans import Plan, plan_from_trace
 from .planner.trace import PRECISIONS, trace_step
 
 CAPACITY_GPUS = ("L4", "A100-80GB", "H200")  # budget.GPUS: real capacities in bytes
@@ -78,7 +78,7 @@ def _plans(size, batch, precision, world_sizes, stages, ckpts, micro):
         for s in stages:
             if n == 1 and s:
                 continue
-            out += [cached_trace(size, per_rank, length, precision, ck, k).shard(s, n)
+            out += [plan_from_trace(cached_trace(size, per_rank, length, precision, ck, k), s, n)
                     for ck in ckpts for k in micro if per_rank % k == 0]
     return tuple(out)
 
@@ -100,7 +100,7 @@ def settings_plan(settings: dict):
         raise ValueError(f"micro_batches={s['micro_batches']} does not divide batch_size={s['batch_size']}")
     trace = cached_trace(s["size"], s["batch_size"], s["seq_len"], s["precision"], s["checkpointing"],
                          s["micro_batches"])
-    return trace.shard(s["zero_stage"], s["world_size"])
+    return plan_from_trace(trace, s["zero_stage"], s["world_size"])
 
 
 def render(settings: dict, fig=None):

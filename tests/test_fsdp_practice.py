@@ -166,7 +166,6 @@ def test_runs_under_torchrun():
     assert "rank 0 of 2" in out and "'precision': 'mp_policy'" in out and "gathered" in out
 
 
-@pytest.mark.cpu_figures
 def test_planner_plans_these_knobs_to_within_two_percent():
     from mgpu_helpers.fsdp_practice.plan import plan_knobs
     for world, knobs in [(2, {}), (2, {"precision": "mp_policy"}), (3, {"reshard_after_forward": False}),

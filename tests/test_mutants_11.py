@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mgpu_helpers.tools.authoring import mutant_fails_every_seed, sweep_seeds
-import mgpu_helpers.checks.planner  # noqa: F401  (registers 11.1)
+import mgpu_helpers.checks.capstone  # noqa: F401  (registers 11.1)
 from testkit import solution_passes_stub_fails
 
 NB = Path(__file__).resolve().parent.parent / "solutions" / "11_capstone_fit_the_budget.ipynb"

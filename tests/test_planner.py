@@ -8,7 +8,8 @@ from torch import nn
 
 from mgpu_helpers import sharding
 from mgpu_helpers.capstone import cached_trace
-from mgpu_helpers.planner import SIZES, decoder, lm_loss, model_state_bytes, plan, step_cost, token_batch
+from mgpu_helpers.planner import (SIZES, decoder, lm_loss, model_state_bytes, plan, plan_from_trace, step_cost,
+                                  token_batch)
 from mgpu_helpers.planner import accounting
 from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up
 from mgpu_helpers.runtime.tracker import CATEGORIES, MemoryTracker
@@ -124,7 +125,7 @@ def test_model_state_matches_the_closed_form_plus_what_torch_adds():
     n, count = tr.n_params, len(tr.param_sizes)
     for stage in range(4):
         for world in (1, 2, 8):
-            got = tr.shard(stage, world).model_state
+            got = plan_from_trace(tr, stage, world).model_state
             ref = dict(model_state_bytes(n, zero_stage=stage, world_size=world, precision="fp32"))
             if stage == 3 and world == 1:
                 ref = model_state_bytes(n, zero_stage=0, world_size=1, precision="fp32")
@@ -146,26 +147,26 @@ def test_reexports_notebook_08s_closed_form():
 
 def test_sharding_rules():
     tr = cached_trace("tiny", 4, 32, "bf16-autocast", False, 1)
-    base = tr.shard(0, 1)
+    base = plan_from_trace(tr, 0, 1)
     assert base.method == "one device, unwrapped" and base.layout == "bf16-autocast" and base.rank_peaks == (base.peak_bytes,)
     for stage in range(3):  # one rank: the unwrapped step at stages 0-2
-        assert tr.shard(stage, 1).peak_bytes == base.peak_bytes
-    ddp = tr.shard(0, 8)
-    assert ddp.peak_bytes == tr.shard(0, 2).peak_bytes > base.peak_bytes  # a replica + buckets per rank
+        assert plan_from_trace(tr, stage, 1).peak_bytes == base.peak_bytes
+    ddp = plan_from_trace(tr, 0, 8)
+    assert ddp.peak_bytes == plan_from_trace(tr, 0, 2).peak_bytes > base.peak_bytes  # a replica + buckets per rank
     buckets = -(-4 * tr.n_params // 512) * 512  # one flat copy of the fp32 gradients
     assert ddp.model_state["gradients"] == base.model_state["gradients"] + buckets
-    view = tr.shard(0, 2, gradient_as_bucket_view=True)
+    view = plan_from_trace(tr, 0, 2, gradient_as_bucket_view=True)
     assert base.peak_bytes <= view.peak_bytes <= ddp.peak_bytes  # equal when the peak is before any gradient
     assert view.model_state["gradients"] < ddp.model_state["gradients"]
     for world in (2, 4, 8):
-        p1, p2, p3 = (tr.shard(s, world) for s in (1, 2, 3))
+        p1, p2, p3 = (plan_from_trace(tr, s, world) for s in (1, 2, 3))
         assert len(p1.rank_peaks) == world and p1.peak_bytes == max(p1.rank_peaks)
         assert p1.rank_peaks[p1.worst_rank] == p1.peak_bytes
         assert p1.model_state["optimizer"] < base.model_state["optimizer"]
         assert p2.model_state["gradients"] < p1.model_state["gradients"]
         assert p3.model_state["parameters"] < p2.model_state["parameters"]
         assert p3.method == "FSDP2 fully_shard (per block + root)"
-    assert tr.shard(3, 8).peak_bytes < tr.shard(3, 2).peak_bytes
+    assert plan_from_trace(tr, 3, 8).peak_bytes < plan_from_trace(tr, 3, 2).peak_bytes
 
 
 def test_zero1_partition_is_zero_redundancy_optimizers():
@@ -189,7 +190,7 @@ def test_layouts_are_named_and_zero_mixed_is_the_papers():
     bf16 = cached_trace("tiny", 4, 32, "bf16", False, 1)
     n = tr.n_params
     for world in (2, 8):
-        p, q = tr.shard(2, world), bf16.shard(2, world)
+        p, q = plan_from_trace(tr, 2, world), plan_from_trace(bf16, 2, world)
         assert p.layout == "zero-mixed" and "12 B/param" in p.layout_description
         closed = model_state_bytes(n, zero_stage=2, world_size=world, precision="mixed")
         assert abs(p.model_state["optimizer"] - closed["optimizer"]) <= 512 * 3 * len(tr.param_sizes)

@@ -188,11 +188,10 @@ def _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size
         trace = Trace(timeline=torch.zeros(1, len(CATEGORIES), dtype=torch.int64), phases=["forward"], n_params=0,
                       param_sizes=[], state_sizes=[], grad_bytes_per_elem=4, unit_numel=0, round_to=1,
                       config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
-                                  checkpointing=checkpointing, device=device, layout=precision))
-        trace.source = trace_kw
-        return trace.shard(zero_stage, world_size, **o)
+                                  checkpointing=checkpointing, device=device, layout=precision), source=trace_kw)
+        return plan_from_trace(trace, zero_stage, world_size, **o)
     trace = trace_step(**trace_kw)
-    return trace.shard(zero_stage, world_size, **o)
+    return plan_from_trace(trace, zero_stage, world_size, **o)
 
 
 def measure_step(model_fn, batch, *, loss_fn, precision="fp32", checkpointing=False, micro_batches=1,

@@ -147,14 +147,8 @@ class Trace:
     events: list = field(default_factory=list, repr=False)  # every storage's size change (planner.allocator)
     tracker_peak: tuple = (0, None)    # the tracker's (peak_bytes, peak_breakdown) of the traced step
     workspace_at_peak: int = 0         # cuDNN's workspace at the peak, when GPU kernels were traced
-    source: dict = field(default_factory=dict, repr=False)  # trace_step's arguments: what shard(3, n) runs
-    fsdp_plans: dict = field(default_factory=dict, repr=False, compare=False)  # shard(3, n)'s, by options
-
-    def shard(self, zero_stage: int = 0, world_size: int = 1, **options):
-        """The per-rank :class:`~mgpu_helpers.planner.Plan` of ZeRO ``zero_stage`` on ``world_size`` ranks
-        (``planner.plans.plan_from_trace``)."""
-        from .plans import plan_from_trace
-        return plan_from_trace(self, zero_stage, world_size, **options)
+    source: dict = field(default_factory=dict, repr=False)  # trace_step's arguments: what a ZeRO-3 plan runs
+    fsdp_plans: dict = field(default_factory=dict, repr=False, compare=False)  # plans.plan_from_trace's ZeRO-3 plans
 
 
 def _fake_batch(batch, device):

@@ -6,7 +6,7 @@
 
 For each (precision layout, checkpointing, micro-batches) the step is traced once under fake tensors
 (``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
-(``Trace.shard``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
+(``planner.plan_from_trace``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
 peak plus the batch, kernel workspaces, the caching allocator's reserve, the CUDA context and NCCL's
 buffers, each its own line with its source (``mgpu_helpers.planner.budget``). The cheapest plan that fits
 follows the course's rule (notebook 11): fewest GPUs, then the lowest ``step_cost``.
@@ -26,7 +26,7 @@ from torch import nn
 
 from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
-from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, step_cost, trace_step
+from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
 from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
 
 COST = ("cost: the course's relative step time (1.00 = one GPU, no checkpointing, one micro-batch): +0.33 "
@@ -173,7 +173,7 @@ def _plans_of(a, s, prec, ck, k):
     for n in s["gpus"]:
         for st in (s["stages"] if n > 1 else [0]):
             with quiet():  # ZeRO-3 traces the step again under FSDP2 (the libraries' warnings are not the plan)
-                p = trace.shard(st, n)
+                p = plan_from_trace(trace, st, n)
             b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"], gpu=s["gpu_key"],
                           conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
                           conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes),
@@ -181,7 +181,7 @@ def _plans_of(a, s, prec, ck, k):
             cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
             # DDP (stages 0-1 on several GPUs) keeps a flat copy of every gradient in its buckets, counted
             # in "gradients": named on its own line (gradient_as_bucket_view=False, DDP's default)
-            buckets = p.model_state["gradients"] - trace.shard(st, 1).model_state["gradients"] \
+            buckets = p.model_state["gradients"] - plan_from_trace(trace, st, 1).model_state["gradients"] \
                 if st in (0, 1) and n > 1 else 0
             plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,
                               tensor_peak=b.lines[0][1], peak_phase=p.peak_phase,
