@@ -17,7 +17,8 @@ import time
 T0 = time.perf_counter()
 import torch  # noqa: E402
 
-from mgpu_helpers.planner import decoder, lm_loss, model_state_bytes, plan_from_trace, trace_step  # noqa: E402
+from mgpu_helpers.planner import decoder, lm_loss, plan_from_trace, trace_step  # noqa: E402
+from mgpu_helpers.sharding import model_state_bytes  # noqa: E402
 
 GB = 1e9
 

@@ -183,7 +183,7 @@ def test_a_bad_model_is_reported_before_a_missing_gpu(capsys):
 
 def test_nothing_fits_exits_1_and_names_the_smallest_plan(capsys):
     code, out, _ = run(capsys, *TINY, "--gpu-memory", "100MB")
-    assert code == 1 and "nothing fits 95.4 MiB per GPU; the smallest plan needs" in out
+    assert code == 1 and "nothing fits 95.37 MiB per GPU; the smallest plan needs" in out
 
 
 def test_conv_net_from_module_function_gets_a_cudnn_workspace_line(capsys, convmod):

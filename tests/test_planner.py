@@ -8,8 +8,8 @@ from torch import nn
 
 from mgpu_helpers import sharding
 from mgpu_helpers.capstone import cached_trace
-from mgpu_helpers.planner import (SIZES, decoder, lm_loss, model_state_bytes, plan, plan_from_trace, step_cost,
-                                  token_batch)
+from mgpu_helpers.planner import SIZES, decoder, lm_loss, plan, plan_from_trace, step_cost, token_batch
+from mgpu_helpers.sharding import model_state_bytes
 from mgpu_helpers.planner import accounting
 from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up
 from mgpu_helpers.runtime.tracker import CATEGORIES, MemoryTracker
@@ -139,10 +139,6 @@ def test_model_state_matches_the_closed_form_plus_what_torch_adds():
                 slack = (512 * count * (2 if key == "optimizer" else 1) + 4 * world * count
                          + (2 * 4 * 172 * count if stage == 3 else 0))  # FSDP2: up to a row per tensor
                 assert ref[key] <= got[key] + 4 * world <= ref[key] + slack + 512, (stage, world, key, got, ref)
-
-
-def test_reexports_notebook_08s_closed_form():
-    assert model_state_bytes is sharding.model_state_bytes
 
 
 def test_sharding_rules():

@@ -25,10 +25,7 @@ gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP, stage 2 the cour
 ``validation``     the plan held against the tracker on real ranks (and what the CPU allocator saw beside it)
 ``models``         the models it is held against (Llama-shaped decoders, conv nets, tied+frozen)
 =================  ==========================================================================================
-
-``model_state_bytes`` is notebook 08's closed form (``sharding``), the planner's reference for model state.
 """
-from ..sharding import model_state_bytes
 from .layouts import LAYOUTS, METHOD, OPTIONS, ZERO_STAGES, rank_timeline
 from .models import SIZES, Decoder, decoder, lm_loss, token_batch
 from .plans import Plan, measure_step, plan, plan_from_trace, step_cost
@@ -38,4 +35,4 @@ from .validation import METHODS, table, validate
 __all__ = ["plan", "Plan", "plan_from_trace", "step_cost", "measure_step", "trace_step", "train_step", "Trace", "warm_up",
            "make_optimizer", "apply_checkpointing", "PRECISIONS", "OPTIMIZERS", "LAYOUTS", "METHOD", "OPTIONS",
            "ZERO_STAGES", "rank_timeline", "SIZES", "Decoder", "decoder", "lm_loss", "token_batch",
-           "model_state_bytes", "validate", "table", "METHODS"]
+           "validate", "table", "METHODS"]

@@ -242,10 +242,3 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
     if world_size > 1:
         lines.append(("NCCL buffers", NCCL_BYTES, sources["NCCL buffers"]))
     return DeviceBudget(lines)
-
-
-def fmt_bytes(n: int) -> str:
-    """Bytes as GiB (MiB below 1 GiB, KiB below 1 MiB), the unit torch and nvidia-smi report in."""
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n / 1024:.1f} KiB"

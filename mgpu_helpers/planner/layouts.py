@@ -47,7 +47,6 @@ LAYOUTS = {
     "zero-mixed": "ZeRO paper: bf16 parameters and gradients, fp32 master + Adam moments (12 B/param, "
                   "sharded from stage 1); planned by rule from the bf16 trace",
 }
-TRACED_AS = {"zero-mixed": "bf16"}  # the layout whose step is traced for it
 METHOD = {0: "DDP", 1: "ZeroRedundancyOptimizer + DDP", 2: "course ZeRO-2 (rules)",
           3: "FSDP2 fully_shard"}
 _P, _G, _O, _A, _X = range(5)  # the tracker's CATEGORIES, in order

@@ -41,10 +41,6 @@ def exercise_cells(nb) -> dict[str, Any]:
     return {mgpu(c)["exercise"]: c for c in nb.cells if c.cell_type == "code" and "exercise" in mgpu(c)}
 
 
-def check_cells(nb) -> dict[str, Any]:
-    return {mgpu(c)["check"]: c for c in nb.cells if c.cell_type == "code" and "check" in mgpu(c)}
-
-
 def strip_solution(source: str, message: str) -> str:
     """Replace every BEGIN/END SOLUTION block by a ``raise NotImplementedError(message)``."""
     out, inside = [], False

@@ -28,6 +28,7 @@ from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
 from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
 from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
+from mgpu_helpers.runtime.plots import fmt_bytes
 
 COST = ("cost: the course's relative step time (1.00 = one GPU, no checkpointing, one micro-batch): +0.33 "
         "checkpointing (the forward again), +0.10 per extra micro-batch, +0.02 per ZeRO stage and +0.50 for "
@@ -248,9 +249,9 @@ def _breakdown(best):
             continue
         note = ""
         if cat == "gradients" and best.get("ddp_buckets"):
-            note = (f"of which DDP's gradient buckets {db.fmt_bytes(best['ddp_buckets'])}: a flat copy of every "
+            note = (f"of which DDP's gradient buckets {fmt_bytes(best['ddp_buckets'])}: a flat copy of every "
                     f"gradient (ZeRO-{best['zero_stage']} on {best['gpus']} GPUs, gradient_as_bucket_view=False)")
-        rows.append(f"    {cat.replace('_', ' '):<20} {db.fmt_bytes(b):>11}   {note}".rstrip())
+        rows.append(f"    {cat.replace('_', ' '):<20} {fmt_bytes(b):>11}   {note}".rstrip())
     return rows
 
 
@@ -279,7 +280,7 @@ def render_text(r):
             "the process takes on the GPU (fits compares it with the capacity)", COST, ""]
     if r["cheapest"] is None:
         best = min(r["plans"], key=lambda p: p["device_total"])
-        out.append(f"nothing fits {db.fmt_bytes(cap)} per GPU; the smallest plan needs {db.fmt_bytes(best['device_total'])} "
+        out.append(f"nothing fits {fmt_bytes(cap)} per GPU; the smallest plan needs {fmt_bytes(best['device_total'])} "
                    f"({best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, checkpointing "
                    f"{'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es)):")
     else:
@@ -288,10 +289,10 @@ def render_text(r):
                    f"checkpointing {'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es) "
                    f"(fewest GPUs, then the lowest cost). Per GPU:")
     for ln in best["lines"]:
-        out.append(f"  {ln['name']:<22} {db.fmt_bytes(ln['bytes']):>11}   {ln['source']}")
+        out.append(f"  {ln['name']:<22} {fmt_bytes(ln['bytes']):>11}   {ln['source']}")
         if ln["name"] == "allocated by tensors":
             out += _breakdown(best)
-    out.append(f"  {'device total':<22} {db.fmt_bytes(best['device_total']):>11}   of {db.fmt_bytes(cap)} "
+    out.append(f"  {'device total':<22} {fmt_bytes(best['device_total']):>11}   of {fmt_bytes(cap)} "
                f"({100 * best['device_total'] / cap:.0f}%)")
     return "\n".join(out)
 
