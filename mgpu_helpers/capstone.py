@@ -28,7 +28,7 @@ from .planner import budget as db
 from .planner.layouts import ZERO_STAGES
 from .planner.models import SIZES, Decoder, decoder, lm_loss, token_batch
 from .planner.plans import Plan, plan_from_trace
-from .planner.trace import PRECISIONS, trace_step
+from .planner.trace import TRACED_LAYOUTS, trace_step
 
 CAPACITY_GPUS = ("L4", "A100-80GB", "H200")  # budget.GPUS: real capacities in bytes
 DEFAULTS = dict(size="1B", precision="bf16-autocast", zero_stage=0, world_size=1, checkpointing=False,
@@ -160,7 +160,7 @@ def calculator(**defaults):
     s = {**DEFAULTS, **defaults}
     controls = {
         "size": W.Dropdown(options=list(SIZES), value=s["size"], description="model size"),
-        "precision": W.Dropdown(options=list(PRECISIONS), value=s["precision"], description="precision"),
+        "precision": W.Dropdown(options=list(TRACED_LAYOUTS), value=s["precision"], description="precision"),
         "zero_stage": W.IntSlider(value=s["zero_stage"], min=0, max=3, description="ZeRO stage"),
         "world_size": W.SelectionSlider(options=WORLD_SIZES, value=s["world_size"], description="world size"),
         "checkpointing": W.Checkbox(value=s["checkpointing"], description="checkpointing"),

@@ -8,10 +8,9 @@ from torch import nn
 
 from mgpu_helpers import sharding
 from mgpu_helpers.capstone import cached_trace
-from mgpu_helpers.planner import SIZES, decoder, lm_loss, plan, plan_from_trace, step_cost, token_batch
+from mgpu_helpers.planner import SIZES, decoder, lm_loss, measure_step, plan, plan_from_trace, step_cost, token_batch
 from mgpu_helpers.sharding import model_state_bytes
 from mgpu_helpers.planner import accounting
-from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up
 from mgpu_helpers.runtime.tracker import CATEGORIES, MemoryTracker
 
 
@@ -36,21 +35,6 @@ class MLPNet(nn.Module):
         return self.head(x)
 
 
-def tracked(model_fn, batch, loss_fn, precision, checkpointing, k):
-    """The tracker's figures for the same step, taken for real on the CPU."""
-    torch.manual_seed(0)
-    model = model_fn()
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    if checkpointing:
-        apply_checkpointing(model)
-    opt = make_optimizer(model)
-    warm_up(model, opt)
-    with MemoryTracker(model, opt) as mt:
-        train_step(model, opt, batch, loss_fn, precision=precision, micro_batches=k, mark=mt.mark)
-    return mt.peak_bytes, mt.peak_breakdown()
-
-
 CONFIGS = [("fp32", False, 1), ("bf16-autocast", False, 1), ("fp32", True, 1), ("fp32", False, 2),
            ("bf16-autocast", True, 2)]
 MODELS = {
@@ -66,7 +50,8 @@ def test_plan_equals_tracker_on_the_real_step(model, precision, checkpointing, k
     model_fn, batch, loss_fn = MODELS[model]
     p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=checkpointing,
              micro_batches=k, device="cpu")
-    peak, breakdown = tracked(model_fn, batch, loss_fn, precision, checkpointing, k)
+    peak, breakdown = measure_step(model_fn, batch, loss_fn=loss_fn, precision=precision,
+                                   checkpointing=checkpointing, micro_batches=k)
     assert p.peak_bytes == peak and p.breakdown == breakdown
     assert sum(p.breakdown.values()) == p.peak_bytes and set(p.breakdown) == set(CATEGORIES)
 
@@ -101,7 +86,7 @@ def test_plan_follows_the_tracker_op_by_op_under_checkpointing(model, precision,
         return dispatch(self, func, types, args, kwargs)
     monkeypatch.setattr(MemoryTracker, "__torch_dispatch__", spy)
     plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=True, device="cpu")
-    tracked(model_fn, batch, loss_fn, precision, True, 1)
+    measure_step(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=True)
     monkeypatch.undo()
     plan_ops, real = ([(n, live) for n, live in seen[k] if not n.startswith(_NO_STORAGE)]
                       for k in (accounting.FakeTracker, MemoryTracker))
@@ -115,7 +100,7 @@ def test_plan_follows_the_tracker_op_by_op_under_checkpointing(model, precision,
 def test_pure_bf16_plan_equals_tracker():
     model_fn, batch, loss_fn = MODELS["mlp"]
     p = plan(model_fn, batch, loss_fn=loss_fn, precision="bf16", device="cpu")
-    assert p.peak_bytes == tracked(model_fn, (batch[0].bfloat16(), batch[1]), loss_fn, "bf16", False, 1)[0]
+    assert p.peak_bytes == measure_step(model_fn, batch, loss_fn=loss_fn, precision="bf16")[0]
 
 
 def test_model_state_matches_the_closed_form_plus_what_torch_adds():

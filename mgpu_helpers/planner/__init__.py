@@ -29,10 +29,11 @@ gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP, stage 2 the cour
 from .layouts import LAYOUTS, METHOD, OPTIONS, ZERO_STAGES, rank_timeline
 from .models import SIZES, Decoder, decoder, lm_loss, token_batch
 from .plans import Plan, measure_step, plan, plan_from_trace, step_cost
-from .trace import OPTIMIZERS, PRECISIONS, Trace, apply_checkpointing, make_optimizer, trace_step, train_step, warm_up
+from .trace import (OPTIMIZERS, TRACED_LAYOUTS, Trace, apply_checkpointing, make_optimizer, trace_step, train_step,
+                    warm_up)
 from .validation import METHODS, table, validate
 
-__all__ = ["plan", "Plan", "plan_from_trace", "step_cost", "measure_step", "trace_step", "train_step", "Trace", "warm_up",
-           "make_optimizer", "apply_checkpointing", "PRECISIONS", "OPTIMIZERS", "LAYOUTS", "METHOD", "OPTIONS",
-           "ZERO_STAGES", "rank_timeline", "SIZES", "Decoder", "decoder", "lm_loss", "token_batch",
+__all__ = ["plan", "Plan", "plan_from_trace", "step_cost", "measure_step", "trace_step", "train_step", "Trace",
+           "warm_up", "make_optimizer", "apply_checkpointing", "TRACED_LAYOUTS", "OPTIMIZERS", "LAYOUTS", "METHOD",
+           "OPTIONS", "ZERO_STAGES", "rank_timeline", "SIZES", "Decoder", "decoder", "lm_loss", "token_batch",
            "validate", "table", "METHODS"]

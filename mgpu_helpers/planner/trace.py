@@ -29,7 +29,8 @@ from ..runtime.tracker import CATEGORIES, CUDA_BLOCK
 from .accounting import FakeTracker
 from .cuda import CudaKernels, recompute_contexts
 
-PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (layouts: all layouts)
+# the memory layouts (planner.layouts.LAYOUTS) a step is traced in; the others are derived from these
+TRACED_LAYOUTS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")  # AdamW: Adam's two moments, the decay applied to the weights
 FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the byte (tests/test_planner_fsdp.py)
@@ -231,8 +232,8 @@ def _local(t):
 
 def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkpointing, device, round_to, fsdp,
            kernels=None):
-    if precision not in PRECISIONS and not (fsdp is not None and precision == "fsdp-mixed"):
-        raise ValueError(f"precision must be one of {PRECISIONS}" + (" (or 'fsdp-mixed' under FSDP2)" if fsdp is None
+    if precision not in TRACED_LAYOUTS and not (fsdp is not None and precision == "fsdp-mixed"):
+        raise ValueError(f"precision must be one of {TRACED_LAYOUTS}" + (" (or 'fsdp-mixed' under FSDP2)" if fsdp is None
                          else "") + f", got {precision!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")

@@ -26,7 +26,7 @@ from torch import nn
 
 from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
-from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
+from mgpu_helpers.planner import TRACED_LAYOUTS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
 from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
 from mgpu_helpers.runtime.plots import fmt_bytes
 
@@ -65,7 +65,7 @@ def parse_args(argv):
     ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (0,1,2,3)")
     ap.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
     ap.add_argument("--micro-batches", help="micro-batch counts (default: 1,2,4 that divide --batch)")
-    ap.add_argument("--precision", default="bf16-autocast", help=f"{', '.join(PRECISIONS)}, comma-separated, or all")
+    ap.add_argument("--precision", default="bf16-autocast", help=f"{', '.join(TRACED_LAYOUTS)}, comma-separated, or all")
     ap.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "momentum"),
                     help="(default: adamw for a Hugging Face model, as its users train; adam otherwise)")
     ap.add_argument("--attn", choices=ATTENTION, help="a Hugging Face model's attention implementation "
@@ -105,10 +105,10 @@ def settings(a):
     bad = [k for k in micro if a.batch % k]
     if bad:
         raise PlanInputError(f"--micro-batches {bad[0]} does not divide --batch {a.batch}")
-    precisions = list(PRECISIONS) if a.precision == "all" else a.precision.split(",")
+    precisions = list(TRACED_LAYOUTS) if a.precision == "all" else a.precision.split(",")
     for p in precisions:
-        if p not in PRECISIONS:
-            raise PlanInputError(f"--precision {p!r}: one of {', '.join(PRECISIONS)} or all")
+        if p not in TRACED_LAYOUTS:
+            raise PlanInputError(f"--precision {p!r}: one of {', '.join(TRACED_LAYOUTS)} or all")
     try:
         stages = [int(v) for v in a.zero.split(",")]
     except ValueError:
