@@ -6,8 +6,7 @@ under :class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at
 real is allocated, so a 7B-parameter step traces on a laptop in seconds.
 
 Why a subclass (``accounting``): ``MemoryTracker`` counts storages on its device, and a fake tensor's
-storage lives on ``meta`` whatever device the tensor claims, so the tracker sees nothing under a fake mode
-(FACTS.md). ``FakeTracker`` counts meta storages of tensors that claim the planned device -- same
+storage lives on ``meta`` whatever device the tensor claims, so the tracker sees nothing under a fake mode. ``FakeTracker`` counts meta storages of tensors that claim the planned device -- same
 categories, same rules, same 512-byte rounding -- which is why the planner equals the tracker on a real step.
 
 The device is the machine's: fake CUDA tensors need a CUDA build (on a CPU build their in-place ops and
