@@ -77,29 +77,13 @@ class _Rec:
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Count the bytes of live tensors, as ``torch.cuda.memory_allocated()`` would, on any device.
+    """Count the bytes of live tensors, as ``torch.cuda.memory_allocated()`` would, on any device (module docs).
 
-    ``with MemoryTracker(model, optimizer) as mt:`` counts every tensor storage made inside the ``with``
-    (a view shares its base's storage and counts once) plus ``model``'s parameters, buffers and ``.grad``
-    and ``optimizer``'s state that exist at entry -- nothing else from before entry (an input batch made
-    earlier is not counted). Figures freeze when the ``with`` exits.
-
-    Figures: ``current_bytes`` (memory_allocated), ``peak_bytes`` (max_memory_allocated since entry or
-    since ``reset_peak()``, which is reset_peak_memory_stats), ``breakdown()`` / ``peak_breakdown()`` (now /
-    at the peak, by CATEGORIES: parameters, gradients, optimizer_state, activations, other -- the rest:
-    inputs, the loss, backward and optimizer temporaries), ``mark(label)`` starts a phase,
-    ``phase_peaks()`` the peak within each, ``timeline`` the total after every allocation and free.
-
-    On CUDA, ``current_bytes`` and ``peak_bytes`` read the caching allocator (minus what was allocated at
-    entry beyond the model and optimizer); ``accounted_bytes`` / ``accounted_peak_bytes`` are the count
-    of tensors alone, and ``other`` absorbs the difference (cuBLAS's workspaces, kernels' scratch). On the
-    CPU every figure is the count of tensors. Never seen, as by memory_allocated: the allocator's cache, the
-    CUDA context, NCCL's buffers.
-
-    ``round_to``: ``memory_allocated`` counts 512-byte allocator blocks. ``None`` counts exact bytes on the
-    CPU and 512-byte blocks on CUDA; ``round_to=512`` on the CPU rounds each storage up as a GPU would.
-    ``device``: the device to count (default: the model's, else the CPU). ``per_module=True`` also runs
-    torch's ``MemTracker`` for per-module figures (``mt.module_tracker``). More in the module docstring."""
+    Figures: ``current_bytes`` (memory_allocated), ``peak_bytes`` (max_memory_allocated since entry or since
+    ``reset_peak()``), ``breakdown()`` / ``peak_breakdown()`` (now / at the peak, by CATEGORIES),
+    ``mark(label)`` starts a phase, ``phase_peaks()`` the peak within each, ``timeline`` the total after every
+    allocation and free. ``device``: the model's by default, else the CPU; ``round_to``: 512-byte blocks on
+    CUDA, exact bytes on the CPU unless given; ``per_module=True`` also runs torch's ``MemTracker``."""
 
     def __init__(self, model=None, optimizer=None, device=None, round_to=None, per_module=False):
         super().__init__()
