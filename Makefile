@@ -1,4 +1,4 @@
-# Two commands: `make lab` starts the course in JupyterLab, `make test` runs every test.
+# Two commands: `make lab` starts the course in JupyterLab, `make test` runs every test (`make test-fast`: a quick tier).
 # Each bootstraps .venv on first use with nothing but python3 and make.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mgpu-installed
 
-.PHONY: lab test test-browser release check-release clean-venv
+.PHONY: lab test test-fast test-browser release check-release clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,16 +23,18 @@ $(STAMP): pyproject.toml
 lab: $(STAMP)
 	$(PY) -m mgpu_helpers.tools.lab $(ARGS)
 
-# Then the CPU-figure tests (planned = measured by the profiler) once more under a lower oneDNN ISA than this
-# CPU's (AVX-512 -> AVX2, AVX2 -> SSE4.1; tools/cpu_isa.py): CPU plans come from the CPU's own kernels.
+# Every test: units, checks, mutants at MGPU_SEEDS seeds (20), nbval over every solution notebook. .ci/run calls it.
 test: $(STAMP)
 	$(VENV)/bin/mgpu-course release --check
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
-	@isa=$$($(PY) -m mgpu_helpers.tools.cpu_isa --lower); \
-	if [ -n "$$isa" ]; then \
-	  echo "CPU figures again with ONEDNN_MAX_CPU_ISA=$$isa ($$($(PY) -m mgpu_helpers.tools.cpu_isa))"; \
-	  ONEDNN_MAX_CPU_ISA=$$isa $(PY) -m pytest -n 2 --dist loadfile -q -m cpu_figures tests; \
-	fi
+	MGPU_SEEDS=$${MGPU_SEEDS:-20} $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+
+# The fast tier, for each change (<= 5 min on 2 cores): no test marked slow, mutant sweeps at 2 seeds, and
+# nbval over the solution notebooks that differ from $(BASE) (default main).
+BASE ?= main
+test-fast: $(STAMP)
+	$(VENV)/bin/mgpu-course release --check
+	MGPU_SEEDS=2 $(PY) -m pytest -n 2 --dist loadfile -m "not slow and not browser and not answers" tests \
+	  $$(git diff --name-only --diff-filter=d $$(git merge-base HEAD $(BASE)) -- 'solutions/*.ipynb')
 
 # The learner's path in headless Chromium (tests/browser): needs Playwright for Python (the `browser`
 # extra) and Debian's chromium, installed here with apt-get when missing and we are root. Not part of

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from mgpu_helpers.planner import budget as db  # noqa: E402
+from mgpu_helpers.runtime.plots import fmt_bytes  # noqa: E402
 from mgpu_helpers.tools.plan_cli import parse_args, run  # noqa: E402
 from mgpu_helpers.tools.plan_sources import make_batch, output_loss, resolve  # noqa: E402
 from mgpu_helpers.planner.models import Decoder  # noqa: E402
@@ -259,12 +260,12 @@ def main():
         planned_reserve = lines["allocator reserve"] / p["allocated"]
         print(f"{name:<42} {alloc[:5]:>5} | {p['allocated']:>13,} {m['allocated']:>13,} "
               f"{100 * e_alloc:>+6.2f}% | {p['device_total']:>13,} {used:>13,} {100 * e_dev:>+6.2f}% | "
-              f"{16 * r['model']['parameters']:>13,} {acc_s:>13} | {db.fmt_bytes(ws):>9} "
+              f"{16 * r['model']['parameters']:>13,} {acc_s:>13} | {fmt_bytes(ws):>9} "
               f"{100 * planned_reserve:>+11.1f}% {100 * (m['reserved'] - m['allocated']) / m['allocated']:>+5.1f}%",
               flush=True)
-        print(f"{'':<42} planned lines: " + ", ".join(f"{k} {db.fmt_bytes(v)}" for k, v in lines.items())
-              + f"; measured: allocated beyond tensors after warm-up {db.fmt_bytes(m['extra'])}, "
-              f"context + reserve {db.fmt_bytes(used - m['allocated'])}, context {db.fmt_bytes(used - m['reserved'])}")
+        print(f"{'':<42} planned lines: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in lines.items())
+              + f"; measured: allocated beyond tensors after warm-up {fmt_bytes(m['extra'])}, "
+              f"context + reserve {fmt_bytes(used - m['allocated'])}, context {fmt_bytes(used - m['reserved'])}")
     for a, (wa, wd) in worst.items():
         print(f"{a} allocator, worst |error|: allocated {100 * wa:.2f}% (goal 2%), device total {100 * wd:.2f}% "
               "(goal 5%)")

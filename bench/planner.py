@@ -17,7 +17,8 @@ import time
 T0 = time.perf_counter()
 import torch  # noqa: E402
 
-from mgpu_helpers.planner import decoder, lm_loss, model_state_bytes, trace_step  # noqa: E402
+from mgpu_helpers.planner import decoder, lm_loss, plan_from_trace, trace_step  # noqa: E402
+from mgpu_helpers.sharding import model_state_bytes  # noqa: E402
 
 GB = 1e9
 
@@ -46,7 +47,7 @@ def main():
         for world in (1, 2, 4, 8, 16, 32, 64):
             if stage == 3 and world not in args.fsdp_worlds:
                 continue  # stage 3 is FSDP2 run on fake tensors: one trace per world size (planner.fsdp)
-            p = trace.shard(stage, world)
+            p = plan_from_trace(trace, stage, world)
             ms = p.model_state
             cf = model_state_bytes(n, zero_stage=stage, world_size=world, precision="fp32")
             cm = model_state_bytes(n, zero_stage=stage, world_size=world, precision="mixed")

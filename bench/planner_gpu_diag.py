@@ -27,6 +27,7 @@ from mgpu_helpers.planner import trace as planner_trace  # noqa: E402
 from mgpu_helpers.planner.cuda import cuda_backend  # noqa: E402
 from mgpu_helpers.planner.accounting import _CONVS, cudnn_workspace  # noqa: E402
 from mgpu_helpers.planner.trace import trace_step  # noqa: E402
+from mgpu_helpers.planner.plans import plan_from_trace  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -91,7 +92,7 @@ def peak():
                 planner_trace.CudaKernels = contextlib.nullcontext
             tr = trace_step(src.model_fn, batch, loss_fn=output_loss, precision="bf16-autocast", device=dev,
                             kernels="cuda", round_to=512)
-            out[dev] = (tr.shard(0, 1).peak_bytes, state.get("at_peak", collections.Counter()))
+            out[dev] = (plan_from_trace(tr, 0, 1).peak_bytes, state.get("at_peak", collections.Counter()))
     finally:
         cls.__torch_dispatch__, cls._add, cls._sample = orig_dispatch, orig_add, orig_sample
         planner_trace.CudaKernels = emulation

@@ -166,16 +166,17 @@ def test_runs_under_torchrun():
     assert "rank 0 of 2" in out and "'precision': 'mp_policy'" in out and "gathered" in out
 
 
-@pytest.mark.cpu_figures
-def test_planner_plans_these_knobs_to_within_two_percent():
+def test_planner_plans_these_knobs_to_the_byte_of_the_tracker():
+    # the plan is the tracker's accounting of tensors; the profiler's peak also has what the CPU kernels
+    # borrow (the bf16 -> fp32 copy of FSDP2's _chunk_cat under MixedPrecisionPolicy), which no plan promises
     from mgpu_helpers.fsdp_practice.plan import plan_knobs
     for world, knobs in [(2, {}), (2, {"precision": "mp_policy"}), (3, {"reshard_after_forward": False}),
                          (4, {"reshard_after_forward": 2})]:
         planned = plan_knobs(world, knobs, SMALL).rank_peaks
         for rank in range(world):
             with fake_world(world, rank):
-                measured = fp.measure(rank, world, knobs, SMALL, categories=False)["peak"]
-            assert abs(planned[rank] / measured - 1) <= 0.02, (world, knobs, rank, planned[rank], measured)
+                measured = fp.measure(rank, world, knobs, SMALL)["tracker_peak"]
+            assert planned[rank] == measured, (world, knobs, rank, planned[rank], measured)
     with pytest.raises(ValueError, match="an int that divides world_size=4, other than 1 and world_size"):
         plan_knobs(4, {"reshard_after_forward": 4})   # torch: a non-trivial divisor of the mesh's size
 

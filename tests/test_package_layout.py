@@ -2,6 +2,7 @@
 no import circle among the package's modules, lessons never importing their checks, references never
 importing a check module, and every ``python -m`` / ``torchrun -m`` command the docs show still answering."""
 import ast
+import json
 import os
 import re
 import subprocess
@@ -16,8 +17,8 @@ PKG = ROOT / "mgpu_helpers"
 # notebook -> its face: mgpu_helpers/<face>.py, or a package mgpu_helpers/<face>/ whose __init__ is the face
 FACES = {"00": "environment", "01": "memory", "02": "profiling", "03": "data_parallel", "04": "ddp",
          "05": "accumulation", "06": "amp", "07": "checkpointing", "08": "sharding", "09": "model_sharding",
-         "10": "data_loading", "11": "planner", "12": "fsdp_practice"}
-PARTS = {"runtime", "checks", "tools"}  # and the planner package, notebook 11's face
+         "10": "data_loading", "11": "capstone", "12": "fsdp_practice"}
+PARTS = {"runtime", "checks", "tools", "planner"}  # planner: what mgpu-plan runs
 
 
 def _entries():
@@ -187,3 +188,58 @@ def test_documented_module_runs_help(module):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "usage:" in proc.stdout.lower(), proc.stdout[-2000:]
+
+
+# --- importing is free of side effects: no global state flipped, the same figures in any import order ---------
+
+_IMPORT_THEN_PLAN = r'''
+import ctypes, importlib, json, os, pkgutil, sys
+import torch
+
+def state():
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    flags = {}
+    if os.path.exists(lib):  # c10's global flags, read only
+        c10 = ctypes.CDLL(lib)
+        for name, ctype in (("FLAGS_caffe2_report_cpu_memory_usage", ctypes.c_bool),
+                            ("FLAGS_caffe2_log_level", ctypes.c_int)):
+            try:
+                flags[name] = ctype.in_dll(c10, name).value
+            except ValueError:
+                pass
+    return {"profiler": torch._C._autograd._profiler_enabled(), "threads": torch.get_num_threads(),
+            "resize_": repr(torch.UntypedStorage.resize_), "rng": repr(torch.get_rng_state),
+            "apply": repr(torch.nn.Module._apply), **flags}
+
+before = state()
+import mgpu_helpers
+mods = sorted(i.name for i in pkgutil.walk_packages(mgpu_helpers.__path__, "mgpu_helpers.")
+              if not i.name.endswith(".__main__"))
+order = sys.argv[1]
+if order == "reversed":
+    mods.reverse()
+for m in (mods if order != "planner only" else ["mgpu_helpers.planner"]):
+    importlib.import_module(m)
+after = state()
+from mgpu_helpers.planner import decoder, lm_loss, measure_step, plan, token_batch
+batch = token_batch(4, 32, 512)
+p = plan(decoder("tiny"), batch, loss_fn=lm_loss, precision="bf16-autocast", checkpointing=True, device="cpu")
+m, _ = measure_step(decoder("tiny"), batch, loss_fn=lm_loss, precision="bf16-autocast", checkpointing=True)
+print(json.dumps({"before": before, "after": after, "figures": [p.peak_bytes, p.breakdown, m]}))
+'''
+
+
+def test_imports_flip_no_global_state_and_figures_do_not_depend_on_import_order():
+    """Importing any of the package's modules leaves torch's and c10's global state as it was (no c10 flag
+    set, no profiler, no patched function), and a plan and a tracked step give the same bytes whichever
+    modules were imported first: no figure depends on the context it is computed in."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = {}
+    for order in ("sorted", "reversed", "planner only"):
+        out = subprocess.run([sys.executable, "-c", _IMPORT_THEN_PLAN, order], capture_output=True, text=True,
+                             env=env, cwd=ROOT, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[order] = json.loads(out.stdout.strip().splitlines()[-1])
+        assert runs[order]["before"] == runs[order]["after"], (order, runs[order])
+    figures = [r["figures"] for r in runs.values()]
+    assert figures[0] == figures[1] == figures[2] and figures[0][0] == figures[0][2], figures

@@ -1,22 +1,16 @@
 """The planner: equal to the tracker on the same real step; ZeRO derivation; closed forms; bad input."""
-import contextlib
 import difflib
-import gc
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgpu_helpers import sharding
-from mgpu_helpers.planner import (SIZES, cached_trace, decoder, lm_loss, model_state_bytes, plan,
-                                  step_cost, token_batch)
-from mgpu_helpers.planner import accounting, kernels
-from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step, warm_up
-from mgpu_helpers.runtime.alloc_reference import AllocationReference
-from testkit import record_figure
+from mgpu_helpers.capstone import cached_trace
+from mgpu_helpers.planner import SIZES, decoder, lm_loss, measure_step, plan, plan_from_trace, step_cost, token_batch
+from mgpu_helpers.sharding import model_state_bytes
+from mgpu_helpers.planner import accounting
 from mgpu_helpers.runtime.tracker import CATEGORIES, MemoryTracker
 
 
@@ -41,40 +35,6 @@ class MLPNet(nn.Module):
         return self.head(x)
 
 
-def tracked(model_fn, batch, loss_fn, precision, checkpointing, k):
-    """The tracker's figures for the same step, taken for real on the CPU."""
-    torch.manual_seed(0)
-    model = model_fn()
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    if checkpointing:
-        apply_checkpointing(model)
-    opt = make_optimizer(model)
-    warm_up(model, opt)
-    with MemoryTracker(model, opt) as mt:
-        train_step(model, opt, batch, loss_fn, precision=precision, micro_batches=k, mark=mt.mark)
-    return mt.peak_bytes, mt.peak_breakdown()
-
-
-def profiled(model_fn, batch, loss_fn, precision, checkpointing, mode=None):
-    """The same step under the profiler's record of every allocation, from before the model is built (every
-    byte of the step counted); the step is the range "step". ``mode``: a dispatch mode around the step
-    (bench/cpu_scratch_diag.py brackets each op with one)."""
-    torch.manual_seed(0)
-    gc.collect()
-    with AllocationReference() as ref:
-        net = model_fn()
-        net = net.to(torch.bfloat16) if precision == "bf16" else net
-        if checkpointing:
-            apply_checkpointing(net)
-        opt = make_optimizer(net)
-        warm_up(net, opt)
-        with record_function("step"), (mode or contextlib.nullcontext()):
-            train_step(net, opt, batch, loss_fn, precision=precision)
-        del net, opt
-    return ref
-
-
 CONFIGS = [("fp32", False, 1), ("bf16-autocast", False, 1), ("fp32", True, 1), ("fp32", False, 2),
            ("bf16-autocast", True, 2)]
 MODELS = {
@@ -85,102 +45,19 @@ MODELS = {
 
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("precision,checkpointing,k", CONFIGS)
-def test_plan_equals_tracker_on_the_real_step(model, precision, checkpointing, k, monkeypatch):
-    # The tracker counts the storages tensor ops make; so does the plan, less the kernels' own scratch that
-    # no tensor owns (oneDNN's bf16 matmuls borrow some on AVX-512-bf16 and AMX, none on AVX2): held
-    # against the profiler, which sees it, in the next test. Nor do tensor ops make the CPU generator's state
-    # that checkpointing keeps per segment (a CPU plan counts it: test_plan_follows_the_profiler_op_by_op...).
-    monkeypatch.setattr(accounting, "cpu_kernel_scratch", lambda *a: 0)
-    monkeypatch.setattr(accounting.FakeTracker, "_counted_rng_state", lambda self: self._real_rng_state())
+def test_plan_equals_tracker_on_the_real_step(model, precision, checkpointing, k):
+    # The tracker counts the storages tensor ops make; so does the plan: the same accounting, on every CPU
     model_fn, batch, loss_fn = MODELS[model]
     p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=checkpointing,
              micro_batches=k, device="cpu")
-    peak, breakdown = tracked(model_fn, batch, loss_fn, precision, checkpointing, k)
-    assert abs(p.peak_bytes - peak) <= 0.01 * peak, (p.peak_bytes, peak)
-    assert p.peak_bytes == peak and p.breakdown == breakdown  # in fact exact: the same accounting
+    peak, breakdown = measure_step(model_fn, batch, loss_fn=loss_fn, precision=precision,
+                                   checkpointing=checkpointing, micro_batches=k)
+    assert p.peak_bytes == peak and p.breakdown == breakdown
     assert sum(p.breakdown.values()) == p.peak_bytes and set(p.breakdown) == set(CATEGORIES)
 
 
-@pytest.mark.cpu_figures
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("precision,checkpointing", [("fp32", False), ("bf16-autocast", False), ("bf16-autocast", True),
-                                                     ("bf16", False)])
-def test_plan_holds_against_the_profiler_on_this_cpu(model, precision, checkpointing):
-    """The reference that sees every allocation, this CPU's kernels' scratch included: the plan (which
-    measures that scratch op by op here, planner.kernels) within 1%: to the byte or a few bytes on AVX2 and
-    SSE4.1; on the H200 host's Xeon (AMX, 16 threads) the MLP's bf16 autocast + checkpointing step was -0.70%
-    until the plan counted checkpointing's generator states (5,056 B each: exactly the difference)."""
-    model_fn, batch, loss_fn = MODELS[model]
-    if precision == "bf16":
-        batch = (batch[0].bfloat16(), batch[1]) if batch[0].is_floating_point() else batch
-    def planned():
-        return plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=checkpointing,
-                    device="cpu").peak_bytes
-    p = planned()
-    measured = profiled(model_fn, batch, loss_fn, precision, checkpointing).peak_in("step")
-    record_figure(f"profiler {model} {precision}{' ckpt' if checkpointing else ''}", p, measured)
-    holds_between(planned, p, measured, 0.01)
-
-
-def holds_between(planned, p, measured, tolerance):
-    """The plan ``p`` within ``tolerance`` of the step, or -- over by more where a kernel allocates on worker
-    threads (flash attention's bf16 backward on AVX-512 bf16 / AMX at 8+ threads), planned with every thread at
-    its most -- the step between the plan of the calling thread's share and ``p`` (planner.kernels)."""
-    if abs(p / measured - 1) <= tolerance:
-        return
-    with kernels.calling_thread_only():
-        own = planned()
-    assert own < p and own - 64 <= measured <= p + 64, \
-        f"measured {measured:,} B: plan {p:,} B, calling thread's share {own:,} B (bar {tolerance:.0%})"
-
-
-@pytest.mark.cpu_figures
-@pytest.mark.parametrize("model", list(MODELS))
-def test_plan_holds_against_the_profiler_on_16_threads(model):
-    """The step as a 16-core machine runs it, on however many cores this one has: oneDNN's bf16 matmul scratch
-    grows with the threads (on AVX-512 bf16 and AMX; none on AVX2), which moves the peak of bf16 autocast +
-    checkpointing into a matmul of the backward, where checkpointing's generator states are live. On the H200
-    host's Xeon as AVX512_CORE_BF16 that step measured 717,240 B (MLP) and 3,537,484 B (decoder), planned 5,056
-    and 10,112 B low until the plan counted them; this 2-core Xeon measures the same bytes at 16 threads.
-
-    The decoder's flash-attention backward allocates on its worker threads too (planner.kernels, "Worker
-    threads"): the plan has every thread holding its most at once, which 16 threads on fewer cores seldom do.
-    So the step lies between the plan of the calling thread's share (the bytes above, the peak of a matmul)
-    and the plan; where the workers' blocks overlapped enough, above the former (3,412,816 B, decoder, AMX)."""
-    model_fn, batch, loss_fn = MODELS[model]
-    before = torch.get_num_threads()
-    torch.set_num_threads(16)
-    try:
-        p = plan(model_fn, batch, loss_fn=loss_fn, precision="bf16-autocast", checkpointing=True, device="cpu")
-        with kernels.calling_thread_only():
-            own = plan(model_fn, batch, loss_fn=loss_fn, precision="bf16-autocast", checkpointing=True,
-                       device="cpu")
-        measured = profiled(model_fn, batch, loss_fn, "bf16-autocast", True).peak_in("step")
-    finally:
-        torch.set_num_threads(before)
-    record_figure(f"profiler {model} bf16-autocast ckpt 16 threads", p.peak_bytes, measured)
-    assert own.peak_bytes - 64 <= measured <= p.peak_bytes + 64, \
-        f"measured {measured:,} B outside [{own.peak_bytes:,}, {p.peak_bytes:,}] (calling thread's share, every thread)"
-    if own.peak_bytes == p.peak_bytes:  # no kernel of this step allocates on worker threads: it is exact
-        assert abs(p.peak_bytes / measured - 1) <= 0.01, (p.peak_bytes, measured)
-
-
-class _EachOp(TorchDispatchMode):
-    """The real step's ops in order, each preceded by a zero-length profiler range (the live bytes as it began)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        with record_function(f"each_op{len(self.ops)}"):
-            pass
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-_NO_STORAGE = ("prim.", "profiler.", "aten.detach", "aten.t.", "aten.view", "aten.lift_fresh", "aten._unsafe_view",
-               "aten.alias")  # ops one side shows and the other need not (fake-mode internals, the profiler's own)
+_NO_STORAGE = ("prim.", "aten.detach", "aten.t.", "aten.view", "aten.lift_fresh", "aten._unsafe_view",
+               "aten.alias")  # ops one side shows and the other need not (fake-mode internals)
 
 
 def _hf_gpt_neox():
@@ -193,44 +70,37 @@ def _hf_gpt_neox():
     return lambda: UserStep(transformers.AutoModelForCausalLM.from_config(cfg)), token_batch(4, 64, 512), model_loss
 
 
-@pytest.mark.cpu_figures
 @pytest.mark.parametrize("model", [*MODELS, "hf gpt_neox"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
-def test_plan_follows_the_profiler_op_by_op_under_checkpointing(model, precision, monkeypatch):
-    """Not only the peak: the live bytes as each op of the step begins, planned and measured, matched op by op.
-    A peak can hide an error elsewhere in the step until another CPU moves the peak there: checkpointing keeps
-    the CPU generator's state (5,056 B) per segment from its forward to its recompute, which the plan once
-    missed (3 x 5,056 B low through the MLP's forward) while its peak, in the optimizer step, was exact on
-    AVX2; on the Xeon as AVX512_CORE_BF16 the peak moved into a bf16 matmul of the backward: -0.70%. A Hugging
-    Face model's step, whose peak can fall in the recomputation, was planned 0.09-0.33% low on AVX2 (GPT-NeoX,
-    Phi, Qwen2). The kernels' scratch is not in these figures (it is freed inside its op): they hold on any CPU."""
+def test_plan_follows_the_tracker_op_by_op_under_checkpointing(model, precision, monkeypatch):
+    """Not only the peak: the live bytes as each op of the step begins, planned and tracked on the real step,
+    matched op by op. A peak can hide an error elsewhere in the step until a change moves the peak there
+    (a Hugging Face model's step can peak in the recomputation)."""
     model_fn, batch, loss_fn = _hf_gpt_neox() if model == "hf gpt_neox" else MODELS[model]
-    planned, dispatch = [], accounting.FakeTracker.__torch_dispatch__
+    seen = {accounting.FakeTracker: [], MemoryTracker: []}
+    dispatch = MemoryTracker.__torch_dispatch__
 
     def spy(self, func, types, args=(), kwargs=None):
-        planned.append((str(func), self._total))
+        if self._active:
+            seen[type(self)].append((str(func), self._total))
         return dispatch(self, func, types, args, kwargs)
-    plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=True, device="cpu")  # probes
-    monkeypatch.setattr(accounting.FakeTracker, "__torch_dispatch__", spy)
+    monkeypatch.setattr(MemoryTracker, "__torch_dispatch__", spy)
     plan(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=True, device="cpu")
+    measure_step(model_fn, batch, loss_fn=loss_fn, precision=precision, checkpointing=True)
     monkeypatch.undo()
-    mode = _EachOp()
-    ref = profiled(model_fn, batch, loss_fn, precision, True, mode=mode)
-    real = [(name, ref.at(f"each_op{i}")) for i, name in enumerate(mode.ops) if not name.startswith(_NO_STORAGE)]
-    plan_ops = [(name, live) for name, live in planned if not name.startswith(_NO_STORAGE)]
+    plan_ops, real = ([(n, live) for n, live in seen[k] if not n.startswith(_NO_STORAGE)]
+                      for k in (accounting.FakeTracker, MemoryTracker))
     matcher = difflib.SequenceMatcher(a=[n for n, _ in plan_ops], b=[n for n, _ in real], autojunk=False)
     pairs = [(plan_ops[i + k], real[j + k]) for i, j, n in matcher.get_matching_blocks() for k in range(n)]
     assert len(pairs) >= 0.9 * len(real), f"only {len(pairs)} of the step's {len(real)} ops matched the plan's"
     worst = max(pairs, key=lambda pr: abs(pr[1][1] - pr[0][1]))
-    # a few bytes: a scalar the loss's division makes (8 B); one generator state is 5,056
-    assert abs(worst[1][1] - worst[0][1]) <= 64, f"at {worst[1][0]}: measured {worst[1][1]:,} B, planned {worst[0][1]:,} B"
+    assert worst[1][1] == worst[0][1], f"at {worst[1][0]}: tracked {worst[1][1]:,} B, planned {worst[0][1]:,} B"
 
 
-def test_pure_bf16_plan_equals_tracker(monkeypatch):
-    monkeypatch.setattr(accounting, "cpu_kernel_scratch", lambda *a: 0)  # tensors only, as the tracker
+def test_pure_bf16_plan_equals_tracker():
     model_fn, batch, loss_fn = MODELS["mlp"]
     p = plan(model_fn, batch, loss_fn=loss_fn, precision="bf16", device="cpu")
-    assert p.peak_bytes == tracked(model_fn, (batch[0].bfloat16(), batch[1]), loss_fn, "bf16", False, 1)[0]
+    assert p.peak_bytes == measure_step(model_fn, batch, loss_fn=loss_fn, precision="bf16")[0]
 
 
 def test_model_state_matches_the_closed_form_plus_what_torch_adds():
@@ -240,7 +110,7 @@ def test_model_state_matches_the_closed_form_plus_what_torch_adds():
     n, count = tr.n_params, len(tr.param_sizes)
     for stage in range(4):
         for world in (1, 2, 8):
-            got = tr.shard(stage, world).model_state
+            got = plan_from_trace(tr, stage, world).model_state
             ref = dict(model_state_bytes(n, zero_stage=stage, world_size=world, precision="fp32"))
             if stage == 3 and world == 1:
                 ref = model_state_bytes(n, zero_stage=0, world_size=1, precision="fp32")
@@ -256,32 +126,28 @@ def test_model_state_matches_the_closed_form_plus_what_torch_adds():
                 assert ref[key] <= got[key] + 4 * world <= ref[key] + slack + 512, (stage, world, key, got, ref)
 
 
-def test_reexports_notebook_08s_closed_form():
-    assert model_state_bytes is sharding.model_state_bytes
-
-
 def test_sharding_rules():
     tr = cached_trace("tiny", 4, 32, "bf16-autocast", False, 1)
-    base = tr.shard(0, 1)
+    base = plan_from_trace(tr, 0, 1)
     assert base.method == "one device, unwrapped" and base.layout == "bf16-autocast" and base.rank_peaks == (base.peak_bytes,)
     for stage in range(3):  # one rank: the unwrapped step at stages 0-2
-        assert tr.shard(stage, 1).peak_bytes == base.peak_bytes
-    ddp = tr.shard(0, 8)
-    assert ddp.peak_bytes == tr.shard(0, 2).peak_bytes > base.peak_bytes  # a replica + buckets per rank
+        assert plan_from_trace(tr, stage, 1).peak_bytes == base.peak_bytes
+    ddp = plan_from_trace(tr, 0, 8)
+    assert ddp.peak_bytes == plan_from_trace(tr, 0, 2).peak_bytes > base.peak_bytes  # a replica + buckets per rank
     buckets = -(-4 * tr.n_params // 512) * 512  # one flat copy of the fp32 gradients
     assert ddp.model_state["gradients"] == base.model_state["gradients"] + buckets
-    view = tr.shard(0, 2, gradient_as_bucket_view=True)
+    view = plan_from_trace(tr, 0, 2, gradient_as_bucket_view=True)
     assert base.peak_bytes <= view.peak_bytes <= ddp.peak_bytes  # equal when the peak is before any gradient
     assert view.model_state["gradients"] < ddp.model_state["gradients"]
     for world in (2, 4, 8):
-        p1, p2, p3 = (tr.shard(s, world) for s in (1, 2, 3))
+        p1, p2, p3 = (plan_from_trace(tr, s, world) for s in (1, 2, 3))
         assert len(p1.rank_peaks) == world and p1.peak_bytes == max(p1.rank_peaks)
         assert p1.rank_peaks[p1.worst_rank] == p1.peak_bytes
         assert p1.model_state["optimizer"] < base.model_state["optimizer"]
         assert p2.model_state["gradients"] < p1.model_state["gradients"]
         assert p3.model_state["parameters"] < p2.model_state["parameters"]
         assert p3.method == "FSDP2 fully_shard (per block + root)"
-    assert tr.shard(3, 8).peak_bytes < tr.shard(3, 2).peak_bytes
+    assert plan_from_trace(tr, 3, 8).peak_bytes < plan_from_trace(tr, 3, 2).peak_bytes
 
 
 def test_zero1_partition_is_zero_redundancy_optimizers():
@@ -305,7 +171,7 @@ def test_layouts_are_named_and_zero_mixed_is_the_papers():
     bf16 = cached_trace("tiny", 4, 32, "bf16", False, 1)
     n = tr.n_params
     for world in (2, 8):
-        p, q = tr.shard(2, world), bf16.shard(2, world)
+        p, q = plan_from_trace(tr, 2, world), plan_from_trace(bf16, 2, world)
         assert p.layout == "zero-mixed" and "12 B/param" in p.layout_description
         closed = model_state_bytes(n, zero_stage=2, world_size=world, precision="mixed")
         assert abs(p.model_state["optimizer"] - closed["optimizer"]) <= 512 * 3 * len(tr.param_sizes)

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from mgpu_helpers.planner import budget as db
-from mgpu_helpers.planner import kernels
-from mgpu_helpers.planner import lm_loss, token_batch, decoder
+from mgpu_helpers.planner import decoder, lm_loss, plan_from_trace, token_batch
 from mgpu_helpers.planner.allocator import CachingAllocator, replay, replay_recorded, round_size, segment_size
 from mgpu_helpers.planner.trace import trace_step
 
@@ -85,7 +84,7 @@ def test_the_replay_makes_the_requests_the_trace_counted(kw):
     batch, ws = [4 * 64 * 8] * 2, db.cublas_workspaces()
     for expandable in (False, True):
         r = replay(tr.events, batch=batch, workspaces=ws, expandable=expandable)
-        assert r["exact_peak"] == tr.shard(0, 1).peak_bytes + sum(batch) + sum(ws)
+        assert r["exact_peak"] == plan_from_trace(tr, 0, 1).peak_bytes + sum(batch) + sum(ws)
         assert r["peak_allocated"] >= r["exact_peak"] and r["peak_reserved"] >= r["peak_allocated"]
         if expandable:  # every block splits: nothing beyond the rounded requests
             assert r["peak_allocated"] == r["exact_peak"]
@@ -105,15 +104,7 @@ def test_cudnn_workspace_is_traced_inside_each_convolution():
     # 16 KiB), forward and backward
     cudnn = -(-int(1.55 * 16384 + 26 * 2**20) // 512) * 512
     assert scratch(gpu) == [cudnn, cudnn]
-    # oneDNN: what this CPU's kernels took, measured by planner.kernels for these very convolutions (18.5 KiB
-    # forward and 32 or 58.5 KiB backward here, by thread count; AVX2), rounded to the 512-byte blocks
-    def measured(name):
-        vals = {v for k, v in kernels._CACHE.items()
-                if k[0] == name and any(isinstance(x, tuple) and x[:2] == ("T", (2, 8, 16, 16)) for x in k[2])}
-        assert len(vals) == 1, (name, vals)
-        return -(-vals.pop() // 512) * 512
-    expected = [measured("aten.convolution.default"), measured("aten.convolution_backward.default")]
-    assert scratch(cpu) == [x for x in expected if x > 4096] and expected[0] > 4096
+    assert scratch(cpu) == []  # a CPU plan is the tensors' (oneDNN's scratch is the CPU allocator's)
     with pytest.raises(ValueError, match="kernels"):
         trace_step(net, batch, loss_fn=loss, device="cpu", kernels="tpu")
 
@@ -121,7 +112,7 @@ def test_cudnn_workspace_is_traced_inside_each_convolution():
 def test_budget_takes_the_replayed_lines():
     tr = _trace()
     rep = db.replayed(tr, [4 * 64 * 8] * 2)
-    b = db.budget(tr.shard(0, 1).peak_bytes, batch_bytes=2 * 4 * 64 * 8, replay=rep)
+    b = db.budget(plan_from_trace(tr, 0, 1).peak_bytes, batch_bytes=2 * 4 * 64 * 8, replay=rep)
     names = [n for n, _, _ in b.lines]
     assert names[:3] == ["allocated by tensors", "batch", "cuBLAS workspace"] and "allocator reserve" in names
     r = replay(tr.events, batch=[4 * 64 * 8] * 2, workspaces=db.cublas_workspaces())

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgpu_helpers.planner import cuda as pc
-from mgpu_helpers.planner import SIZES, decoder, lm_loss, token_batch
+from mgpu_helpers.planner import SIZES, decoder, lm_loss, plan_from_trace, token_batch
 from mgpu_helpers.planner.cuda import EFFICIENT, FLASH, MATH, CudaKernels, cuda_backend
 from mgpu_helpers.planner.trace import trace_step
 
@@ -224,7 +224,7 @@ def test_checkpointed_blocks_recompute_under_the_same_kernels():
     for precision in ("fp32", "bf16-autocast"):
         tr = trace_step(decoder("tiny"), token_batch(4, 32, SIZES["tiny"][0]), loss_fn=lm_loss, precision=precision,
                         checkpointing=True, device="cpu", kernels="cuda")
-        assert tr.shard(0, 1).peak_bytes > 0
+        assert plan_from_trace(tr, 0, 1).peak_bytes > 0
 
 
 HF_ATTENTION = {  # a real step of unpadded tokens: no mask, causal; Llama with grouped heads
@@ -254,7 +254,6 @@ def test_hugging_face_attention_gets_the_arguments_of_a_real_step(tmp_path, monk
         return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", logged)
-    # the first trace in a process measures its CPU kernels (planner.kernels) and traces again: one pass counted
     from mgpu_helpers.planner.dynamic import dynamic_sizes
     with dynamic_sizes():  # as mgpu-plan retraces a step that reads values (OPT's LayerDrop draws a number)
         trace_step(source.model_fn, batch, loss_fn=output_loss, device="cpu", kernels="cpu")
@@ -270,8 +269,8 @@ def test_hugging_face_attention_gets_the_arguments_of_a_real_step(tmp_path, monk
 
 def test_a_plan_traced_with_cuda_kernels_differs_from_the_cpus_where_they_differ():
     batch = token_batch(4, 64, SIZES["tiny"][0])
-    gpu = trace_step(decoder("tiny"), batch, loss_fn=lm_loss, device="cpu", kernels="cuda").shard(0, 1)
-    cpu = trace_step(decoder("tiny"), batch, loss_fn=lm_loss, device="cpu", kernels="cpu").shard(0, 1)
+    gpu = plan_from_trace(trace_step(decoder("tiny"), batch, loss_fn=lm_loss, device="cpu", kernels="cuda"), 0, 1)
+    cpu = plan_from_trace(trace_step(decoder("tiny"), batch, loss_fn=lm_loss, device="cpu", kernels="cpu"), 0, 1)
     assert gpu.peak_bytes < cpu.peak_bytes  # fused RMSNorm keeps less
     assert pc.recompute_contexts()[1].__class__.__name__ == "nullcontext"  # outside the mode: nothing re-entered
 

@@ -5,9 +5,8 @@ import pytest
 
 matplotlib.use("Agg")
 
-from mgpu_helpers.planner import cached_trace  # noqa: E402
-from mgpu_helpers.planner.capstone import _trace  # noqa: E402
-from mgpu_helpers.planner.capstone import calculator, render, settings_plan  # noqa: E402
+from mgpu_helpers.capstone import cached_trace, calculator, render, settings_plan  # noqa: E402
+from mgpu_helpers.planner import plan_from_trace  # noqa: E402
 
 S = dict(size="tiny", batch_size=4, seq_len=32, precision="bf16-autocast")
 
@@ -20,9 +19,9 @@ def bar_heights(fig):
 def test_render_draws_the_planners_figures():
     fig, plan, line = render({**S, "world_size": 4, "zero_stage": 2})
     trace = cached_trace("tiny", 4, 32, "bf16-autocast", False, 1)
-    assert plan == trace.shard(2, 4)
+    assert plan == plan_from_trace(trace, 2, 4)
     top = max(r.get_y() + r.get_height() for r in fig.axes[0].patches)
-    assert abs(top - max(trace.shard(s, 4).peak_bytes for s in range(4)) / 1e9) < 1e-9
+    assert abs(top - max(plan_from_trace(trace, s, 4).peak_bytes for s in range(4)) / 1e9) < 1e-9
     assert "ZeRO-2 on 4 rank(s)" in line and "fits L4, A100-80GB, H200" in line
 
 
@@ -35,11 +34,11 @@ def test_moving_a_control_changes_the_plot():
 
 def test_world_and_stage_need_no_new_trace():
     settings_plan(S)
-    before = _trace.cache_info().misses
+    before = cached_trace.cache_info().misses
     for world in (1, 2, 64):
         for stage in range(4):
             settings_plan({**S, "world_size": world, "zero_stage": stage})
-    assert _trace.cache_info().misses == before
+    assert cached_trace.cache_info().misses == before
 
 
 def test_bad_settings():

@@ -43,15 +43,3 @@ def solution_passes_stub_fails(nb, ex: str, function: str, seeds=(None,)) -> Non
         assert ok, f"seed {seed}: {msg}"
     ok, msg = stub_verdict(nb, ex, function)
     assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg
-
-
-def record_figure(test: str, planned: int, measured: int) -> None:
-    """Append a planned-vs-measured CPU figure to $MGPU_FIGURES_LOG (JSON lines) when it is set: how the
-    README's "Verified on" gets the planner's worst error per ISA (bench/cpu_isa_matrix.sh sets it)."""
-    import json
-    import os
-    path = os.environ.get("MGPU_FIGURES_LOG")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": test, "planned": planned, "measured": measured,
-                                "error": planned / measured - 1}) + "\n")

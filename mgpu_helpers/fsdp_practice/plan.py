@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch.nn import functional as F
 
 from ..sharding.zero import make_batch
@@ -24,7 +23,6 @@ def plan_knobs(world_size: int, knobs: dict, model_kw=None):
     """``planner.plan`` for :func:`fsdp_practice.measure`'s step under ``knobs`` on ``world_size`` ranks
     (one rank's batch of ``knobs.get("rows", 8)``): the planner's :class:`~mgpu_helpers.planner.Plan`."""
     from ..planner import plan
-    from ..planner.kernels import fake_collectives
 
     k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False, "rows": 8, **knobs}
     if set(k) - {"reshard_after_forward", "prefetch", "precision", "offload", "rows"}:
@@ -32,13 +30,10 @@ def plan_knobs(world_size: int, knobs: dict, model_kw=None):
                          "prefetch, precision, offload")
     mkw = {**MODEL, **(model_kw or {})}
     batch = make_batch(1, k["rows"], mkw["d_in"], mkw["classes"])  # only shapes and dtypes are used
-    # measure() runs a rank in this process, under a fake process group (``fake_world``): its threads, and
-    # no gloo (whose reduce-scatter copies its input: planner.kernel_rules)
-    with fake_collectives():
-        return plan(functools.partial(Net, **mkw), batch, loss_fn=F.cross_entropy, optimizer="adam",
-                    precision=PRECISION[k["precision"]], zero_stage=3, world_size=world_size, device="cpu",
-                    reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"] or 1,
-                    offload=k["offload"], threads=torch.get_num_threads())
+    return plan(functools.partial(Net, **mkw), batch, loss_fn=F.cross_entropy, optimizer="adam",
+                precision=PRECISION[k["precision"]], zero_stage=3, world_size=world_size, device="cpu",
+                reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"] or 1,
+                offload=k["offload"])
 
 
 __all__ = ["plan_knobs"]

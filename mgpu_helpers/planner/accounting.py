@@ -1,27 +1,25 @@
 """Accounting over fake storages: :class:`FakeTracker`, the course's ``MemoryTracker`` pointed at a fake-tensor
-step, and the calibrated lines for what no tensor owns (kernels' scratch inside one op).
+step, and, for a GPU's kernels, the calibrated lines for what no tensor owns (their scratch inside one op).
 
 ``MemoryTracker`` counts storages on its device, and a fake tensor's storage lives on ``meta`` whatever device
-the tensor claims, so the tracker sees nothing under a fake mode (FACTS.md). ``FakeTracker`` counts meta
-storages of tensors that claim the planned device -- same categories, same rules, same 512-byte rounding --
-which is why the planner equals the tracker on a real step. It records the allocator's requests in order
-(``events``: what ``planner.allocator.replay`` replays) and adds what a kernel borrows inside one op as a
-transient: on the CPU every op's, measured on this machine (``planner.kernels``); on a GPU each convolution's
-cuDNN workspace (:func:`cudnn_workspace`, calibrated on the H200).
+the tensor claims, so the tracker sees nothing under a fake mode. ``FakeTracker`` counts meta storages of
+tensors that claim the planned device -- same categories, same rules, same 512-byte rounding -- which is why
+a CPU plan equals the tracker on a real step, on every CPU. It records the allocator's requests in order
+(``events``: what ``planner.allocator.replay`` replays) and, planning a GPU's kernels (``kernels="cuda"``),
+adds what a kernel borrows inside one op as a transient: each convolution's cuDNN workspace
+(:func:`cudnn_workspace`) and flash attention's backward buffers, calibrated on the H200. A CPU kernel's
+scratch (oneDNN's) is the CPU allocator's business, not the plan's: it depends on the CPU.
 
-The lowest layer of the planner but ``kernels``: it imports the runtime's tracker and ``kernels``; ``trace``
-and ``fsdp`` build on it.
+The lowest layer of the planner: it imports the runtime's tracker; ``trace`` and ``fsdp`` build on it.
 """
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from ..runtime.tracker import MemoryTracker
-from .kernels import _CONVS, cpu_kernel_scratch, probed
 
 # --- accounting over fake storages -------------------------------------------------------------------
 
@@ -34,41 +32,8 @@ class FakeTracker(MemoryTracker):
         self.device = torch.device("meta")  # where every fake storage lives
         self.planned = torch.device(device).type
         self.events = []  # the allocator's requests, in order: planner_allocator.replay
-        # kernels' own scratch inside a convolution: cuDNN's workspace on a GPU, oneDNN's on the CPU
-        self.kernels = self.planned if kernels is None else kernels
+        self.kernels = self.planned if kernels is None else kernels  # "cuda": GPU kernels' scratch is added
         self.workspace_at_peak, self._ws_now = 0, 0
-
-    # torch.utils.checkpoint keeps the CPU generator's state (``torch.get_rng_state()``: 5,056 bytes with
-    # torch 2.13) from each checkpointed segment's forward until its recompute has run: CPU memory, made
-    # outside any op, so a real tensor even under the fake mode, which no dispatch mode sees. On a CPU plan
-    # it counts: a 3-block MLP's step held 3 x 5,056 B more than its plan through the forward, and on a CPU
-    # whose bf16 matmuls take scratch (AVX-512 bf16, AMX) the peak fell there: -0.70% against the profiler.
-    # A GPU plan leaves it out (host memory; the CUDA generator's state is a host tensor too).
-    def __enter__(self):
-        super().__enter__()
-        if self.planned == "cpu":
-            self._real_rng_state, torch.get_rng_state = torch.get_rng_state, self._counted_rng_state
-        return self
-
-    def __exit__(self, *exc):
-        if self.planned == "cpu":
-            torch.get_rng_state = self._real_rng_state
-        return super().__exit__(*exc)
-
-    def _counted_rng_state(self):
-        state = self._real_rng_state()
-        if self._active:
-            rec = _Scratch()
-            rec.cat, rec.nbytes = "other", -(-state.untyped_storage().nbytes() // self.round_to) * self.round_to
-            with self._lock:
-                self._change(rec, rec.nbytes)
-            weakref.finalize(state, self._rng_state_freed, rec)  # when checkpoint lets go of it
-        return state
-
-    def _rng_state_freed(self, rec):
-        with self._lock:
-            if self._active:
-                self._change(rec, -rec.nbytes)
 
     def _claim(self, tensors, cat, add=False):
         super()._claim([t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == self.planned],
@@ -80,16 +45,13 @@ class FakeTracker(MemoryTracker):
             if devs == {"cpu"}:
                 return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        cpu = self.kernels == "cpu"
-        if self._active and (probed(func) if cpu else func in _GPU_SCRATCH):
-            # measured on this CPU (planner.kernels), or the GPU kernel's own buffers (cuDNN's, flash's)
-            extra = cpu_kernel_scratch(func, args, kwargs) if cpu else _GPU_SCRATCH[func](func, args)
-            extra = -(-extra // self.round_to) * self.round_to
+        if self._active and self.kernels == "cuda" and func in _GPU_SCRATCH:
+            extra = -(-_GPU_SCRATCH[func](func, args) // self.round_to) * self.round_to
             if extra:  # taken and given back inside the op: a transient sample, labelled "other"
                 rec = _Scratch()
                 rec.cat, rec.nbytes = "other", extra
                 with self._lock:
-                    self._ws_now = extra if cpu or func in _CONVS else 0  # the plan's cuDNN line: convolutions'
+                    self._ws_now = extra if func in _CONVS else 0  # the budget's cuDNN line: convolutions'
                     self._change(rec, extra)
                     self._ws_now = 0
                     self._change(rec, -extra)
@@ -146,5 +108,6 @@ def cudnn_workspace(func, args) -> int:
     return int(CUDNN_WORKSPACE_FRACTION * biggest) + CUDNN_WORKSPACE_EXTRA
 
 
+_CONVS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 _GPU_SCRATCH = {**{f: cudnn_workspace for f in _CONVS},
                 torch.ops.aten._scaled_dot_product_flash_attention_backward.default: flash_backward_workspace}

@@ -20,7 +20,7 @@ also holds, per process (rank):
   * **NCCL's buffers** when the process group spans N > 1 GPUs (channels' buffers per peer).
 
 Each line says where its figure comes from (:data:`SOURCES`). Figures measured on the H200 of this course
-(torch 2.11.0+cu130, driver 580.159.04; FACTS.md, last section, and README's notebook 02 row);
+(torch 2.11.0+cu130, driver 580.159.04; README's notebook 02 row);
 ``bench/plan_gpu.py`` re-measures every line on a GPU and prints what to set here. Where a figure is a
 range, the upper end is used: an under-estimate is the dangerous direction (the plan says "fits", the run
 dies). :data:`GPUS` holds real capacities in bytes (what ``nvidia-smi`` and ``torch.cuda.mem_get_info``
@@ -53,10 +53,10 @@ CONTEXT_BYTES = 768 * MiB           # CUDA context + cuBLAS/cuDNN loaded: used m
 NCCL_BYTES = 558 * MiB               # one NCCL process group's buffers, unseen by torch's counters
 CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}
 # cuDNN convolution workspace as a fraction of the largest convolution's largest activation (input or
-# output, in its compute dtype). FACTS.md: ~112 MB (fp32) / ~62 MB (bf16) at batch 64 x 224^2, where a
+# output, in its compute dtype). Measured on the H200: ~112 MB (fp32) / ~62 MB (bf16) at batch 64 x 224^2, where a
 # ResNet stem's output is 64x64x112x112 (205.5 MB fp32, 102.8 MB bf16): 0.55 and 0.60 -> 0.60.
 CONV_WORKSPACE_FRACTION = 0.60
-# Caching allocator's reserve above the allocated peak, as a fraction of it (FACTS.md: transformer steps
+# Caching allocator's reserve above the allocated peak, as a fraction of it (H200: transformer steps
 # +2% to +27%, a conv net +14% to +48%; the upper ends). With expandable segments: not yet measured here,
 # assumed 2 MiB page rounding per segment plus 2% (bench/plan_gpu.py --expandable measures it).
 RESERVE_FRACTION = {("default", "transformer"): 0.27, ("default", "conv"): 0.48,
@@ -88,11 +88,11 @@ SOURCES = {
                                      "peak, where the replay finds less (H200, ResNet-50 and ConvNeXt: 0.12-0.20x; "
                                      "the first step's cuDNN workspaces make the segments)",
     "cuDNN conv workspace": f"{CONV_WORKSPACE_FRACTION:.2f} x the largest convolution activation "
-                            "(FACTS.md: H200, batch 64x224^2, ~112 MB fp32 / ~62 MB bf16)",
+                            "(H200, batch 64x224^2, ~112 MB fp32 / ~62 MB bf16)",
     "cuDNN conv workspace (traced)": "the trace takes and frees it inside each convolution: 1.55 x its largest "
                                      "activation + 26 MiB, the envelope of ResNet-50's 212 convolutions measured "
                                      "on the H200 (planner.accounting.cudnn_workspace); this much is taken at the peak",
-    "allocator reserve": "caching allocator above the allocated peak (FACTS.md, H200: transformers +2..27%, "
+    "allocator reserve": "caching allocator above the allocated peak (H200: transformers +2..27%, "
                          "conv nets +14..48%; upper end)",
     "allocator reserve (expandable)": "expandable_segments: 2 MiB pages + 2% (assumed; not yet measured)",
     "CUDA context": "used on the device minus reserved by the allocator after a step: 747.6-767.6 MiB over 16 "
@@ -242,10 +242,3 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
     if world_size > 1:
         lines.append(("NCCL buffers", NCCL_BYTES, sources["NCCL buffers"]))
     return DeviceBudget(lines)
-
-
-def fmt_bytes(n: int) -> str:
-    """Bytes as GiB (MiB below 1 GiB, KiB below 1 MiB), the unit torch and nvidia-smi report in."""
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n / 1024:.1f} KiB"

@@ -5,7 +5,7 @@ FSDP2's memory is not a rule of thumb over one unsharded step: each unit all-gat
 re-grown with ``UntypedStorage.resize_``), the root stays unsharded after forward, one more unit is
 prefetched in backward, gradients are reduce-scattered through a flat buffer, and
 ``MixedPrecisionPolicy`` gathers bf16 compute copies beside fp32 shards. Rules derived from one
-unsharded trace were 12-20% low against real steps (issue 18). So the planner runs FSDP2 itself:
+unsharded trace were 12-20% low against real steps. So the planner runs FSDP2 itself:
 ``fully_shard`` per block + root (or root only) on a model built under ``FakeTensorMode``, inside a fake
 process group (``init_process_group("fake")``: collectives do nothing, shapes are right) of the planned
 world size and rank, then traces three steps and counts the last with the planner's fake-storage

@@ -30,8 +30,8 @@ ranks differ -- every rank is planned, the worst reported); stage 2 the course's
 ``fully_shard`` per block + root (``planner.fsdp``: run, not ruled). ``world_size=1`` plans the
 unwrapped step at stages 0-2 (no one wraps one device in DDP); stage 3 runs FSDP2 even at one rank.
 
-The calibrated lines for what no tensor owns (oneDNN's convolution scratch, cuDNN's workspace) are in
-``planner.accounting``, beside the tracker that adds them.
+What no tensor owns is not in a CPU plan (the tracker's accounting); for a GPU, cuDNN's workspace and flash
+attention's buffers are calibrated lines in ``planner.accounting``, beside the tracker that adds them.
 """
 from __future__ import annotations
 
@@ -47,7 +47,6 @@ LAYOUTS = {
     "zero-mixed": "ZeRO paper: bf16 parameters and gradients, fp32 master + Adam moments (12 B/param, "
                   "sharded from stage 1); planned by rule from the bf16 trace",
 }
-TRACED_AS = {"zero-mixed": "bf16"}  # the layout whose step is traced for it
 METHOD = {0: "DDP", 1: "ZeroRedundancyOptimizer + DDP", 2: "course ZeRO-2 (rules)",
           3: "FSDP2 fully_shard"}
 _P, _G, _O, _A, _X = range(5)  # the tracker's CATEGORIES, in order

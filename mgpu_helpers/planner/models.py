@@ -104,7 +104,7 @@ class ConvBlock(nn.Module):
 
 class ConvNet(nn.Module):
     """A small conv net with BatchNorm: stem conv, ``layers`` residual conv blocks, pooled linear head.
-    Its convolutions run on oneDNN on the CPU, which takes scratch memory that no tensor owns."""
+    On the CPU its convolutions' oneDNN scratch is the allocator's, not the plan's (no tensor owns it)."""
 
     def __init__(self, channels=32, layers=4, classes=10):
         super().__init__()

@@ -10,8 +10,8 @@ FSDP2's defaults; options (``OPTIONS``) set what torch lets one set.
 **The step** (``planner.trace.train_step``): optimizer state already made, gradients None; per
 micro-batch ``loss_fn(model(x), y) / micro_batches`` and backward; ``opt.step()``; ``zero_grad``.
 Counted from before the model was built: parameters, gradients, optimizer state, activations,
-temporaries, oneDNN's convolution scratch on a CPU (a calibrated line: ``planner.accounting.conv_scratch``);
-not the batch (it exists before the model), not cuBLAS/cuDNN workspaces on a GPU. ``batch`` is one
+temporaries: the tensors, as ``MemoryTracker`` counts them (on the CPU, to the byte); not the batch (it
+exists before the model); on a GPU (``kernels="cuda"``) cuDNN's workspace and flash attention's buffers. ``batch`` is one
 rank's batch. Optimizers: foreach ``Adam(lr=1e-3)``, ``SGD`` with or without momentum.
 
 **How.** Stages 0-2: one unsharded step traced under fake tensors (``planner.trace``: the course's
@@ -21,9 +21,9 @@ rule (``planner.layouts.rank_timeline``): DDP's buckets added (a flat copy of th
 rank keeping its parameters' state and stepping only them, ZeRO-2's state and gradients in equal shards
 plus one unit's whole gradients in backward; the peak taken again (it moves: unsharded a 7B step peaks in
 Adam's step, sharded in backward). Stage 3: FSDP2 itself, run on the fake model in a fake process group
-(``planner.fsdp``), one trace per group of ranks with equal shards. Held against real steps on 2 and 4
-gloo ranks with a reference that sees every allocation (``planner.validation``, bench/planner_ranks.py):
-within 2% per rank, in practice to a few bytes. Not modelled: fragmentation, NCCL's buffers.
+(``planner.fsdp``), one trace per group of ranks with equal shards. Held against the tracker on real
+steps on 2 and 4 ranks (``planner.validation``, bench/planner_ranks.py). What a device holds beyond the
+tensors (allocator reserve, CUDA context, NCCL's buffers) is ``planner.budget``'s: :attr:`Plan.device_bytes`.
 """
 from __future__ import annotations
 
@@ -33,12 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.tracker import CATEGORIES, MemoryTracker
-from .kernels import step_threads
 from .layouts import LAYOUTS, METHOD, _bytes, _check_args, _check_trace_args, rank_timeline
 from .trace import Trace, apply_checkpointing, make_optimizer, trace_step, train_step, warm_up
-
-CLOSED_FORM_PRECISION = {"fp32": "fp32", "bf16-autocast": "fp32", "fp16-autocast": "fp32", "bf16": "bf16"}
-
 
 # --- plans -----------------------------------------------------------------------------------------
 
@@ -59,7 +55,17 @@ class Plan:
     worst_rank: int = 0
 
     def fits(self, budget_bytes: int) -> bool:
+        """Whether the allocated peak is within ``budget_bytes`` (a budget already net of what the device
+        holds beyond tensors; against a card's capacity use :attr:`device_bytes`)."""
         return self.peak_bytes <= budget_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """What one rank's GPU must hold (a Hopper card; ``planner.budget``'s lines): the allocated peak,
+        cuBLAS's workspaces, the caching allocator's reserve, the CUDA context and, on several ranks, NCCL's
+        buffers -- the figure to compare with a card's capacity."""
+        from .budget import budget
+        return budget(self.peak_bytes, world_size=self.config["world_size"]).total
 
     @property
     def step_cost(self) -> float:
@@ -118,7 +124,7 @@ def _fsdp_plan(trace_kw, world_size, options, config, layout):
     return _worst(per_rank)
 
 
-def shard(trace: Trace, zero_stage: int = 0, world_size: int = 1, **options) -> Plan:
+def plan_from_trace(trace: Trace, zero_stage: int = 0, world_size: int = 1, **options) -> Plan:
     """The per-rank plan for ZeRO ``zero_stage`` on ``world_size`` ranks from an unsharded trace: stages
     0-2 by rule (planner.layouts), stage 3 by running FSDP2 on the traced step's model (cached per trace).
     ``options``: :data:`OPTIONS` (plan()'s docs)."""
@@ -132,10 +138,9 @@ def shard(trace: Trace, zero_stage: int = 0, world_size: int = 1, **options) -> 
                   **{k: v for k, v in o.items() if k != "mp_policy"})
     if zero_stage == 3:
         key = (world_size, tuple((k, repr(v)) for k, v in sorted(o.items())))
-        cache = trace.__dict__.setdefault("_fsdp_plans", {})
-        if key not in cache:
-            cache[key] = _fsdp_plan(trace.source, world_size, o, config, layout)
-        return cache[key]
+        if key not in trace.fsdp_plans:  # FSDP2 runs once per trace, world size and options
+            trace.fsdp_plans[key] = _fsdp_plan(trace.source, world_size, o, config, layout)
+        return trace.fsdp_plans[key]
     ranks = range(world_size) if zero_stage == 1 and world_size > 1 else [0]
     plans = []
     for r in ranks:
@@ -147,11 +152,9 @@ def shard(trace: Trace, zero_stage: int = 0, world_size: int = 1, **options) -> 
     return _worst(plans)
 
 
-Trace.shard = shard
-
 
 def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_stage=0, world_size=1,
-         micro_batches=1, checkpointing=False, device=None, round_to=None, threads=None, **options) -> Plan:
+         micro_batches=1, checkpointing=False, device=None, round_to=None, **options) -> Plan:
     """Per-rank memory of one steady-state training step of ``model_fn()`` on ``batch`` (module docs).
 
     ``model_fn()`` builds the model; the planner calls it under ``FakeTensorMode`` (or it may build on the
@@ -170,18 +173,10 @@ def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_s
     ``prefetch=1`` (units all-gathered ahead; FSDP2 prefetches one in backward by default);
     ``mp_policy=None`` (a ``MixedPrecisionPolicy`` or its keyword dict; ``precision="fsdp-mixed"`` is
     ``param_dtype=bf16, reduce_dtype=fp32``); ``offload=False`` (``CPUOffloadPolicy``: on a CPU plan,
-    host and device are the same memory, so the figure is their sum).
-
-    ``threads``: the threads a CPU step's kernels run on (oneDNN's bf16 matmul scratch is per thread,
-    ``planner.kernels``): by default ``run_ranks``' share per rank for ``world_size`` > 1, this process's
-    for one; give it when the step runs elsewhere (``fsdp_practice`` measures its ranks in this process)."""
+    host and device are the same memory, so the figure is their sum)."""
     o = _check_args(zero_stage, world_size, precision, options)  # before tracing: fail fast, nothing half-done
-    if threads is None and world_size > 1:
-        from ..runtime.launch import rank_threads
-        threads = rank_threads(world_size, "gloo")
-    with step_threads(threads):
-        return _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size, micro_batches,
-                     checkpointing, device, round_to, o)
+    return _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size, micro_batches,
+                 checkpointing, device, round_to, o)
 
 
 def _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size, micro_batches, checkpointing,
@@ -193,11 +188,10 @@ def _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size
         trace = Trace(timeline=torch.zeros(1, len(CATEGORIES), dtype=torch.int64), phases=["forward"], n_params=0,
                       param_sizes=[], state_sizes=[], grad_bytes_per_elem=4, unit_numel=0, round_to=1,
                       config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
-                                  checkpointing=checkpointing, device=device, layout=precision))
-        trace.source = trace_kw
-        return trace.shard(zero_stage, world_size, **o)
+                                  checkpointing=checkpointing, device=device, layout=precision), source=trace_kw)
+        return plan_from_trace(trace, zero_stage, world_size, **o)
     trace = trace_step(**trace_kw)
-    return trace.shard(zero_stage, world_size, **o)
+    return plan_from_trace(trace, zero_stage, world_size, **o)
 
 
 def measure_step(model_fn, batch, *, loss_fn, precision="fp32", checkpointing=False, micro_batches=1,

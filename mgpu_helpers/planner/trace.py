@@ -6,8 +6,7 @@ under :class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at
 real is allocated, so a 7B-parameter step traces on a laptop in seconds.
 
 Why a subclass (``accounting``): ``MemoryTracker`` counts storages on its device, and a fake tensor's
-storage lives on ``meta`` whatever device the tensor claims, so the tracker sees nothing under a fake mode
-(FACTS.md). ``FakeTracker`` counts meta storages of tensors that claim the planned device -- same
+storage lives on ``meta`` whatever device the tensor claims, so the tracker sees nothing under a fake mode. ``FakeTracker`` counts meta storages of tensors that claim the planned device -- same
 categories, same rules, same 512-byte rounding -- which is why the planner equals the tracker on a real step.
 
 The device is the machine's: fake CUDA tensors need a CUDA build (on a CPU build their in-place ops and
@@ -28,9 +27,9 @@ from torch.utils.checkpoint import checkpoint
 from ..runtime.tracker import CATEGORIES, CUDA_BLOCK
 from .accounting import FakeTracker
 from .cuda import CudaKernels, recompute_contexts
-from .kernels import measure_pending
 
-PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")  # traced as such (layouts: all layouts)
+# the memory layouts (planner.layouts.LAYOUTS) a step is traced in; the others are derived from these
+TRACED_LAYOUTS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")
 _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")  # AdamW: Adam's two moments, the decay applied to the weights
 FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the byte (tests/test_planner_fsdp.py)
@@ -146,6 +145,10 @@ class Trace:
     config: dict = field(default_factory=dict)
     param_state_sizes: list = field(default_factory=list)  # per trainable parameter: its state's (numel, bytes)
     events: list = field(default_factory=list, repr=False)  # every storage's size change (planner.allocator)
+    tracker_peak: tuple = (0, None)    # the tracker's (peak_bytes, peak_breakdown) of the traced step
+    workspace_at_peak: int = 0         # cuDNN's workspace at the peak, when GPU kernels were traced
+    source: dict = field(default_factory=dict, repr=False)  # trace_step's arguments: what a ZeRO-3 plan runs
+    fsdp_plans: dict = field(default_factory=dict, repr=False, compare=False)  # plans.plan_from_trace's ZeRO-3 plans
 
 
 def _fake_batch(batch, device):
@@ -197,9 +200,9 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
     ``fsdp``: ``dict(world_size=, rank=, **planner.fsdp.apply_fsdp options)`` traces that rank's step of
     the model wrapped by FSDP2 in a fake process group instead (``planner.fsdp``): two steps, the second
     counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run).
-    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): a convolution's scratch
-    (oneDNN's or cuDNN's workspace) and, for "cuda", the attention kernel a GPU would choose
-    (``planner.cuda``) -- ``mgpu-plan`` traces on any machine and plans for a GPU."""
+    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): for "cuda", the attention
+    kernel a GPU would choose (``planner.cuda``) and its kernels' scratch (cuDNN's workspace, flash
+    attention's buffers) -- ``mgpu-plan`` traces on any machine and plans for a GPU."""
     if kernels not in (None, "cpu", "cuda"):
         raise ValueError(f"kernels must be None, 'cpu' or 'cuda', got {kernels!r}")
     source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
@@ -217,10 +220,8 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
                           device, round_to, fsdp, kernels)
 
     trace = once()
-    if measure_pending():  # ops met for the first time in this process, now measured on this CPU: again
-        trace = once()
     trace.config["layout"] = precision
-    trace.source = source  # what Trace.shard(3, n) runs under FSDP2
+    trace.source = source
     return trace
 
 
@@ -230,8 +231,8 @@ def _local(t):
 
 def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkpointing, device, round_to, fsdp,
            kernels=None):
-    if precision not in PRECISIONS and not (fsdp is not None and precision == "fsdp-mixed"):
-        raise ValueError(f"precision must be one of {PRECISIONS}" + (" (or 'fsdp-mixed' under FSDP2)" if fsdp is None
+    if precision not in TRACED_LAYOUTS and not (fsdp is not None and precision == "fsdp-mixed"):
+        raise ValueError(f"precision must be one of {TRACED_LAYOUTS}" + (" (or 'fsdp-mixed' under FSDP2)" if fsdp is None
                          else "") + f", got {precision!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")

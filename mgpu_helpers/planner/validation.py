@@ -1,4 +1,4 @@
-"""Holding the planner against real steps: each rank's measured peak on gloo ranks beside ``plan()``.
+"""Holding the planner against real steps: each rank's measured peak beside ``plan()``.
 
     rows = validate(tied_frozen("tiny"), token_batch(4, 32, 512), loss_fn=lm_loss, model="tied+frozen",
                     methods=("ddp", "zero1", "fsdp2"), world_sizes=(2, 4))
@@ -8,25 +8,28 @@ A *method* is what torch runs (``METHODS``): ``ddp`` (DistributedDataParallel, d
 ``zero1`` (ZeroRedundancyOptimizer over DDP), ``fsdp2`` (``fully_shard`` per block of the largest
 ``nn.ModuleList``, then the root) and ``fsdp2-root`` (the root only); each maps to plan() options.
 
-**The reference** sees every allocation of the c10 CPU allocator: ``torch.profiler`` with
-``profile_memory=True`` records each allocation and free (``[memory]`` events, +/- bytes), including what
-no Python tensor owns -- DDP's gradient buckets, storages FSDP2 frees and re-grows with ``resize_``,
-oneDNN's convolution scratch. Summed in time order from before the model is built (the batch is made
-before, as the planner assumes), the running sum is ``memory_allocated``; the measured figure is its
-maximum within the third step (the first makes Adam's state, DDP rebuilds its buckets after it, FSDP2
-keeps its unsharded storages from it): the steady step that ``plan()`` plans. Each rank also reports
-its running sum at the start of steps 2 and 3, which must agree (steady state: nothing leaked).
-The measurement is ``mgpu_helpers.runtime.alloc_reference.AllocationReference``, the tracker's reference.
+**The measurement** is the course's ``MemoryTracker`` on each rank's device (``rank_device()``: a GPU per
+rank under NCCL, the CPU under gloo), entered before the model is built (the batch is made before, as the
+planner assumes): the peak of the third step (the first makes Adam's state, DDP rebuilds its buckets after
+it, FSDP2 keeps its unsharded storages from it), the steady step ``plan()`` plans. On the CPU that is the
+accounting of tensors -- the plan's own, so the two agree to the byte on any CPU; on a GPU the tracker reads
+``max_memory_allocated`` and the plan is held to the allocator. Each rank also reports its figure at the
+start of steps 2 and 3, which must agree (steady state: nothing leaked). On the CPU, ``allocator`` is what
+the CPU allocator saw beside it (``runtime.alloc_reference``: the profiler's events), for the lesson that
+shows the difference: what C++ allocates behind no tensor (gloo's copies, oneDNN's scratch), which depends
+on the machine and which no plan promises.
 """
 from __future__ import annotations
 
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..runtime.alloc_reference import AllocationReference
-from ..runtime.launch import run_ranks
+from ..runtime.launch import rank_device, run_ranks
+from ..runtime.tracker import MemoryTracker
 from .trace import train_step
 
 METHODS = {  # method: plan() options
@@ -38,9 +41,17 @@ METHODS = {  # method: plan() options
 STEPS = 3  # the measured step is the last
 
 
-def wrap(model, method, precision="fp32", device="cpu", **options):
+def mesh_of(device):
+    """A 1-D mesh over the whole group on ``device``'s type (bench/planner_ranks_gpu.py: gloo ranks sharing
+    one GPU, each process with its own caching allocator)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh(torch.device(device).type, list(range(dist.get_world_size())))
+
+
+def wrap(model, method, precision="fp32", device="cpu", mesh=None, **options):
     """``(model, optimizer)`` as ``method`` wraps them on this rank (the process group is up; the model is
-    on ``device``); ``options``: plan()'s (``gradient_as_bucket_view`` for DDP, the FSDP2 ones)."""
+    on ``device``); ``options``: plan()'s (``gradient_as_bucket_view`` for DDP, the FSDP2 ones). ``mesh``:
+    FSDP2's (default :func:`mesh_of` the device; the planner makes it outside the step it counts)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     trainable = [p for p in model.parameters() if p.requires_grad]
     device = torch.device(device)
@@ -52,62 +63,56 @@ def wrap(model, method, precision="fp32", device="cpu", **options):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return model, ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.Adam, lr=1e-3, foreach=True)
     if method in ("fsdp2", "fsdp2-root"):
-        from torch.distributed.device_mesh import init_device_mesh
-
         from .fsdp import apply_fsdp  # the very code plan() runs on fake tensors
         fsdp = {k: v for k, v in options.items() if k in ("reshard_after_forward", "prefetch", "offload", "mp_policy")}
-        apply_fsdp(model, init_device_mesh(device.type, (dist.get_world_size(),)) if device.type == "cpu" else
-                   _shared_gpu_mesh(), precision=precision,
-                   fsdp_units=METHODS[method]["fsdp_units"], **fsdp)
+        apply_fsdp(model, mesh or mesh_of(device), precision=precision, fsdp_units=METHODS[method]["fsdp_units"],
+                   **fsdp)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=True)
     raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
 
 
-def _shared_gpu_mesh():
-    """All ranks on the one GPU (bench/planner_ranks_gpu.py): a CUDA mesh over the gloo group, each
-    process with its own caching allocator (FACTS.md: FSDP2 trains that way at N = 1, 2, 4)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    return DeviceMesh("cuda", list(range(dist.get_world_size())))
-
-
 def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, options):
     torch.manual_seed(0)
-    x, y = batch  # made before the profiler starts: not counted, as in plan()
+    device = rank_device()
+    x, y = (t.to(device) for t in batch)  # made before the tracker starts: not counted, as in plan()
     if precision == "bf16":
         x = x.bfloat16() if x.is_floating_point() else x
     step_precision = "fp32" if precision in ("fsdp-mixed", "bf16") else precision
-
-    def run():
-        model = model_fn()
+    mesh = mesh_of(device) if method.startswith("fsdp2") else None  # its rank tensor: before the count, as plan()
+    cpu = device.type == "cpu"
+    ref = AllocationReference() if cpu else contextlib.nullcontext()
+    with ref, MemoryTracker(device=device) as mt:
+        with device:
+            model = model_fn()
         if precision == "bf16":
             model = model.to(torch.bfloat16)
-        model, opt = wrap(model, method, precision, **options)
+        model, opt = wrap(model, method, precision, device=device, mesh=mesh, **options)
+        starts = []
         for i in range(STEPS):
-            with record_function(f"planner_step{i}"):
+            starts.append(mt.current_bytes)
+            if i == STEPS - 1:
+                mt.reset_peak()
+            with record_function(f"step {i}"):
                 train_step(model, opt, (x, y), loss_fn, precision=step_precision)
-
-    with AllocationReference() as ref:  # every allocation of the c10 CPU allocator, every thread's
-        run()
-    peak = ref.peak_in(f"planner_step{STEPS - 1}")
-    starts = {f"planner_step{i}": ref.at(f"planner_step{i}") for i in range(STEPS)}
-    return {"peak": peak, "start_prev": starts[f"planner_step{STEPS - 2}"],
-            "start": starts[f"planner_step{STEPS - 1}"]}
+    out = {"peak": mt.peak_bytes, "start_prev": starts[-2], "start": starts[-1]}
+    if cpu:
+        out["allocator"] = ref.peak_in(f"step {STEPS - 1}")
+    return out
 
 
 def measure(model_fn, batch, *, loss_fn, method, world_size, precision="fp32", **options):
-    """Each rank's measured peak (bytes) of the steady step of ``method`` on ``world_size`` gloo ranks."""
+    """Each rank's measured figures of the steady step of ``method`` on ``world_size`` ranks: ``peak`` (the
+    tracker's), ``start``/``start_prev`` (at the start of the last two steps), on the CPU ``allocator``."""
     return run_ranks(_measure_rank, world_size, model_fn, batch, loss_fn, method, precision, options,
                      timeout=600)
 
 
 def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_sizes=(2, 4),
-             precisions=("fp32",), remeasure=1, tolerance=0.02, **options):
-    """Rows ``{model, method, world, precision, rank, measured, planned, error, steady, remeasured, own, held}``
-    for every combination (``error`` = planned / measured - 1: negative is an under-estimate, the dangerous
-    direction). ``remeasure``: how many more times a run with a rank off by more than ``tolerance`` is
-    measured (below). ``held``: within ``tolerance``, or -- a plan over by more, whose kernels allocate on
-    worker threads -- the measurement lies between ``own`` (the plan with the calling thread's share of those
-    kernels, ``kernels.calling_thread_only``) and the plan."""
+             precisions=("fp32",), tolerance=0.0, **options):
+    """Rows ``{model, method, world, precision, rank, measured, planned, error, steady, allocator, held}`` for
+    every combination (``error`` = planned / measured - 1: negative is an under-estimate, the dangerous
+    direction; ``held``: within ``tolerance``, 0 -- to the byte -- by default on the CPU). Plans are of the
+    ranks' device: the CPU under gloo, a GPU under NCCL (pass a tolerance there: the allocator's blocks)."""
     from .plans import plan
     rows = []
     for precision in precisions:
@@ -117,50 +122,30 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
             for n in world_sizes:
                 got = measure(model_fn, batch, loss_fn=loss_fn, method=method, world_size=n,
                               precision=precision, **options)
-                p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, world_size=n, device="cpu",
+                device = "cuda" if "allocator" not in got[0] else "cpu"
+                p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, world_size=n, device=device,
                          **METHODS[method], **options)
                 if p.rank_peaks and len(p.rank_peaks) != n:
                     raise AssertionError(f"plan gave {len(p.rank_peaks)} rank peaks for {n} ranks")
-                for _ in range(int(remeasure)):
-                    if not any(abs(p.rank_peaks[r] / m["peak"] - 1) > tolerance for r, m in enumerate(got)):
-                        break
-                    # Once in ~80 rank-runs one rank's peak held 71,424 B more, whatever the model: a buffer
-                    # that a gloo worker thread holds a moment longer (timing, not the step). Measure again
-                    # and keep each rank's lower peak; ``remeasured`` says so in the table.
-                    again = measure(model_fn, batch, loss_fn=loss_fn, method=method, world_size=n,
-                                    precision=precision, **options)
-                    got = [dict(min(a, b, key=lambda m: m["peak"]), remeasured=a.get("remeasured", a["peak"]))
-                           for a, b in zip(got, again)]
-                own = None
-                if any(p.rank_peaks[r] > m["peak"] * (1 + tolerance) for r, m in enumerate(got)):
-                    # over: kernels that allocate on worker threads are planned with every thread at its
-                    # most at once (planner.kernels), which ranks whose threads outnumber the free cores
-                    # seldom reach; the calling thread's share is the other end of what the step may take
-                    from .kernels import calling_thread_only
-                    with calling_thread_only():
-                        own = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, world_size=n,
-                                   device="cpu", **METHODS[method], **options).rank_peaks
                 for r, m in enumerate(got):
                     planned = p.rank_peaks[r]
                     error = planned / m["peak"] - 1
                     rows.append(dict(model=model, method=method, world=n, precision=precision, rank=r,
                                      measured=m["peak"], planned=planned, error=error,
-                                     steady=m["start"] == m["start_prev"], remeasured=m.get("remeasured"),
-                                     own=own[r] if own else None,
-                                     held=abs(error) <= tolerance or bool(
-                                         own and own[r] - 64 <= m["peak"] <= planned + 64 and own[r] < planned)))
+                                     steady=m["start"] == m["start_prev"], allocator=m.get("allocator"),
+                                     held=abs(error) <= tolerance))
     return rows
 
 
 def table(rows) -> str:
-    """The rows as a fixed-width table, one line per rank."""
+    """The rows as a fixed-width table, one line per rank (on the CPU, what the allocator saw beside them)."""
+    alloc = any(r.get("allocator") is not None for r in rows)
     head = (f"{'model':<12} {'method':<10} {'layout':<14} {'N':>2} {'rank':>4} | {'measured B':>12} "
-            f"{'planned B':>12} {'error':>7}")
+            f"{'planned B':>12} {'error':>7}" + (f" | {'CPU allocator B':>15}" if alloc else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['model']:<12} {r['method']:<10} {r['precision']:<14} {r['world']:>2} {r['rank']:>4} | "
                      f"{r['measured']:>12,} {r['planned']:>12,} {100 * r['error']:>+6.2f}%"
-                     + ("" if r.get("steady", True) else "  (not steady)")
-                     + (f"  (first run {r['remeasured']:,})" if r.get("remeasured") is not None else "")
-                     + (f"  (calling thread's share {r['own']:,})" if r.get("own") is not None else ""))
+                     + (f" | {r['allocator']:>15,}" if alloc and r.get("allocator") is not None else "")
+                     + ("" if r.get("steady", True) else "  (not steady)"))
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Memory plots shared by the notebooks: stacked per-category bars, per-rank bars, timelines.
+"""Memory plots shared by the notebooks (stacked per-category bars, timelines) and the one byte formatter.
 
 Every figure is labelled in MiB (or GiB when large) and uses one colour per category, the same in every
 notebook, so a learner recognises "optimizer state" at a glance wherever it appears.
@@ -6,8 +6,6 @@ notebook, so a learner recognises "optimizer state" at a glance wherever it appe
 from __future__ import annotations
 
 from typing import Mapping, Sequence
-
-import matplotlib.pyplot as plt
 
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_state": "#55A868",
           "activations": "#C44E52", "other": "#8C8C8C"}
@@ -25,6 +23,7 @@ def unit_for(max_bytes: float) -> tuple[float, str]:
 
 
 def fmt_bytes(n: float) -> str:
+    """Bytes in the unit of :func:`unit_for` (what notebooks and ``mgpu-plan`` print)."""
     div, unit = unit_for(n)
     return f"{n / div:.2f} {unit}" if unit != "KiB" or n >= 1024 else f"{int(n)} B"
 
@@ -33,6 +32,7 @@ def stacked_bars(bars: Mapping[str, Mapping[str, int]], title: str = "", ax=None
                  unit: tuple[float, str] | None = None):
     """One stacked bar per entry of ``bars`` (label → {category: bytes}), totals written on top.
     ``unit``: (divisor, name), e.g. ``(1e9, "GB")`` to match a table in decimal GB; default binary units."""
+    import matplotlib.pyplot as plt  # here: the planner's command line formats bytes without matplotlib
     ax = ax or plt.subplots(figsize=(1.6 + 1.3 * len(bars), 4))[1]
     totals = [sum(b.values()) for b in bars.values()]
     div, unit = unit or unit_for(max(totals + [1]))
@@ -53,6 +53,7 @@ def stacked_bars(bars: Mapping[str, Mapping[str, int]], title: str = "", ax=None
 
 def timeline(samples: Sequence[tuple[str, int, Mapping[str, int]]], title: str = "", ax=None):
     """Stacked area of a tracker timeline, with phase boundaries marked and named."""
+    import matplotlib.pyplot as plt
     ax = ax or plt.subplots(figsize=(9, 3.8))[1]
     if not samples:
         return ax
@@ -72,8 +73,3 @@ def timeline(samples: Sequence[tuple[str, int, Mapping[str, int]]], title: str =
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=8, frameon=False)
     return ax
-
-
-def per_rank_bars(per_rank: Sequence[Mapping[str, int]], title: str = "", ax=None):
-    """Stacked bars, one per rank (or device)."""
-    return stacked_bars({f"rank {i}": b for i, b in enumerate(per_rank)}, title=title, ax=ax)

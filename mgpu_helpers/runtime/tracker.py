@@ -25,9 +25,9 @@ on an H200) and allocator slack. bench/tracker_vs_cuda.py: within 14 KiB, but fp
 On CUDA, ``current_bytes``/``peak_bytes`` read the allocator, minus what was allocated at entry beyond the
 model and optimizer (a batch, cuBLAS workspace; entry resets the peak stats); the breakdowns are the
 accounting with ``other`` absorbing the difference (``accounted_bytes``/``accounted_peak_bytes``: alone).
-On the CPU, ``exact=True`` (the default inside ranks: a process group is up) does the same with the c10
-allocator's record from the profiler (tracker_exact.py says how and when; ``exact=False`` or one process:
-the accounting alone, the single-process notebooks' figures and checks).
+On the CPU the figures are the accounting of tensors, in one process and inside ranks alike: what C++ allocates
+behind no tensor (oneDNN's scratch, gloo's copies) is the allocator's business, taught and measured on GPUs
+(``runtime.alloc_reference`` shows the CPU allocator's own record where a lesson needs it).
 Storages re-grown with ``UntypedStorage.resize_`` count from the ``with`` on, wherever they were made
 (FSDP2 frees its unsharded parameters with ``resize_(0)`` after each use and re-grows them before the next).
 
@@ -51,13 +51,10 @@ import threading
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrapper_subclass,
                                           is_traceable_wrapper_subclass_type)
 from torch.utils._pytree import tree_leaves
-
-from .tracker_exact import ExactCPU
 
 __all__ = ["MemoryTracker", "CATEGORIES"]
 
@@ -80,32 +77,15 @@ class _Rec:
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Count the bytes of live tensors, as ``torch.cuda.memory_allocated()`` would, on any device.
+    """Count the bytes of live tensors, as ``torch.cuda.memory_allocated()`` would, on any device (module docs).
 
-    ``with MemoryTracker(model, optimizer) as mt:`` counts every tensor storage made inside the ``with``
-    (a view shares its base's storage and counts once) plus ``model``'s parameters, buffers and ``.grad``
-    and ``optimizer``'s state that exist at entry -- nothing else from before entry (an input batch made
-    earlier is not counted). Figures freeze when the ``with`` exits.
+    Figures: ``current_bytes`` (memory_allocated), ``peak_bytes`` (max_memory_allocated since entry or since
+    ``reset_peak()``), ``breakdown()`` / ``peak_breakdown()`` (now / at the peak, by CATEGORIES),
+    ``mark(label)`` starts a phase, ``phase_peaks()`` the peak within each, ``timeline`` the total after every
+    allocation and free. ``device``: the model's by default, else the CPU; ``round_to``: 512-byte blocks on
+    CUDA, exact bytes on the CPU unless given; ``per_module=True`` also runs torch's ``MemTracker``."""
 
-    Figures: ``current_bytes`` (memory_allocated), ``peak_bytes`` (max_memory_allocated since entry or
-    since ``reset_peak()``, which is reset_peak_memory_stats), ``breakdown()`` / ``peak_breakdown()`` (now /
-    at the peak, by CATEGORIES: parameters, gradients, optimizer_state, activations, other -- the rest:
-    inputs, the loss, backward and optimizer temporaries), ``mark(label)`` starts a phase,
-    ``phase_peaks()`` the peak within each, ``timeline`` the total after every allocation and free.
-
-    On CUDA, ``current_bytes`` and ``peak_bytes`` read the caching allocator (minus what was allocated at
-    entry beyond the model and optimizer), and so on a CPU with ``exact`` (default inside ranks) the c10
-    allocator's record, once the ``with`` exits; ``accounted_bytes`` / ``accounted_peak_bytes`` are the
-    count of tensors alone, and ``other`` absorbs the difference (cuBLAS's workspaces, kernels' scratch,
-    DDP's buckets). Never seen, as by memory_allocated: the allocator's cache, the CUDA context, NCCL's
-    buffers.
-
-    ``round_to``: ``memory_allocated`` counts 512-byte allocator blocks. ``None`` counts exact bytes on the
-    CPU and 512-byte blocks on CUDA; ``round_to=512`` on the CPU rounds each storage up as a GPU would.
-    ``device``: the device to count (default: the model's, else the CPU). ``per_module=True`` also runs
-    torch's ``MemTracker`` for per-module figures (``mt.module_tracker``). More in the module docstring."""
-
-    def __init__(self, model=None, optimizer=None, device=None, round_to=None, per_module=False, exact=None):
+    def __init__(self, model=None, optimizer=None, device=None, round_to=None, per_module=False):
         super().__init__()
         self.model, self.optimizer, self.per_module, self.module_tracker = model, optimizer, per_module, None
         device = torch.device(device or next((p.device for p in self._params()), "cpu"))
@@ -113,15 +93,9 @@ class MemoryTracker(TorchDispatchMode):
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self._cuda = device, device.type == "cuda"
         self.round_to = round_to or (CUDA_BLOCK if self._cuda else 1)
-        if exact and (self.device.type != "cpu" or self.round_to != 1):
-            raise ValueError(f"MemoryTracker(exact=True) reads the CPU allocator's exact bytes: device "
-                             f"{self.device}, round_to={self.round_to} cannot be (use exact=None)")
         self._lock = threading.RLock()  # frees can arrive from autograd's device threads
         self._recs, self._cats, self._total = {}, dict.fromkeys(CATEGORIES, 0), 0
         self._phase, self._phase_peaks, self._timeline = "forward", {}, []
-        self.exact, self._exact, self._sampling, self._reset_idx, self._ex_current = exact, None, False, 0, None
-        self._s_end = None  # timeline samples taken inside the `with` (set at exit)
-        self._acc_peak = None  # the accounting's own peak, once the allocator's replaced it (CPU, exact)
         self._peak, self._peak_cats, self._peak_idx = 0, dict(self._cats), -1
         self._active, self._fwd_depth, self._in_opt, self._handles = False, 0, False, []
         self.events = None  # a list: every size change in order (planner.allocator replays a fake trace's)
@@ -151,8 +125,6 @@ class MemoryTracker(TorchDispatchMode):
     # ---- the accounting: every change makes one timeline sample ----------------------------------
     def _sample(self):
         self._timeline.append((self._phase, self._total, dict(self._cats)))
-        if self._sampling:  # the profiler's clock at this sample: the allocator's figure is read there
-            self._exact.sample()
         if self._total > self._phase_peaks.get(self._phase, -1):
             self._phase_peaks[self._phase] = self._total
         if self._total > self._peak:
@@ -252,18 +224,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def __enter__(self):
         self._fake_on_entry = active_fake_mode()
-        # exact=None: inside ranks (a process group is up: DDP's buckets, FSDP2's re-grown parameters, gloo's
-        # threads); in one process the accounting of tensors is the course's figure (see the docstring)
-        want = self.exact if self.exact is not None else dist.is_available() and dist.is_initialized()
-        if want and self.device.type == "cpu" and self.round_to == 1 and self._fake_on_entry is None:
-            self._exact = ExactCPU(self, required=bool(self.exact))  # starts (or joins) the profiler
-            self._sampling = self._exact.on
         with self._lock:
             buffers = list(self.model.buffers()) if self.model is not None else []
             self._claim(buffers + self._params(), "parameters", add=True)
             self._scan(state=True)
-            if self._sampling:
-                self._exact.seeded()
             self._sample()
         h = self._handles
         for m in self.model.modules() if self.model is not None else ():
@@ -300,11 +264,8 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             self._scan(state=True)
             self._frozen = (self.current_bytes, self.peak_bytes)
-            self._active = self._sampling = False
+            self._active = False
             self._recs.clear()
-            self._s_end = len(self._timeline)
-        if self._exact is not None and self._exact.on:
-            self._exact.exit()
         torch.UntypedStorage.resize_ = self._orig_resize
         for handle in self._handles:
             handle.remove()
@@ -320,38 +281,27 @@ class MemoryTracker(TorchDispatchMode):
             self._phase = label
             self._sample()
 
-    def _finalize(self):
-        # On the CPU (exact): once the profiler has handed its events over, the figures become its own.
-        if self._exact is not None and self._exact.ready():
-            with self._lock:
-                self._exact.reconcile()
-        return self
-
     accounted_bytes = property(lambda self: self._total)
-    accounted_peak_bytes = property(lambda self: self._finalize()._acc_peak or self._peak)
-    current_bytes = property(lambda self: self._finalize()._read(self._total, torch.cuda.memory_allocated, 0))
-    peak_bytes = property(lambda self: self._finalize()._read(self._peak, torch.cuda.max_memory_allocated, 1))
-    timeline = property(lambda self: self._finalize()._timeline,
+    accounted_peak_bytes = property(lambda self: self._peak)
+    current_bytes = property(lambda self: self._read(self._total, torch.cuda.memory_allocated, 0))
+    peak_bytes = property(lambda self: self._read(self._peak, torch.cuda.max_memory_allocated, 1))
+    timeline = property(lambda self: self._timeline,
                         doc="[(phase, total, {category: bytes})] after every allocation and free")
 
     def _read(self, accounted, allocator, i):
         if not self._cuda:
-            return accounted if self._ex_current is None or i else self._ex_current
+            return accounted
         return allocator(self.device) - self._extra if self._active else self._frozen[i]
 
     def reset_peak(self) -> None:
         """Like ``torch.cuda.reset_peak_memory_stats``: the peak becomes the current figure."""
         with self._lock:
-            if self._sampling:  # the allocator's figure at this instant starts the new peak
-                self._sample()
-                self._reset_idx = len(self._timeline) - 1
             self._peak, self._peak_cats, self._peak_idx = self._total, dict(self._cats), len(self._timeline) - 1
             if self._cuda and self._active:
                 torch.cuda.reset_peak_memory_stats(self.device)
 
     def breakdown(self) -> dict:
         """Current bytes per category; sums to ``current_bytes``."""
-        self._finalize()
         with self._lock:
             if self._active:
                 self._scan()
@@ -361,12 +311,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def peak_breakdown(self) -> dict:
         """Bytes per category at the moment of the peak; sums to ``peak_bytes``."""
-        self._finalize()
         cats = dict(self._peak_cats)
         cats["other"] += self.peak_bytes - self._peak
         return cats
 
     def phase_peaks(self) -> dict:
         """Peak bytes within each phase label, in the order the phases first appeared."""
-        self._finalize()
         return dict(self._phase_peaks)

@@ -15,6 +15,7 @@ block's indentation, clears outputs and execution counts, and keeps cell ids, ta
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -38,10 +39,6 @@ def mgpu(cell) -> dict:
 
 def exercise_cells(nb) -> dict[str, Any]:
     return {mgpu(c)["exercise"]: c for c in nb.cells if c.cell_type == "code" and "exercise" in mgpu(c)}
-
-
-def check_cells(nb) -> dict[str, Any]:
-    return {mgpu(c)["check"]: c for c in nb.cells if c.cell_type == "code" and "check" in mgpu(c)}
 
 
 def strip_solution(source: str, message: str) -> str:
@@ -190,11 +187,16 @@ def mutant_verdict(nb_path, exercise: str, function: str, edits, seed: int | Non
     return verdict(_check(exercise), exec_cell(src)[function], seed)
 
 
-def mutant_fails_every_seed(nb_path, exercise: str, function: str, edits, named: str,
-                            seeds=range(20)) -> None:
-    """Assert that the planted mistake fails the check, naming ``named``, under every seed: a check whose
-    verdict depends on the draw lets a learner pass in the notebook and fail at grading."""
-    for seed in seeds:
+def sweep_seeds() -> range:
+    """The seeds a mutant sweep runs: ``MGPU_SEEDS`` of them (``make test`` 20, ``make test-fast`` 2)."""
+    return range(int(os.environ.get("MGPU_SEEDS", "20")))
+
+
+def mutant_fails_every_seed(nb_path, exercise: str, function: str, edits, named: str, seeds=None) -> None:
+    """Assert that the planted mistake fails the check, naming ``named``, under every seed (default:
+    :func:`sweep_seeds`): a check whose verdict depends on the draw lets a learner pass in the notebook and
+    fail at grading."""
+    for seed in sweep_seeds() if seeds is None else seeds:
         ok, msg = mutant_verdict(nb_path, exercise, function, edits, seed=seed)
         assert not ok, f"mutant {edits!r} passed the check with seed {seed}"
         assert named in msg, f"seed {seed}: {named!r} not named in: {msg}"

@@ -6,7 +6,7 @@
 
 For each (precision layout, checkpointing, micro-batches) the step is traced once under fake tensors
 (``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
-(``Trace.shard``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
+(``planner.plan_from_trace``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
 peak plus the batch, kernel workspaces, the caching allocator's reserve, the CUDA context and NCCL's
 buffers, each its own line with its source (``mgpu_helpers.planner.budget``). The cheapest plan that fits
 follows the course's rule (notebook 11): fewest GPUs, then the lowest ``step_cost``.
@@ -26,8 +26,9 @@ from torch import nn
 
 from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
-from mgpu_helpers.planner import PRECISIONS, ZERO_STAGES, step_cost, trace_step
+from mgpu_helpers.planner import TRACED_LAYOUTS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
 from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
+from mgpu_helpers.runtime.plots import fmt_bytes
 
 COST = ("cost: the course's relative step time (1.00 = one GPU, no checkpointing, one micro-batch): +0.33 "
         "checkpointing (the forward again), +0.10 per extra micro-batch, +0.02 per ZeRO stage and +0.50 for "
@@ -64,7 +65,7 @@ def parse_args(argv):
     ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (0,1,2,3)")
     ap.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
     ap.add_argument("--micro-batches", help="micro-batch counts (default: 1,2,4 that divide --batch)")
-    ap.add_argument("--precision", default="bf16-autocast", help=f"{', '.join(PRECISIONS)}, comma-separated, or all")
+    ap.add_argument("--precision", default="bf16-autocast", help=f"{', '.join(TRACED_LAYOUTS)}, comma-separated, or all")
     ap.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "momentum"),
                     help="(default: adamw for a Hugging Face model, as its users train; adam otherwise)")
     ap.add_argument("--attn", choices=ATTENTION, help="a Hugging Face model's attention implementation "
@@ -104,10 +105,10 @@ def settings(a):
     bad = [k for k in micro if a.batch % k]
     if bad:
         raise PlanInputError(f"--micro-batches {bad[0]} does not divide --batch {a.batch}")
-    precisions = list(PRECISIONS) if a.precision == "all" else a.precision.split(",")
+    precisions = list(TRACED_LAYOUTS) if a.precision == "all" else a.precision.split(",")
     for p in precisions:
-        if p not in PRECISIONS:
-            raise PlanInputError(f"--precision {p!r}: one of {', '.join(PRECISIONS)} or all")
+        if p not in TRACED_LAYOUTS:
+            raise PlanInputError(f"--precision {p!r}: one of {', '.join(TRACED_LAYOUTS)} or all")
     try:
         stages = [int(v) for v in a.zero.split(",")]
     except ValueError:
@@ -173,7 +174,7 @@ def _plans_of(a, s, prec, ck, k):
     for n in s["gpus"]:
         for st in (s["stages"] if n > 1 else [0]):
             with quiet():  # ZeRO-3 traces the step again under FSDP2 (the libraries' warnings are not the plan)
-                p = trace.shard(st, n)
+                p = plan_from_trace(trace, st, n)
             b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"], gpu=s["gpu_key"],
                           conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
                           conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes),
@@ -181,7 +182,7 @@ def _plans_of(a, s, prec, ck, k):
             cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
             # DDP (stages 0-1 on several GPUs) keeps a flat copy of every gradient in its buckets, counted
             # in "gradients": named on its own line (gradient_as_bucket_view=False, DDP's default)
-            buckets = p.model_state["gradients"] - trace.shard(st, 1).model_state["gradients"] \
+            buckets = p.model_state["gradients"] - plan_from_trace(trace, st, 1).model_state["gradients"] \
                 if st in (0, 1) and n > 1 else 0
             plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,
                               tensor_peak=b.lines[0][1], peak_phase=p.peak_phase,
@@ -248,9 +249,9 @@ def _breakdown(best):
             continue
         note = ""
         if cat == "gradients" and best.get("ddp_buckets"):
-            note = (f"of which DDP's gradient buckets {db.fmt_bytes(best['ddp_buckets'])}: a flat copy of every "
+            note = (f"of which DDP's gradient buckets {fmt_bytes(best['ddp_buckets'])}: a flat copy of every "
                     f"gradient (ZeRO-{best['zero_stage']} on {best['gpus']} GPUs, gradient_as_bucket_view=False)")
-        rows.append(f"    {cat.replace('_', ' '):<20} {db.fmt_bytes(b):>11}   {note}".rstrip())
+        rows.append(f"    {cat.replace('_', ' '):<20} {fmt_bytes(b):>11}   {note}".rstrip())
     return rows
 
 
@@ -279,7 +280,7 @@ def render_text(r):
             "the process takes on the GPU (fits compares it with the capacity)", COST, ""]
     if r["cheapest"] is None:
         best = min(r["plans"], key=lambda p: p["device_total"])
-        out.append(f"nothing fits {db.fmt_bytes(cap)} per GPU; the smallest plan needs {db.fmt_bytes(best['device_total'])} "
+        out.append(f"nothing fits {fmt_bytes(cap)} per GPU; the smallest plan needs {fmt_bytes(best['device_total'])} "
                    f"({best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, checkpointing "
                    f"{'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es)):")
     else:
@@ -288,10 +289,10 @@ def render_text(r):
                    f"checkpointing {'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es) "
                    f"(fewest GPUs, then the lowest cost). Per GPU:")
     for ln in best["lines"]:
-        out.append(f"  {ln['name']:<22} {db.fmt_bytes(ln['bytes']):>11}   {ln['source']}")
+        out.append(f"  {ln['name']:<22} {fmt_bytes(ln['bytes']):>11}   {ln['source']}")
         if ln["name"] == "allocated by tensors":
             out += _breakdown(best)
-    out.append(f"  {'device total':<22} {db.fmt_bytes(best['device_total']):>11}   of {db.fmt_bytes(cap)} "
+    out.append(f"  {'device total':<22} {fmt_bytes(best['device_total']):>11}   of {fmt_bytes(cap)} "
                f"({100 * best['device_total'] / cap:.0f}%)")
     return "\n".join(out)
 

@@ -1,8 +1,10 @@
-"""What notebook 11 adds on top of the planner: exercise 11.1's grid of plans and the memory calculator.
+"""Notebook 11's face on the planner: exercise 11.1's grid of plans and the memory calculator.
 
-**Exercise 11.1** (the cheapest plan that fits): :func:`candidate_plans` is every plan of :data:`CHECK_GRID`
-for a decoder, each (model, batch, precision, checkpointing, micro-batches) traced once
-(:func:`cached_trace`) and sharded per (world size, ZeRO stage); check 11.1 draws its budgets from them.
+**Exercise 11.1** (the cheapest plan that fits a card): :func:`candidate_plans` is every plan of
+:data:`CHECK_GRID` for a decoder at one fixed *global* batch -- each world size splits it between its ranks,
+so every plan trains the same step and "fewest ranks" compares like with like. Each (model, per-rank batch,
+precision, checkpointing, micro-batches) is traced once (:func:`cached_trace`) and sharded per (world size,
+ZeRO stage); check 11.1 draws its capacities from the plans' device totals (``Plan.device_bytes``).
 
 **The calculator**, the planner behind ipywidgets controls::
 
@@ -10,9 +12,9 @@ for a decoder, each (model, batch, precision, checkpointing, micro-batches) trac
 
 The drawing is a plain function, :func:`render` (settings in, figure and plan out), so it is tested
 without a browser (tests/test_widgets.py); :func:`calculator` only wires widgets to it. Each
-(model size, precision, checkpointing, micro-batches) is traced once (:func:`cached_trace`: a few
-seconds the first time, 5-10 s for "7B"/"13B"); world size and ZeRO stage are derived from that trace
-in milliseconds, so moving those sliders never re-traces.
+(model size, precision, checkpointing, micro-batches) is traced once (a few seconds the first time,
+5-10 s for "7B"/"13B"); world size and ZeRO stage are derived from that trace in milliseconds, so moving
+those sliders never re-traces.
 
 In the browser: the world-size control is an ``IntSlider`` with description "world size" (its
 ``.widget-slider`` has a ``<label>`` with that text); the figure is an ``<img>`` inside the Output
@@ -22,12 +24,11 @@ from __future__ import annotations
 
 import functools
 
-from . import budget as db
-from .kernels import step_thread_count, step_threads
-from .layouts import ZERO_STAGES
-from .models import SIZES, decoder, lm_loss, token_batch
-from .plans import Plan
-from .trace import PRECISIONS, trace_step
+from .planner import budget as db
+from .planner.layouts import ZERO_STAGES
+from .planner.models import SIZES, Decoder, decoder, lm_loss, token_batch
+from .planner.plans import Plan, plan_from_trace
+from .planner.trace import TRACED_LAYOUTS, trace_step
 
 CAPACITY_GPUS = ("L4", "A100-80GB", "H200")  # budget.GPUS: real capacities in bytes
 DEFAULTS = dict(size="1B", precision="bf16-autocast", zero_stage=0, world_size=1, checkpointing=False,
@@ -38,49 +39,48 @@ MICRO_BATCHES = (1, 2, 4)
 
 # --- exercise 11.1: the cheapest plan that fits ----------------------------------------------------
 
-CHECK_MODEL, CHECK_BATCH = "tiny", (8, 64)  # (batch size, sequence length) of the check's plans
+# The check's model: two of Llama-2-7B's blocks (0.67B parameters). A fake trace costs by the ops, not the
+# bytes, so it traces as fast as a toy, and its tensors are large beside what every device holds anyway (the
+# CUDA context, NCCL's buffers): the number of ranks decides whether a plan fits, as on a real card.
+CHECK_MODEL = "2 blocks of 7B"
+SHAPES = {**SIZES, CHECK_MODEL: (32000, 4096, 2, 32, 11008)}  # (vocab, d, layers, heads, ffn), as SIZES
+CHECK_BATCH = (8, 1024)  # the global batch (sequences, length): world size n gives each rank 8 / n
 CHECK_GRID = dict(world_size=(1, 2, 4, 8), zero_stage=ZERO_STAGES, checkpointing=(False, True),
                   micro_batches=(1, 2))
-# The check's plans are of a step on one thread, whatever threads the process has: the grader makes the cases
-# in the learner's kernel and again in its judge, two processes, and on AVX-512 and AMX oneDNN's bf16 matmuls
-# take scratch per thread -- plans made at 16 threads in one and at 1 in the other chose different budgets
-# (check 11.1 failed the course's own solution under mgpu-grade on a 16-core Xeon; on AVX2 the scratch is 0).
-CHECK_THREADS = 1
-
-
-def cached_trace(size, batch_size, seq_len, precision="bf16-autocast", checkpointing=False, micro_batches=1,
-                 threads=None):
-    """One trace per (model, batch, precision, checkpointing, micro-batches, threads); sharding reuses it.
-    ``threads``: those the step's CPU kernels run on (None: this process's now; part of the key, since a CPU
-    kernel's scratch can depend on it)."""
-    return _trace(size, batch_size, seq_len, precision, checkpointing, micro_batches,
-                  threads or step_thread_count())
 
 
 @functools.lru_cache(maxsize=None)
-def _trace(size, batch_size, seq_len, precision, checkpointing, micro_batches, threads):
-    vocab = SIZES[size][0]
-    with step_threads(threads):
-        return trace_step(decoder(size), token_batch(batch_size, seq_len, vocab), loss_fn=lm_loss,
-                          precision=precision, checkpointing=checkpointing, micro_batches=micro_batches,
-                          device="cpu", round_to=512)
+def cached_trace(size, batch_size, seq_len, precision="bf16-autocast", checkpointing=False, micro_batches=1):
+    """One trace per (model, one rank's batch, precision, checkpointing, micro-batches); sharding reuses it."""
+    vocab = SHAPES[size][0]
+    model_fn = decoder(size) if size in SIZES else functools.partial(Decoder, *SHAPES[size])
+    return trace_step(model_fn, token_batch(batch_size, seq_len, vocab), loss_fn=lm_loss,
+                      precision=precision, checkpointing=checkpointing, micro_batches=micro_batches,
+                      device="cpu", round_to=512)
 
 
-def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocast", threads=None,
-                    **grid) -> list[Plan]:
-    """Every plan of the grid (:data:`CHECK_GRID`, entries replaced by keyword) for a decoder of
-    ``size``; at world size 1 only stage 0 (at one rank there is nothing to shard). ``threads``: as
-    :func:`cached_trace` (check 11.1 passes :data:`CHECK_THREADS`)."""
+def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocast", **grid) -> list[Plan]:
+    """Every plan of the grid (:data:`CHECK_GRID`, entries replaced by keyword) for a decoder of ``size``
+    training the global batch ``batch`` = (sequences, length): on n ranks each rank's batch is sequences / n.
+    Left out: world sizes that do not divide the batch, micro-batches that do not divide a rank's batch,
+    and at world size 1 the stages above 0 (at one rank there is nothing to shard)."""
     g = {**CHECK_GRID, **grid}
-    return list(_plans(size, tuple(batch), precision, threads or step_thread_count(),
-                       *(tuple(g[k]) for k in CHECK_GRID)))
+    return list(_plans(size, tuple(batch), precision, *(tuple(g[k]) for k in CHECK_GRID)))
 
 
 @functools.lru_cache(maxsize=None)
-def _plans(size, batch, precision, threads, world_sizes, stages, ckpts, micro):
-    with step_threads(threads):  # shard() can trace again (an FSDP2 plan): on the same threads
-        return tuple(cached_trace(size, *batch, precision, ck, k, threads=threads).shard(s, n)
-                     for n in world_sizes for s in stages if n > 1 or s == 0 for ck in ckpts for k in micro)
+def _plans(size, batch, precision, world_sizes, stages, ckpts, micro):
+    (sequences, length), out = batch, []
+    for n in world_sizes:
+        per_rank = sequences // n
+        if sequences % n:
+            continue
+        for s in stages:
+            if n == 1 and s:
+                continue
+            out += [plan_from_trace(cached_trace(size, per_rank, length, precision, ck, k), s, n)
+                    for ck in ckpts for k in micro if per_rank % k == 0]
+    return tuple(out)
 
 
 def _summary(p):
@@ -100,7 +100,7 @@ def settings_plan(settings: dict):
         raise ValueError(f"micro_batches={s['micro_batches']} does not divide batch_size={s['batch_size']}")
     trace = cached_trace(s["size"], s["batch_size"], s["seq_len"], s["precision"], s["checkpointing"],
                          s["micro_batches"])
-    return trace.shard(s["zero_stage"], s["world_size"])
+    return plan_from_trace(trace, s["zero_stage"], s["world_size"])
 
 
 def render(settings: dict, fig=None):
@@ -109,7 +109,7 @@ def render(settings: dict, fig=None):
     plan and a one-line verdict (which capacities it fits)."""
     import matplotlib.pyplot as plt  # here, not at the top: importing the planner (mgpu-plan) needs no matplotlib
 
-    from ..runtime.plots import COLORS, LABELS
+    from .runtime.plots import COLORS, LABELS
 
     s = {**DEFAULTS, **settings}
     plans = {st: settings_plan({**s, "zero_stage": st}) for st in ZERO_STAGES}
@@ -160,7 +160,7 @@ def calculator(**defaults):
     s = {**DEFAULTS, **defaults}
     controls = {
         "size": W.Dropdown(options=list(SIZES), value=s["size"], description="model size"),
-        "precision": W.Dropdown(options=list(PRECISIONS), value=s["precision"], description="precision"),
+        "precision": W.Dropdown(options=list(TRACED_LAYOUTS), value=s["precision"], description="precision"),
         "zero_stage": W.IntSlider(value=s["zero_stage"], min=0, max=3, description="ZeRO stage"),
         "world_size": W.SelectionSlider(options=WORLD_SIZES, value=s["world_size"], description="world size"),
         "checkpointing": W.Checkbox(value=s["checkpointing"], description="checkpointing"),
