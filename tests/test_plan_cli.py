@@ -370,3 +370,13 @@ def test_zero3_rows_keep_the_libraries_warnings_off_stderr(capsys, tmp_path):
                              "--micro-batches", "1", "--checkpointing", "on", "--gpu", "L4")
     assert code == 0 and err == "" and not [w for w in seen if "transformers" in w.filename], \
         [str(w.message)[:80] for w in seen]
+
+
+def test_a_gpu_without_native_bf16_plans_fp16_unless_bf16_is_asked_for(capsys):
+    # T4 and V100 (compute capability < 8.0): the default is fp16-autocast, and bf16 only when asked, with a note
+    _, r = run_json(capsys, *TINY, "--gpus", "1", "--gpu", "T4-16GB", "--zero", "0")
+    assert {p["precision"] for p in r["plans"]} == {"fp16-autocast"} and r["gpu"]["notes"] == []
+    code, out, _ = run(capsys, *TINY, "--gpus", "1", "--gpu", "V100-16GB", "--zero", "0", "--precision", "bf16-autocast")
+    assert code == 0 and "note: V100-16GB (volta) has no native bf16: its bf16 rows run emulated" in out
+    _, r = run_json(capsys, *TINY, "--gpus", "1", "--gpu", "L4", "--zero", "0")
+    assert {p["precision"] for p in r["plans"]} == {"bf16-autocast"} and r["gpu"]["notes"] == []

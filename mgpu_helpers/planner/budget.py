@@ -44,9 +44,15 @@ GPUS = {
     "V100-16GB": (16160 * MiB, "volta", "torch.cuda.get_device_properties of Tesla V100-SXM2-16GB: "
                   "total_memory=16160MB (MiB: torch prints bytes // 2**20)"),
     "L4": (23034 * MiB, "ada", "nvidia-smi of NVIDIA L4: 23034MiB"),
+    # Colab's and Kaggle's free GPU. CUDA sees less than nvidia-smi's 15360MiB (ECC is on):
+    "T4-16GB": (int(14.75 * GiB), "turing", "cudaDeviceProp.totalGlobalMem of Tesla T4 as TensorFlow logs it: "
+                "deviceMemorySize 14.75GiB (nvidia-smi: 15360MiB, ECC on)"),
     "RTX-4090": (24564 * MiB, "ada", "nvidia-smi of GeForce RTX 4090: 24564MiB"),
     "A10": (24564 * MiB, "ampere", "nvidia-smi of NVIDIA A10: 24564MiB"),
 }
+
+# Architectures without bf16 units (compute capability < 8.0): bf16 runs there emulated, without tensor cores.
+NO_NATIVE_BF16 = ("volta", "turing")
 
 # --- calibrated figures (the H200 of this course unless said otherwise) -------------------------------
 CONTEXT_BYTES = 768 * MiB           # CUDA context + cuBLAS/cuDNN loaded: used minus reserved, 747.6-767.6 MiB

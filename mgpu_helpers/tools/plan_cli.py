@@ -65,7 +65,8 @@ def parse_args(argv):
     ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (0,1,2,3)")
     ap.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
     ap.add_argument("--micro-batches", help="micro-batch counts (default: 1,2,4 that divide --batch)")
-    ap.add_argument("--precision", default="bf16-autocast", help=f"{', '.join(TRACED_LAYOUTS)}, comma-separated, or all")
+    ap.add_argument("--precision", help=f"{', '.join(TRACED_LAYOUTS)}, comma-separated, or all (default: bf16-autocast; "
+                    f"fp16-autocast on GPUs without native bf16: {', '.join(db.NO_NATIVE_BF16)})")
     ap.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "momentum"),
                     help="(default: adamw for a Hugging Face model, as its users train; adam otherwise)")
     ap.add_argument("--attn", choices=ATTENTION, help="a Hugging Face model's attention implementation "
@@ -105,10 +106,16 @@ def settings(a):
     bad = [k for k in micro if a.batch % k]
     if bad:
         raise PlanInputError(f"--micro-batches {bad[0]} does not divide --batch {a.batch}")
-    precisions = list(TRACED_LAYOUTS) if a.precision == "all" else a.precision.split(",")
+    no_bf16 = arch in db.NO_NATIVE_BF16
+    asked = a.precision or ("fp16-autocast" if no_bf16 else "bf16-autocast")
+    precisions = list(TRACED_LAYOUTS) if asked == "all" else asked.split(",")
     for p in precisions:
         if p not in TRACED_LAYOUTS:
             raise PlanInputError(f"--precision {p!r}: one of {', '.join(TRACED_LAYOUTS)} or all")
+    notes = []
+    if no_bf16 and any(p.startswith("bf16") for p in precisions):  # only when asked: the default is fp16 there
+        notes.append(f"{gpu_name} ({arch}) has no native bf16: its bf16 rows run emulated, without tensor cores "
+                     f"(train in fp16-autocast with a GradScaler there)")
     try:
         stages = [int(v) for v in a.zero.split(",")]
     except ValueError:
@@ -118,7 +125,7 @@ def settings(a):
     ckpt = {"both": [False, True], "on": [True], "off": [False]}[a.checkpointing]
     if a.moe_imbalance < 1:
         raise PlanInputError(f"--moe-imbalance {a.moe_imbalance:g}: a factor >= 1 of the even share (1: balanced)")
-    return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, gpu_key=gpu_key, micro=micro,
+    return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, gpu_key=gpu_key, micro=micro, notes=notes,
                 precisions=precisions, stages=sorted(set(stages)), gpus=_ints(a.gpus, "--gpus"), ckpt=ckpt)
 
 
@@ -237,7 +244,7 @@ def run(a):
     return dict(model=dict(name=source.name, kind=source.kind, parameters=n_params),
                 step=source.step, optimizer_default=source.optimizer, assumptions=source.assumptions,
                 batch=dict(per_gpu=a.batch, shapes=[list(t.shape) for t in batch], bytes=batch_bytes),
-                gpu=dict(name=s["gpu"], capacity_bytes=s["capacity"], source=s["capacity_source"]),
+                gpu=dict(name=s["gpu"], capacity_bytes=s["capacity"], source=s["capacity_source"], notes=s["notes"]),
                 optimizer=a.optimizer or source.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
 
 
@@ -265,7 +272,8 @@ def render_text(r):
            *(f"assumed: {x}" for x in r.get("assumptions") or ()),
            f"batch per GPU: {' + '.join('x'.join(map(str, s)) for s in r['batch']['shapes'])} (inputs + targets)",
            f"GPU: {r['gpu']['name']}, {cap:,} B = {cap / db.GiB:.2f} GiB = {cap / 1e9:.2f} GB per device "
-           f"({r['gpu']['source']}); allocator {r['allocator']}; {r['traces']} trace(s)", "",
+           f"({r['gpu']['source']}); allocator {r['allocator']}; {r['traces']} trace(s)",
+           *(f"note: {x}" for x in r["gpu"].get("notes") or ()), "",
            f"{'gpus':>4} {'zero':>4} {'precision':<{width}} {'ckpt':>4} {'micro':>5} | {'tensors ' + unit:>11} "
            f"{'alloc ' + unit:>9} {'device ' + unit:>10} {'fits':>4} {'cost':>5} | peak set by"]
     for i, p in enumerate(r["plans"]):
