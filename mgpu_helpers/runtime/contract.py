@@ -94,6 +94,12 @@ def _tag(t, origin):
 _TO, _CPU, _Tensor = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor
 
 
+def _on_host(device):
+    """Whether a factory's device argument means the host: none (the default device), or "cpu" as a string.
+    A torch.device object counts as the rank's device: it is rank_device() or some tensor's .device."""
+    return device is None or isinstance(device, str) and device.startswith("cpu")
+
+
 class _HostMode(TorchFunctionMode):
     # Runs around every torch call of the rank: the fast path (an op on tensors) reads one attribute per
     # input and sets one on the result.
@@ -106,8 +112,7 @@ class _HostMode(TorchFunctionMode):
                     for t in out:
                         _tag(t, origin)
             return out
-        if func is _CPU or func is _TO and isinstance((kwargs or {}).get("device", args[1] if len(args) > 1 else None),
-                                                     str):
+        if func is _CPU or func is _TO and _on_host((kwargs or {}).get("device", args[1] if len(args) > 1 else 0)):
             if out is args[0]:  # on the CPU these return the same tensor; on a GPU machine a copy
                 out = out.view_as(out)
             _tag(out, _host(args[0]) or f"{_name(func)} in {_where()}")
@@ -122,7 +127,7 @@ class _HostMode(TorchFunctionMode):
         """Where ``out`` was made if it is host, None if device, False to leave it as it is (in place)."""
         if kwargs and "device" in kwargs:
             device = kwargs["device"]
-            return f"{_name(func)} in {_where()}" if device is None or isinstance(device, str) else None
+            return f"{_name(func)} in {_where()}" if _on_host(device) else None
         if func is _TO and len(args) > 1 and isinstance(args[1], torch.device):
             return None  # .to(rank_device()), Module.to(rank_device())
         origin, seen = None, False
