@@ -261,6 +261,8 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
                 linecache.cache.setdefault(f, (sum(map(len, lines)), None, lines, f))
             job = pickle.loads(payload)
         fn, args = job
+        for i, arg in enumerate(args):  # the caller's tensors, on the CPU on every machine (contract.py)
+            contract.mark_host(arg, f"the caller: argument {i + 3} of run_ranks")
         conn.send_bytes(pickle.dumps(("go",)))  # imports done: the caller's timeout starts when all said so
         timeout, store = datetime.timedelta(seconds=pg_timeout), dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
