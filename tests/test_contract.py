@@ -181,3 +181,14 @@ def test_the_callers_tensors_are_host_tensors():  # the notebook's tensors are o
     assert "dist.all_reduce got a host tensor (shape [2], torch.float32) made by the caller: argument 3 of " \
            "run_ranks" in _fails(reduce_argument, torch.ones(2), False)
     assert run_ranks(reduce_argument, 2, torch.ones(2), True) == [[2.0, 2.0]] * 2
+
+
+def async_save(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+    dcp.async_save({"w": torch.ones(2, device=rank_device()) * rank}, checkpoint_id=path).result()
+    return True
+
+
+def test_async_save_needs_a_cpu_backend(tmp_path):  # as on an NCCL-only group
+    assert "dcp.async_save needs a CPU backend beside NCCL" in _fails(async_save, str(tmp_path / "a"))
+    assert run_ranks(async_save, 2, str(tmp_path / "b"), cpu_backend=True) == [True, True]

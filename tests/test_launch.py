@@ -255,6 +255,7 @@ def test_backend_choice_with_fake_gpus(monkeypatch):
     assert launch._choose_backend("auto", 2) == ("cuda:gloo", "")
     assert launch._choose_backend("auto", 2, cpu_backend=True) == ("cpu:gloo,cuda:gloo", "")
     assert launch._choose_backend("gloo", 2) == ("gloo", "")  # asked for by name: the CPU
+    assert launch._choose_backend("gloo", 2, cpu_backend=True) == ("gloo", "")  # gloo has its CPU backend
     assert [launch._cuda(b) for b in ("nccl", "cuda:nccl,cpu:gloo", "cuda:gloo", "gloo")] == [True] * 3 + [False]
 
 

@@ -22,6 +22,9 @@ How a tensor is judged, by a ``TorchFunctionMode`` that sees every torch call of
   gradients, a backend's buffers).
 - an in-place op (``x.add_()``, ``out=``, ``dist.recv`` into a buffer) keeps its tensor's judgement.
 
+``dcp.async_save`` refuses to run unless the launch asked for a CPU backend (``run_ranks(...,
+cpu_backend=True)``), as torch does on an NCCL-only group.
+
 Collectives and p2p called from torch's own code (FSDP2, DTensor, DDP's Python parts, object collectives)
 are not judged: torch places their buffers on the mesh's or group's device itself.
 
@@ -48,6 +51,7 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 _HERE = __file__
 _TAG = "_mgpu_host"  # the attribute a host tensor carries: where it was made (a string)
 _active = False
+_cpu_backend = False  # whether the launch asked for a CPU backend beside the GPU's (run_ranks(cpu_backend=True))
 
 # Collectives and point-to-point calls whose tensor arguments must be on the rank's device.
 CALLS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -212,13 +216,55 @@ def _from_numpy(real):
     return from_numpy
 
 
-def enable():
+def _async_save(real):
+    def async_save(*args, **kwargs):
+        if not _cpu_backend:
+            raise ContractError(
+                "dcp.async_save needs a CPU backend beside NCCL on GPU ranks ('A CPU backend must be enabled for "
+                "async save', torch/distributed/checkpoint/state_dict_saver.py): launch with run_ranks(..., "
+                "cpu_backend=True), which initialises the group as 'cuda:nccl,cpu:gloo'")
+        return real(*args, **kwargs)
+    async_save.__wrapped__ = real
+    return async_save
+
+
+_SAVER = "torch.distributed.checkpoint.state_dict_saver"
+
+
+class _PatchSaver:
+    """Wraps dcp.async_save when torch.distributed.checkpoint is first imported (importing it in every rank
+    would cost every launch), or at once if it already is."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _SAVER:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.async_save = _async_save(module.async_save)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def enable(cpu_backend=False):
     """In a gloo CPU rank (the launcher calls it): judge its tensors and guard its collectives, for the
-    rest of the process. Does nothing when MGPU_CONTRACT=0 or when already on."""
-    global _active
+    rest of the process; ``cpu_backend``: whether the launch asked for a CPU backend beside the GPU's
+    (``dcp.async_save`` needs one). Does nothing when MGPU_CONTRACT=0 or when already on."""
+    global _active, _cpu_backend
     if _active or os.environ.get("MGPU_CONTRACT", "1") == "0":
         return
-    _active = True
+    _active, _cpu_backend = True, cpu_backend
+    if _SAVER in sys.modules:
+        saver = sys.modules[_SAVER]
+        saver.async_save = _async_save(saver.async_save)
+        if "torch.distributed.checkpoint" in sys.modules:
+            sys.modules["torch.distributed.checkpoint"].async_save = saver.async_save
+    else:
+        sys.meta_path.insert(0, _PatchSaver())
     c10d = dist.distributed_c10d
     for name in CALLS:
         real = getattr(c10d, name, None)

@@ -33,7 +33,8 @@ would start. A rank that raises becomes ``RankError`` here, with its traceback; 
 torchtitan does, for what needs CPU collectives: ``dcp.async_save`` stages the state dict in CPU memory and
 refuses a group without one ("A CPU backend must be enabled for async save",
 torch/distributed/checkpoint/state_dict_saver.py). Object collectives (``all_gather_object``...) need none:
-on NCCL they go through ``torch.cuda.current_device()``. It is off by default, so that a CPU tensor in a
+on NCCL they go through ``torch.cuda.current_device()``. On gloo CPU ranks it changes nothing but tell the
+contract that ``dcp.async_save`` may run. It is off by default, so that a CPU tensor in a
 collective fails on GPUs as the contract says instead of taking a slow gloo detour. With it,
 ``dist.get_backend()`` returns the whole string ("cuda:nccl,cpu:gloo", torch/distributed/distributed_c10d.py
 keeps what init was given), not "nccl": ask ``rank_device()`` for the device, not ``get_backend()``.
@@ -207,7 +208,7 @@ def rank_device():
     return torch.device("cpu")
 
 
-def _setup_rank(local_rank, backend, threads):
+def _setup_rank(local_rank, backend, threads, cpu_backend=False):
     global _device
     if _cuda(backend):
         # "cuda:gloo" (MGPU_SHARED_GPU=1): every rank on GPU 0. Before anything touches CUDA, else every
@@ -216,7 +217,7 @@ def _setup_rank(local_rank, backend, threads):
         torch.cuda.set_device(_device)
     else:
         _device = torch.device("cpu")
-        contract.enable()  # gloo on the CPU: refuse what NCCL would (contract.py)
+        contract.enable(cpu_backend)  # gloo on the CPU: refuse what NCCL would (contract.py)
     torch.set_num_threads(threads) if threads else None  # all cores per rank: 4x slower (FACTS.md)
 
 
@@ -241,7 +242,8 @@ def _ship(fn, args):
     return pickle.dumps((buf.getvalue(), {f: linecache.getlines(f) for f in _JobPickler.files}))
 
 
-def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn, dump, job, parent_pid):
+def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn, dump, job, parent_pid,
+               cpu_backend=False):
     """One rank: set up, run fn, send ("ok", pickled result) or ("err", time, summary, traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it kills us
     # On a timeout the caller asks for our Python stack before it kills us (see launch_watch).
@@ -254,7 +256,7 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
         if parent_pid is not None and os.getppid() != parent_pid:
             os._exit(1)  # the caller died before prctl took effect
     try:
-        _setup_rank(rank, backend, threads)  # first: unpickling CUDA tensors in args touches CUDA
+        _setup_rank(rank, backend, threads, cpu_backend)  # first: unpickling CUDA tensors in args touches CUDA
         if isinstance(job, bytes):  # not forked from the caller: see _ship
             payload, sources = pickle.loads(job)
             for f, lines in sources.items():
@@ -328,7 +330,8 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
                 conns.append(reader)
                 dumps.append(dump_reader)
                 procs.append(ctx.Process(target=_rank_main, name=f"rank{rank}", args=(
-                    rank, world_size, store_path, backend, threads, pg_timeout, writer, dump_writer, job, parent)))
+                    rank, world_size, store_path, backend, threads, pg_timeout, writer, dump_writer, job, parent,
+                    cpu_backend)))
                 procs[-1].start()
                 writer.close()  # now only the child holds it, so the child's exit shows as EOF on reader
                 dump_writer.close()
@@ -359,7 +362,7 @@ def torchrun_main(fn, *args, backend="auto", timeout=300.0, cpu_backend=False):
     backend, note = _choose_backend(backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun_main", cpu_backend)
     if rank == 0:
         _note(note)
-    _setup_rank(local_rank, backend, threads=None)
+    _setup_rank(local_rank, backend, None, cpu_backend)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     try:
