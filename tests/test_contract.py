@@ -55,14 +55,15 @@ def show_reduce_scatter(rank, world_size, device):  # notebook 08's cell, device
     L = -(-grad.numel() // world_size)
     padded = F.pad(grad, (0, L * world_size - grad.numel()))
     shard = torch.empty(L, device=device)
-    dist.reduce_scatter_tensor(shard, padded)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as 08 does
+    reduce_scatter(shard, padded)
     return shard.tolist()
 
 
 def test_notebook_08_reduce_scatter():
     said = _fails(show_reduce_scatter, None, world=3)
-    assert "dist.reduce_scatter_tensor got a host tensor (shape [3], torch.float32) made by torch.empty in " \
-           "show_reduce_scatter" in said
+    assert re.search(r"dist\.reduce_scatter_(single|tensor) got a host tensor \(shape \[3\], torch\.float32\) made by "
+                     r"torch\.empty in show_reduce_scatter", said), said
     got = run_ranks(lambda r, w: show_reduce_scatter(r, w, rank_device()), 3)
     assert got[0] == [33.0, 36.0, 39.0]
 
@@ -192,3 +193,19 @@ def async_save(rank, world_size, path):
 def test_async_save_needs_a_cpu_backend(tmp_path):  # as on an NCCL-only group
     assert "dcp.async_save needs a CPU backend beside NCCL" in _fails(async_save, str(tmp_path / "a"))
     assert run_ranks(async_save, 2, str(tmp_path / "b"), cpu_backend=True) == [True, True]
+
+
+def gloo_only_average(model):  # works on gloo, fails on NCCL: the sum is made on the host
+    for p in model.parameters():
+        if p.grad is not None:
+            total = p.grad.cpu()
+            dist.all_reduce(total)
+            p.grad.copy_(total / dist.get_world_size())
+
+
+def test_an_answer_that_works_on_gloo_only_fails_its_check_saying_why():
+    with pytest.raises(CheckFailure) as e:
+        REGISTRY["4.1"](gloo_only_average, seed=0)
+    said = str(e.value)
+    assert "ContractError: dist.all_reduce got a host tensor" in said and "made by Tensor.cpu() in gloo_only_average" \
+        in said and "Hint: this works on CPU ranks (gloo) only" in said, said

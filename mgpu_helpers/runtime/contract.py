@@ -32,7 +32,8 @@ What it cannot see (it may pass code that fails on GPUs, never the reverse by de
 other threads (autograd hooks run in C++ threads; a mode is per thread); a host tensor moved with
 ``.to(rank_device())`` turns device *in place*, so the original, used later, passes; a factory given
 ``device=torch.device("cpu")`` spelt out counts as device (it cannot be told from ``rank_device()``);
-collectives made in C++ (DDP's reducer) and through ``torch.ops._c10d_functional``; a model whose host
+collectives made in C++ (DDP's reducer) and through ``torch.ops._c10d_functional``; a collective taken
+into a variable before the rank started (``f = dist.all_reduce`` in a notebook, then forked ranks call ``f``); a model whose host
 parameters are only ever computed with (not sent) and would fail on a GPU for a device mismatch.
 
 Off with ``MGPU_CONTRACT=0`` (to see how code behaves on plain gloo). Cost: one Python call per torch op
@@ -54,8 +55,10 @@ _active = False
 _cpu_backend = False  # whether the launch asked for a CPU backend beside the GPU's (run_ranks(cpu_backend=True))
 
 # Collectives and point-to-point calls whose tensor arguments must be on the rank's device.
-CALLS = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-         "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+# (Those a torch lacks are skipped: all_gather_single / reduce_scatter_single are torch 2.13's names.)
+CALLS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_coalesced",
+         "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+         "reduce_scatter_single", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
          "batch_isend_irecv", "gather", "scatter", "_all_gather_base", "_reduce_scatter_base")
 
 
