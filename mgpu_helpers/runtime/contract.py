@@ -37,9 +37,9 @@ into a variable before the rank started (``f = dist.all_reduce`` in a notebook, 
 parameters are only ever computed with (not sent) and would fail on a GPU for a device mismatch.
 
 Off with ``MGPU_CONTRACT=0`` (to see how code behaves on plain gloo). Cost: one Python call per torch op
-the rank makes, 3 to 8 microseconds on the course's 2-core CI machine (idle to loaded): a training step of an
-8-layer MLP of width 64 (batch 32, Adam, 313 torch calls) took 1.25 ms without and 2.23 ms with it; at width
-512 the arithmetic dominates, +2 ms on 31 ms (+6 %).
+the rank makes, 2 to 8 microseconds on the course's 2-core CI machine (quiet to loaded): a training step of an
+8-layer MLP of width 64 (batch 32, Adam, 313 torch calls) took 0.99 ms without and 1.59 ms with it on a
+quiet machine; at width 512 (21 ms a step) the difference was within the noise.
 """
 import os
 import sys
