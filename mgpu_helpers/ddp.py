@@ -35,19 +35,23 @@ from .runtime.launch import rank_device, run_ranks, script_args, torchrun_main
 
 # --- models and data: the same on every rank, from a seed ------------------------------------------
 
-def make_model(widths: list[int], seed: int = 0, bias: bool = True) -> nn.Sequential:
-    """Linear → ReLU → … → Linear, initialised from ``seed`` (so every rank builds the same replica)."""
+def make_model(widths: list[int], seed: int = 0, bias: bool = True, device=None) -> nn.Sequential:
+    """Linear → ReLU → … → Linear, initialised from ``seed`` (so every rank builds the same replica), on
+    ``device``, by default ``rank_device()``: a rank's GPU under NCCL, whose collectives take no CPU tensor
+    (the CPU outside a rank). Drawn on the CPU first: the same weights on every machine."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
         layers += ([nn.ReLU()] if i else []) + [nn.Linear(a, b, bias=bias)]
-    return nn.Sequential(*layers)
+    return nn.Sequential(*layers).to(device or rank_device())
 
 
-def make_batch(n: int, d_in: int, classes: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch: ``n`` inputs and class labels."""
+def make_batch(n: int, d_in: int, classes: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: ``n`` inputs and class labels, on ``device`` (default ``rank_device()``), drawn on
+    the CPU as make_model."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g)
+    x, y = torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g)
+    return x.to(device or rank_device()), y.to(device or rank_device())
 
 
 def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -167,8 +171,8 @@ def _demo(rank: int, world_size: int) -> str:
     widths, per_rank = [32, 64, 64, 10], 8
     x, y = make_batch(per_rank * world_size, widths[0], widths[-1])
     dev = rank_device()
-    model = DDP(make_model(widths).to(dev), device_ids=[dev.index] if dev.type == "cuda" else None)
-    got = _grads(model, shard(x, rank, world_size).to(dev), shard(y, rank, world_size).to(dev)).cpu()
+    model = DDP(make_model(widths), device_ids=[dev.index] if dev.type == "cuda" else None)
+    got = _grads(model, shard(x, rank, world_size), shard(y, rank, world_size))
     full = _grads(make_model(widths), x, y)  # every rank can compute the single-process reference
     same = torch.tensor([float(torch.allclose(got, full, rtol=1e-4, atol=1e-6))], device=dev)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)  # true only if it holds on every rank

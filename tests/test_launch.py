@@ -60,16 +60,17 @@ def _notebook(fn):
 @_notebook
 
 def _sum_ranks(rank, world_size):
-    t = torch.tensor([rank + 1.0])
+    t = torch.tensor([rank + 1.0], device=rank_device())
     dist.all_reduce(t)
     return rank, world_size, t.item()
 
 
 @_notebook
 def _tensors(rank, world_size):
-    big = torch.arange(1_000_000, dtype=torch.float32) * (rank + 1)  # 4 MB: more than a pipe buffer
+    big = torch.arange(1_000_000, dtype=torch.float32, device=rank_device()) * (rank + 1)  # 4 MB: more than a pipe buffer
     dist.all_reduce(big)
     shared = torch.full((3,), float(rank)).share_memory_()  # would dangle if sent by torch's mp pickler
+    big = big.cpu()
     return {"big": big, "view": big[10:20:2], "shared": shared, "bf16": torch.ones(4, dtype=torch.bfloat16)}
 
 
@@ -102,7 +103,7 @@ def _planted(rank, world_size, bad, how):
         if how == "exit":
             os._exit(3)
         os.kill(os.getpid(), signal.SIGKILL)
-    dist.all_reduce(torch.ones(8))  # the peers wait for the planted rank: they fail as a consequence
+    dist.all_reduce(torch.ones(8, device=rank_device()))  # the peers wait for the planted rank: they fail as a consequence
     dist.barrier()
 
 
@@ -115,7 +116,7 @@ def _same_error(rank, world_size):
 def _returns_early(rank, world_size):
     if rank == 1:
         return "done"  # rank 0 still expects rank 1 in the all_reduce below
-    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1, device=rank_device()))
 
 
 @_notebook
@@ -171,12 +172,13 @@ def _listening_ports():
 
 SRC = '''
 import torch, torch.distributed as dist
+from mgpu_helpers.runtime.launch import rank_device
 SCALE = 10
 class Box:
     def __init__(self, v):
         self.v = v
 def work(rank, world_size, offset):
-    t = torch.tensor([float(rank + offset)])
+    t = torch.tensor([float(rank + offset)], device=rank_device())
     dist.all_reduce(t)
     return Box(t.item() * SCALE)
 def fail(rank, world_size):
@@ -246,6 +248,15 @@ def test_backend_choice_with_fake_gpus(monkeypatch):
     assert launch._start_method("gloo") == "forkserver"  # nor do any with a GPU visible
     assert describe(2) == (f"forkserver, gloo (2 ranks but 1 GPU(s): using gloo on CPU (nccl needs one GPU "
                            f"per rank)), {max(1, CORES // 2)} thread{'s' * (CORES >= 4)}/rank")
+    # a CPU backend beside NCCL where asked (dcp.async_save); several ranks on the one GPU where allowed
+    assert launch._choose_backend("auto", 1, cpu_backend=True) == ("cuda:nccl,cpu:gloo", "")
+    assert launch._choose_backend("nccl", 1, cpu_backend=True) == ("cuda:nccl,cpu:gloo", "")
+    monkeypatch.setenv("MGPU_SHARED_GPU", "1")
+    assert launch._choose_backend("auto", 2) == ("cuda:gloo", "")
+    assert launch._choose_backend("auto", 2, cpu_backend=True) == ("cpu:gloo,cuda:gloo", "")
+    assert launch._choose_backend("gloo", 2) == ("gloo", "")  # asked for by name: the CPU
+    assert launch._choose_backend("gloo", 2, cpu_backend=True) == ("gloo", "")  # gloo has its CPU backend
+    assert [launch._cuda(b) for b in ("nccl", "cuda:nccl,cpu:gloo", "cuda:gloo", "gloo")] == [True] * 3 + [False]
 
 
 def test_a_cuda_build_never_forks_ranks(monkeypatch):
@@ -458,9 +469,9 @@ def test_forkserver_imports_module_functions(monkeypatch):
 NOTEBOOK_CELLS = [
     "import sys; print(sys.executable)",
     """import torch, torch.distributed as dist
-from mgpu_helpers.runtime.launch import run_ranks
+from mgpu_helpers.runtime.launch import run_ranks, rank_device
 def work(rank, world_size):
-    t = torch.ones(1) * (rank + 1)
+    t = torch.ones(1, device=rank_device()) * (rank + 1)
     dist.all_reduce(t)
     return t.item()
 print(run_ranks(work, 2))""",

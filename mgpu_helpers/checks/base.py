@@ -129,6 +129,9 @@ class Check:
 
     def _raised(self, error: str) -> str:
         hint = self.hint(error)
+        if "ContractError" in error:  # runtime/contract.py: the answer works on gloo only
+            hint = ("this works on CPU ranks (gloo) only: on GPU ranks (NCCL) every tensor that meets a collective "
+                    "or send/recv must be on rank_device(). " + hint).strip()
         return f"Exercise {self.id} ✗ {self.function} raised {error}" + (f"\n  Hint: {hint}" if hint else "")
 
     # A function whose run timed out (a hung rank) is not run again by a later call of the same check (by
@@ -411,9 +414,11 @@ class CollectiveLedger:
 
     def __init__(self, device=None):
         import torch.distributed as dist
+
+        from ..runtime.launch import rank_device
         self.calls: list[list] = []
         self.diverged = self.finished = False
-        self.device = device
+        self.device = device or rank_device()  # its all_gather's tensors: NCCL takes no CPU tensor
         self._dist, self._all_gather = dist, dist.all_gather
 
     def _agree(self, code: list[int]) -> bool:

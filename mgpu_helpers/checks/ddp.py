@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..ddp import make_batch, make_model
-from ..runtime.launch import run_ranks
+from ..runtime.launch import rank_device, run_ranks
 from .base import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
                    expect_equal, expect_type, plain, run_learner_ranks)
 
@@ -31,7 +31,7 @@ def _model(case) -> nn.Module:
     layers = list(make_model(case["widths"], case["seed"], case["bias"]).named_children())
     if case.get("unused"):  # between two layers, so a bucket has to skip it
         layers.insert(2, ("unused", nn.Linear(3, 2, bias=case["bias"])))
-    return _SkipsUnused(OrderedDict(layers))
+    return _SkipsUnused(OrderedDict(layers)).to(rank_device())
 
 
 def _draw_model(rng, layers=(2, 3), world_size=2, uneven=False, unused=False):
@@ -55,14 +55,14 @@ def _shard(case, rank):
     return x[start:start + rows[rank]], y[start:start + rows[rank]]
 
 
-def _named_grads(model) -> dict:
-    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+def _named_grads(model) -> dict:  # CPU copies: what a rank hands back to the kernel
+    return {n: None if p.grad is None else p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def _learner_rank(rank, world_size, fn, case):
     model = _model(case)
     F.cross_entropy(model(_shard(case, rank)[0]), _shard(case, rank)[1]).backward()
-    ledger = CollectiveLedger()
+    ledger = CollectiveLedger(rank_device())
     with ledger.watching():  # records every dist.all_reduce/broadcast/barrier; stops ranks that diverge
         out = fn(model, case["cap"]) if "cap" in case else fn(model)
     return {"grads": _named_grads(model), "returned": plain(out), "calls": ledger.calls,
@@ -156,14 +156,14 @@ class _AverageCheck(Check):
             if not named and good:  # some parameters right, others not: say which
                 d = max((grads[n] - target[n]).abs().max().item() for n in bad)
                 raise CheckFailure(f"{what}: {', '.join(bad)} differ (max |difference| {d:.3g}); "
-                                   f"{', '.join(good)} match. {self.hint}")
-            expect_close(flat(grads), flat(target), what, rtol=1e-4, atol=1e-6, hint=self.hint, mistakes=mistakes)
+                                   f"{', '.join(good)} match. {self.advice}")
+            expect_close(flat(grads), flat(target), what, rtol=1e-4, atol=1e-6, hint=self.advice, mistakes=mistakes)
 
 
 class Check41(_AverageCheck):
     id, function, points = "4.1", "average_gradients", 2
     unchanged = "gradients unchanged: averaged .data instead of .grad (or never reduced)"
-    hint = "Each .grad must become (sum over ranks) / world_size."
+    advice = "Each .grad must become (sum over ranks) / world_size."
 
     def cases(self, rng):
         return [_draw_model(rng, world_size=2, uneven=True, unused=True), _draw_model(rng, world_size=3),
@@ -174,7 +174,7 @@ class Check42(_AverageCheck):
     id, function, points = "4.2", "allreduce_bucketed", 3
     unchanged = "gradients unchanged: the reduced flat buffer was never copied back into .grad"
     forgot_last = "forgot the last bucket (the one still open after the loop): its gradients were never reduced"
-    hint = "Each .grad must become (sum over ranks) / world_size, bucket by bucket."
+    advice = "Each .grad must become (sum over ranks) / world_size, bucket by bucket."
 
     def cases(self, rng):
         out = []

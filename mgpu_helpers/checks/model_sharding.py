@@ -27,6 +27,10 @@ def passes(check, fn) -> bool:
     return True
 
 
+def _host(t):  # what a rank hands back to the kernel: CPU tensors (a CUDA one would start CUDA there)
+    return t.detach().cpu() if isinstance(t, torch.Tensor) else t
+
+
 def _plain(value):  # a returned loss, as plain data the grader can ship
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value)
@@ -45,7 +49,7 @@ def _pipe_rank(rank, world, fn, case):
         loss, stuck = None, str(e)
     except ValueError as e:
         return {"raised": f"ValueError: {e}"}
-    return {"grads": [p.grad for p in model.parameters()], "loss": _plain(loss), "stuck": stuck,
+    return {"grads": [_host(p.grad) for p in model.parameters()], "loss": _plain(loss), "stuck": stuck,
             "batches": rec.batches, "steps": rec.steps, "clock": rec.clock}
 
 
@@ -193,8 +197,8 @@ def _tp_rank(rank, world, fn, case):
     shapes = {name: tuple(q.shape) for name, q in mod.named_parameters()}
     out = {"shapes": shapes, "param_bytes": param_bytes(mod)}
     g = torch.Generator().manual_seed(case["seed"] + 1)
-    x = torch.randn(case["batch"], case["d"], generator=g).requires_grad_()
-    gy = torch.randn(case["batch"], case["d"], generator=g)
+    x = torch.randn(case["batch"], case["d"], generator=g).to(rank_device()).requires_grad_()
+    gy = torch.randn(case["batch"], case["d"], generator=g).to(rank_device())
     try:  # a wrong split fails here: the judge names it from the shapes first
         with AllReduceCounter() as forward:
             y = mod(x)
@@ -202,8 +206,8 @@ def _tp_rank(rank, world, fn, case):
             (y * gy).sum().backward()
     except RuntimeError as e:
         return {**out, "error": _hinted(e)}
-    return {**out, "y": y.detach(), "x_grad": x.grad, "forward_calls": forward.calls, "backward_calls": backward.calls,
-            "grads": {name: q.grad for name, q in mod.named_parameters()}}
+    return {**out, "y": _host(y), "x_grad": _host(x.grad), "forward_calls": forward.calls,
+            "backward_calls": backward.calls, "grads": {name: _host(q.grad) for name, q in mod.named_parameters()}}
 
 
 def _dense_reference(case):

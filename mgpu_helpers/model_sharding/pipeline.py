@@ -20,18 +20,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..runtime.launch import rank_device
+
 P2P_TIMEOUT = 3.0  # seconds a recorded send/recv may wait: the checks' ranks exchange tiny tensors
 
 
-def make_model(n_layers: int, width: int, seed: int = 0) -> nn.Sequential:
-    """``n_layers`` blocks Linear(width, width) → Tanh: every activation between blocks is (batch, width)."""
+def make_model(n_layers: int, width: int, seed: int = 0, device=None) -> nn.Sequential:
+    """``n_layers`` blocks Linear(width, width) → Tanh: every activation between blocks is (batch, width).
+    On ``device``, by default ``rank_device()``: a rank's GPU under NCCL, whose send/recv take no CPU tensor
+    (the CPU outside a rank). Drawn on the CPU first: the same weights on every machine."""
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
+    return model.to(device or rank_device())
 
 
-def make_batch(n: int, width: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(n: int, width: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, class targets) on ``device``, by default ``rank_device()``, drawn on the CPU as make_model."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, width, generator=g), torch.randint(0, width, (n,), generator=g)
+    x, y = torch.randn(n, width, generator=g), torch.randint(0, width, (n,), generator=g)
+    return x.to(device or rank_device()), y.to(device or rank_device())
 
 
 def stage_bounds(n_layers: int, world_size: int) -> list[tuple[int, int]]:
@@ -97,7 +104,8 @@ class StepRecorder:
                 "does not require grad: call x.requires_grad_() on it before the stage uses it, so that backward "
                 "leaves d(loss)/dx in x.grad to send back" if tensor is None else ""))
         self._wait(self._isend(tensor, *args, **kw), what)
-        self._wait(self._isend(torch.tensor([self.clock]), *args, **kw), what)  # the step it is ready at
+        clock = torch.tensor([self.clock], device=tensor.device)  # beside the data: NCCL has no CPU tensors
+        self._wait(self._isend(clock, *args, **kw), what)  # the step it is ready at
         self.calls.append(what)
 
     def _recv(self, tensor, *args, **kw):
@@ -106,7 +114,7 @@ class StepRecorder:
         work = self._irecv(tensor, *args, **kw)
         self._wait(work, what)
         src = work._source_rank() if src is None else src
-        stamp = torch.zeros(1, dtype=torch.long)
+        stamp = torch.zeros(1, dtype=torch.long, device=tensor.device)
         self._wait(self._irecv(stamp, src, *args[1:], **{k: v for k, v in kw.items() if k != "src"}), what)
         self.clock = max(self.clock, int(stamp))
         self.calls.append(what)
@@ -143,11 +151,21 @@ def wall_timeline(rank: int, world_size: int, fn, n_micro: int, n_layers: int = 
                   batch: int = 384, repeats: int = 3) -> list:
     """In a rank: the busy intervals (kind, micro-batch, t0, t1), in seconds, of one step of ``fn``
     (pipeline_step's signature), best of ``repeats``. Hooks on this rank's stage time them: a forward from its
-    first block's start to its last block's end, a backward from its last block's start to its first's end."""
+    first block's start to its last block's end, a backward from its last block's start to its first's end.
+    On a GPU the hooks run when the CPU *enqueues* the kernels, so they record CUDA events, read after the
+    step: the GPU's own busy intervals, placed on the CPU clock by an event recorded when the ranks start
+    together (to within a kernel launch)."""
     model, (x, y), best = make_model(n_layers, width), make_batch(batch, width), None
     start, end = stage_bounds(n_layers, world_size)[rank]
     first, last, timeline, began = model[start], model[end - 1], [], {}
-    now = time.perf_counter  # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
+    cuda = rank_device().type == "cuda"
+
+    def now():  # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def done(kind):
         timeline.append((kind, sum(k == kind for k, *_ in timeline), began[kind], now()))
@@ -158,11 +176,18 @@ def wall_timeline(rank: int, world_size: int, fn, n_micro: int, n_layers: int = 
     for _ in range(repeats):
         dist.barrier()  # start together
         timeline.clear()
+        if cuda:
+            torch.cuda.synchronize()
+            origin, origin_s = now(), time.perf_counter()
         model.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # rank 0's first block has no input gradient: torch says so, once
             warnings.simplefilter("ignore", UserWarning)
             fn(model, x, y, n_micro)
-        span = torch.tensor([timeline[-1][3] - timeline[0][2]])
+        if cuda:
+            torch.cuda.synchronize()  # every event has happened: read them (elapsed_time is in ms)
+            timeline[:] = [(k, j, origin_s + origin.elapsed_time(a) / 1e3, origin_s + origin.elapsed_time(b) / 1e3)
+                           for k, j, a, b in timeline]
+        span = torch.tensor([timeline[-1][3] - timeline[0][2]], device=rank_device())
         dist.all_reduce(span, op=dist.ReduceOp.MAX)  # keep the repeat that was fastest on every rank
         best = (span.item(), list(timeline)) if best is None or span.item() < best[0] else best
     return best[1]

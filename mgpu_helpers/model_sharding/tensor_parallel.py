@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ..runtime.launch import rank_device
 from ..runtime.tracker import MemoryTracker
 
 
@@ -32,9 +33,11 @@ class DenseMLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def make_mlp(d: int, h: int, seed: int = 0) -> DenseMLP:
+def make_mlp(d: int, h: int, seed: int = 0, device=None) -> DenseMLP:
+    """On ``device``, by default ``rank_device()`` (the CPU outside a rank); drawn on the CPU first: the same
+    weights on every machine."""
     torch.manual_seed(seed)
-    return DenseMLP(d, h)
+    return DenseMLP(d, h).to(device or rank_device())
 
 
 def param_bytes(module) -> int:
@@ -49,10 +52,11 @@ def parameter_bytes_formula(d: int, h: int, world_size: int, element_size: int =
     return element_size * (2 * d * h // world_size + h // world_size + d)
 
 
-def torch_tensor_parallel(dense: DenseMLP, device_type: str = "cpu"):
-    """The same split with torch's DTensor tensor parallelism, on a 1-D mesh over every rank: fc1
-    ColwiseParallel, fc2 RowwiseParallel. Parallelizes ``dense`` in place and returns it."""
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+def torch_tensor_parallel(dense: DenseMLP, device_type: str | None = None):
+    """The same split with torch's DTensor tensor parallelism, on a 1-D mesh over every rank (of
+    ``device_type``, by default ``rank_device()``'s): fc1 ColwiseParallel, fc2 RowwiseParallel. Parallelizes
+    ``dense`` in place and returns it."""
+    mesh = init_device_mesh(device_type or rank_device().type, (dist.get_world_size(),))
     return parallelize_module(dense, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
 
 

@@ -13,6 +13,31 @@ As a script, ``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2
 would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving
 ``timeout`` s raises ``TimeoutError`` (``RankTimeout``) saying where each hung rank was; every way out
 (Ctrl-C too) kills and joins every child. launch_watch.py watches the running ranks.
+
+**Backends and the device contract.** ``backend="auto"`` gives each rank, by what the machine has:
+
+- one GPU per rank: an NCCL group, ``rank_device()`` = ``cuda:LOCAL_RANK``. An NCCL-only group has no CPU
+  backend: a collective or send/recv on a CPU tensor raises "No backend type associated with device type
+  cpu". So a rank's tensors that meet a collective live on ``rank_device()``: models are built there, batches
+  are made there, results go back as Python values or ``.cpu()`` tensors.
+- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``. Gloo would take CPU tensors anywhere,
+  so each such rank runs under ``contract.py``: a tensor that would be a host tensor on a GPU machine and
+  reaches a collective or send/recv raises ``ContractError`` naming it. Code that runs here runs on GPUs.
+- ``MGPU_SHARED_GPU=1`` and at least one GPU but fewer than ranks (tests: several ranks on the one lent
+  GPU): a CUDA-only gloo group, ``init_process_group("cuda:gloo")``, every rank on GPU 0
+  (``torch.cuda.set_device(0)``; NCCL refuses two ranks on one GPU). Like NCCL it has no CPU backend, so
+  the contract holds as on real GPUs; but gloo's CUDA side runs fewer operations than NCCL (all_reduce and
+  broadcast; no send/recv): a cell that raises "unsupported" there needs one GPU per rank.
+
+``cpu_backend=True`` adds a CPU backend beside NCCL: ``init_process_group("cuda:nccl,cpu:gloo")``, as
+torchtitan does, for what needs CPU collectives: ``dcp.async_save`` stages the state dict in CPU memory and
+refuses a group without one ("A CPU backend must be enabled for async save",
+torch/distributed/checkpoint/state_dict_saver.py). Object collectives (``all_gather_object``...) need none:
+on NCCL they go through ``torch.cuda.current_device()``. On gloo CPU ranks it changes nothing but tell the
+contract that ``dcp.async_save`` may run. It is off by default, so that a CPU tensor in a
+collective fails on GPUs as the contract says instead of taking a slow gloo detour. With it,
+``dist.get_backend()`` returns the whole string ("cuda:nccl,cpu:gloo", torch/distributed/distributed_c10d.py
+keeps what init was given), not "nccl": ask ``rank_device()`` for the device, not ``get_backend()``.
 """
 import contextlib, datetime, faulthandler, io, linecache, multiprocessing as mp, os, pickle, signal  # noqa: E401
 import pkgutil
@@ -29,6 +54,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import contract
 from .launch_watch import DUMP_SIGNAL, RankError, RankTimeout, collect
 
 __all__ = ["run_ranks", "rank_device", "torchrun_main", "RankError", "RankTimeout", "describe"]
@@ -42,20 +68,29 @@ def _cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _choose_backend(backend, ranks_here, who="run_ranks"):
-    """(backend, note): note is one line explaining a fall-back from GPUs to gloo/CPU, else ''."""
+def _choose_backend(backend, ranks_here, who="run_ranks", cpu_backend=False):
+    """(what init_process_group is given, note): note is one line explaining a fall-back from GPUs to
+    gloo/CPU, else ''."""
     # device_count() asks NVML while CUDA is uninitialised, whereas torch.cuda.is_available() calls
     # cudaGetDeviceCount, which "poisons" fork: children forked afterwards cannot use CUDA.
     gpus = torch.cuda.device_count()  # 0 on CPU-only builds
+    nccl = "cuda:nccl,cpu:gloo" if cpu_backend else "nccl"
     if backend == "auto":
         if gpus >= ranks_here:
-            return "nccl", ""
+            return nccl, ""
+        if gpus and os.environ.get("MGPU_SHARED_GPU") == "1":
+            return "cpu:gloo,cuda:gloo" if cpu_backend else "cuda:gloo", ""
         return "gloo", (f"{who}: {ranks_here} ranks but {gpus} GPU(s): using gloo on CPU "
                         "(nccl needs one GPU per rank)") if gpus else ""
     if backend not in ("gloo", "nccl") or (backend == "nccl" and gpus < ranks_here):
         raise ValueError(f"backend={backend!r}: use 'auto', 'gloo', or 'nccl' with one GPU per rank "
                          f"({ranks_here} ranks, {gpus} GPU(s))")
-    return backend, ""
+    return nccl if backend == "nccl" else "gloo", ""
+
+
+def _cuda(backend):
+    """Whether ranks initialised with ``backend`` (what _choose_backend returned) compute on a GPU."""
+    return backend == "nccl" or "cuda:" in backend
 
 
 def _note(note):
@@ -164,19 +199,25 @@ def describe(world_size=2, backend="auto", threads=None):
 
 
 def rank_device():
-    """This rank's device: cuda:LOCAL_RANK under nccl, else cpu (also outside any rank)."""
+    """This rank's device: its GPU under NCCL (or a shared-GPU "cuda:gloo" group), else cpu (also outside
+    any rank)."""
     if _device is not None:
         return _device
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and _cuda(str(dist.get_backend())):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _setup_rank(local_rank, backend, threads):
+def _setup_rank(local_rank, backend, threads, cpu_backend=False):
     global _device
-    _device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)  # before anything touches CUDA, else every rank uses GPU 0
+    if _cuda(backend):
+        # "cuda:gloo" (MGPU_SHARED_GPU=1): every rank on GPU 0. Before anything touches CUDA, else every
+        # NCCL rank uses GPU 0.
+        _device = torch.device("cuda", 0 if "cuda:gloo" in backend else local_rank)
+        torch.cuda.set_device(_device)
+    else:
+        _device = torch.device("cpu")
+        contract.enable(cpu_backend)  # gloo on the CPU: refuse what NCCL would (contract.py)
     torch.set_num_threads(threads) if threads else None  # all cores per rank: 4x slower (FACTS.md)
 
 
@@ -201,7 +242,8 @@ def _ship(fn, args):
     return pickle.dumps((buf.getvalue(), {f: linecache.getlines(f) for f in _JobPickler.files}))
 
 
-def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn, dump, job, parent_pid):
+def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn, dump, job, parent_pid,
+               cpu_backend=False):
     """One rank: set up, run fn, send ("ok", pickled result) or ("err", time, summary, traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it kills us
     # On a timeout the caller asks for our Python stack before it kills us (see launch_watch).
@@ -214,13 +256,15 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
         if parent_pid is not None and os.getppid() != parent_pid:
             os._exit(1)  # the caller died before prctl took effect
     try:
-        _setup_rank(rank, backend, threads)  # first: unpickling CUDA tensors in args touches CUDA
+        _setup_rank(rank, backend, threads, cpu_backend)  # first: unpickling CUDA tensors in args touches CUDA
         if isinstance(job, bytes):  # not forked from the caller: see _ship
             payload, sources = pickle.loads(job)
             for f, lines in sources.items():
                 linecache.cache.setdefault(f, (sum(map(len, lines)), None, lines, f))
             job = pickle.loads(payload)
         fn, args = job
+        for i, arg in enumerate(args):  # the caller's tensors, on the CPU on every machine (contract.py)
+            contract.mark_host(arg, f"the caller: argument {i + 3} of run_ranks")
         conn.send_bytes(pickle.dumps(("go",)))  # imports done: the caller's timeout starts when all said so
         timeout, store = datetime.timedelta(seconds=pg_timeout), dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -247,11 +291,12 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
     conn.close()
 
 
-def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None):
+def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None, cpu_backend=False):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
 
     The process group is initialised before ``fn`` and destroyed after it. ``backend='auto'`` picks nccl
-    when there is a GPU per rank, else gloo on CPU. Each rank gets ``threads`` torch threads (default:
+    when there is a GPU per rank, else gloo on CPU under the device contract (the module docstring says
+    more, and what ``cpu_backend`` and MGPU_SHARED_GPU=1 change). Each rank gets ``threads`` torch threads (default:
     1 for forked ranks, else cores // world_size). Raises RankError if a rank fails, TimeoutError after ``timeout`` s.
     """
     # a learner's slip, said before any process starts (0 ranks divided by zero; -1 returned [] silently)
@@ -260,7 +305,7 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
                         f"{type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_ranks: world_size={world_size!r}: the number of ranks, an int >= 1")
-    backend, note = _choose_backend(backend, world_size)
+    backend, note = _choose_backend(backend, world_size, cpu_backend=cpu_backend)
     _note(note)
     method = _start_method(backend, threads)
     ctx = _context(method)
@@ -285,7 +330,8 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
                 conns.append(reader)
                 dumps.append(dump_reader)
                 procs.append(ctx.Process(target=_rank_main, name=f"rank{rank}", args=(
-                    rank, world_size, store_path, backend, threads, pg_timeout, writer, dump_writer, job, parent)))
+                    rank, world_size, store_path, backend, threads, pg_timeout, writer, dump_writer, job, parent,
+                    cpu_backend)))
                 procs[-1].start()
                 writer.close()  # now only the child holds it, so the child's exit shows as EOF on reader
                 dump_writer.close()
@@ -307,16 +353,16 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
             os.unlink(store_path)
 
 
-def torchrun_main(fn, *args, backend="auto", timeout=300.0):
+def torchrun_main(fn, *args, backend="auto", timeout=300.0, cpu_backend=False):
     """Run ``fn(rank, world_size, *args)`` in a process started by torchrun (env:// rendezvous from
     RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; device from LOCAL_RANK, so multi-node works); print rank 0's
     result, destroy the group, return the result. Threads: torchrun sets OMP_NUM_THREADS=1 unless set.
     """
     rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    backend, note = _choose_backend(backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun_main")
+    backend, note = _choose_backend(backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun_main", cpu_backend)
     if rank == 0:
         _note(note)
-    _setup_rank(local_rank, backend, threads=None)
+    _setup_rank(local_rank, backend, None, cpu_backend)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     try:

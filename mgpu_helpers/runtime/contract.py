@@ -1,0 +1,304 @@
+"""The device contract, proved on a CPU-only machine: a rank's tensors that meet a collective or a send/recv
+live on ``rank_device()``.
+
+On GPUs each rank of ``run_ranks`` is an NCCL rank with one GPU, and an NCCL-only group has no CPU backend:
+``dist.all_reduce(torch.arange(4))`` raises "No backend type associated with device type cpu". On a
+CPU-only machine the ranks run gloo, where every tensor is a CPU tensor and the same call works. So that code
+which works here also works on GPUs, every gloo CPU rank (``enable``, called by the launcher) tells the
+tensors that would be *host* tensors on a GPU machine from those that would be on the GPU, and its
+collectives and send/recv refuse host tensors with :class:`ContractError`, which names the tensor (shape,
+dtype, where it was made) and the call.
+
+How a tensor is judged, by a ``TorchFunctionMode`` that sees every torch call of the rank's thread:
+
+- **host**: handed to the rank by the caller (``run_ranks(fn, n, x)``: the notebook's tensors are on the
+  CPU); made by a factory (``torch.tensor``, ``arange``, ``zeros``, ``randn``, ``from_numpy``,
+  ``nn.Linear``'s parameters...) with no device or a device given as a string (``"cpu"``); ``.cpu()`` and
+  ``.to("cpu")`` (a fresh alias, so the original keeps its judgement); the result of an op whose tensor
+  inputs are all host; an ``nn.Parameter`` of host data.
+- **device**: made with a ``torch.device`` object (``device=rank_device()``, ``device=x.device``); moved with
+  ``.to(rank_device())`` / ``Module.to(rank_device())`` (on the CPU that returns the same tensor, which is
+  then device); an op with any device input; any tensor the mode never saw (made in C++: autograd's
+  gradients, a backend's buffers).
+- an in-place op (``x.add_()``, ``out=``, ``dist.recv`` into a buffer) keeps its tensor's judgement.
+
+``dcp.async_save`` refuses to run unless the launch asked for a CPU backend (``run_ranks(...,
+cpu_backend=True)``), as torch does on an NCCL-only group.
+
+Collectives and p2p called from torch's own code (FSDP2, DTensor, DDP's Python parts, object collectives)
+are not judged: torch places their buffers on the mesh's or group's device itself.
+
+What it cannot see (it may pass code that fails on GPUs, never the reverse by design): tensors made in
+other threads (autograd hooks run in C++ threads; a mode is per thread); a host tensor moved with
+``.to(rank_device())`` turns device *in place*, so the original, used later, passes; a factory given
+``device=torch.device("cpu")`` spelt out counts as device (it cannot be told from ``rank_device()``);
+collectives made in C++ (DDP's reducer) and through ``torch.ops._c10d_functional``; a collective taken
+into a variable before the rank started (``f = dist.all_reduce`` in a notebook, then forked ranks call ``f``); a model whose host
+parameters are only ever computed with (not sent) and would fail on a GPU for a device mismatch.
+
+Off with ``MGPU_CONTRACT=0`` (to see how code behaves on plain gloo). Cost: one Python call per torch op
+the rank makes, 2 to 8 microseconds on the course's 2-core CI machine (quiet to loaded): a training step of an
+8-layer MLP of width 64 (batch 32, Adam, 313 torch calls) took 0.99 ms without and 1.59 ms with it on a
+quiet machine; at width 512 (21 ms a step) the difference was within the noise.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_HERE = __file__
+_TAG = "_mgpu_host"  # the attribute a host tensor carries: where it was made (a string)
+_active = False
+_cpu_backend = False  # whether the launch asked for a CPU backend beside the GPU's (run_ranks(cpu_backend=True))
+
+# Collectives and point-to-point calls whose tensor arguments must be on the rank's device.
+# (Those a torch lacks are skipped: all_gather_single / reduce_scatter_single are torch 2.13's names.)
+CALLS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_coalesced",
+         "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+         "reduce_scatter_single", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+         "batch_isend_irecv", "gather", "scatter", "_all_gather_base", "_reduce_scatter_base")
+
+
+class ContractError(RuntimeError):
+    """A host tensor (one that would be on the CPU of a GPU machine) reached a collective or send/recv."""
+
+
+def _where():
+    """'function (file:line)' of the first frame outside torch and this module; a notebook cell says
+    'cell line N'."""
+    f = sys._getframe(2)
+    while f is not None and (f.f_code.co_filename.startswith(_TORCH) or f.f_code.co_filename == _HERE):
+        f = f.f_back
+    if f is None:
+        return "torch"
+    name, line = f.f_code.co_filename, f.f_lineno
+    if "ipykernel_" in name or name.startswith("<"):
+        return f"{f.f_code.co_name} at cell line {line}" if f.f_code.co_name != "<module>" else f"cell line {line}"
+    return f"{f.f_code.co_name} ({os.path.basename(name)}:{line})"
+
+
+def _name(func):
+    """torch.arange, Tensor.cpu(), ... as the learner wrote it."""
+    n = getattr(func, "__name__", str(func))
+    if n == "__get__":  # a property getter: Tensor.data.__get__
+        n = getattr(getattr(func, "__self__", None), "__name__", n)
+    if getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor.")):
+        return f"Tensor.{n}()"
+    return f"torch.{n}" if (getattr(func, "__module__", None) or "").startswith("torch") else n
+
+
+def _host(t):
+    return getattr(t, _TAG, None)
+
+
+def _tag(t, origin):
+    try:
+        setattr(t, _TAG, origin)
+    except (AttributeError, RuntimeError):  # some tensor subclasses refuse attributes: judged device
+        pass
+
+
+_TO, _CPU, _Tensor = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor
+
+
+def _on_host(device):
+    """Whether a factory's device argument means the host: none (the default device), or "cpu" as a string.
+    A torch.device object counts as the rank's device: it is rank_device() or some tensor's .device."""
+    return device is None or isinstance(device, str) and device.startswith("cpu")
+
+
+class _HostMode(TorchFunctionMode):
+    # Runs around every torch call of the rank: the fast path (an op on tensors) reads one attribute per
+    # input and sets one on the result.
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if type(out) is not _Tensor and not isinstance(out, _Tensor):
+            if isinstance(out, (tuple, list)) and out and isinstance(out[0], _Tensor):  # split, chunk...
+                origin = self._origin(func, args, kwargs, out[0])
+                if origin is not False:
+                    for t in out:
+                        _tag(t, origin)
+            return out
+        if func is _CPU or func is _TO and _on_host((kwargs or {}).get("device", args[1] if len(args) > 1 else 0)):
+            if out is args[0]:  # on the CPU these return the same tensor; on a GPU machine a copy
+                out = out.view_as(out)
+            _tag(out, _host(args[0]) or f"{_name(func)} in {_where()}")
+            return out
+        origin = self._origin(func, args, kwargs, out)
+        if origin is not False:
+            _tag(out, origin)
+        return out
+
+    @staticmethod
+    def _origin(func, args, kwargs, out):
+        """Where ``out`` was made if it is host, None if device, False to leave it as it is (in place)."""
+        if kwargs and "device" in kwargs:
+            device = kwargs["device"]
+            return f"{_name(func)} in {_where()}" if _on_host(device) else None
+        if func is _TO and len(args) > 1 and isinstance(args[1], torch.device):
+            return None  # .to(rank_device()), Module.to(rank_device())
+        origin = None  # the first host input's: the data, before the weights it met
+        for a in args:
+            if isinstance(a, _Tensor):
+                if a is out:  # in place (x.add_(), out=): the tensor keeps its judgement
+                    return False
+                tag = getattr(a, _TAG, None)
+                if tag is None:
+                    return None
+                origin = origin or tag
+            elif isinstance(a, (list, tuple)):  # torch.cat([...]), torch.stack([...])
+                for t in a:
+                    if isinstance(t, _Tensor):
+                        tag = getattr(t, _TAG, None)
+                        if tag is None:
+                            return None
+                        origin = origin or tag
+        if kwargs:
+            for t in kwargs.values():
+                if isinstance(t, _Tensor):
+                    if t is out:
+                        return False
+                    tag = getattr(t, _TAG, None)
+                    if tag is None:
+                        return None
+                    origin = origin or tag
+        # all tensor inputs host; or none, no device asked for: a factory, on the default device, the CPU
+        return origin or f"{_name(func)} in {_where()}"
+
+
+def _describe(t):
+    return f"a host tensor (shape {list(t.shape)}, {t.dtype}) made by {_host(t)}"
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dist.P2POp):
+        yield x.tensor
+
+
+def _guarded(name, real):
+    def call(*args, **kwargs):
+        caller = sys._getframe(1)
+        while caller.f_code.co_filename == _HERE:  # c10d's collectives come back through the mode: see past it
+            caller = caller.f_back
+        if not caller.f_code.co_filename.startswith(_TORCH):  # torch's own calls: not judged
+            for a in (*args, *kwargs.values()):
+                for t in _tensors(a):
+                    if _host(t) is not None:
+                        raise ContractError(
+                            f"dist.{name} got {_describe(t)}: on GPU ranks (NCCL) a collective's and a "
+                            f"send/recv's tensors must be on rank_device() -- make it with "
+                            f"device=rank_device() or move it with .to(rank_device()) (NCCL has no CPU "
+                            f"backend: 'No backend type associated with device type cpu')")
+        return real(*args, **kwargs)
+    call.__name__, call.__qualname__, call.__wrapped__ = real.__name__, real.__qualname__, real
+    return call
+
+
+def _parameter_new(real):
+    def new(cls, data=None, requires_grad=True):
+        p = real(cls, data, requires_grad)
+        if data is not None and _host(data) is not None:
+            _tag(p, _host(data))
+        return p
+    return staticmethod(new)
+
+
+def _from_numpy(real):
+    def from_numpy(a):
+        t = real(a)
+        _tag(t, f"torch.from_numpy in {_where()}")
+        return t
+    return from_numpy
+
+
+def _async_save(real):
+    def async_save(*args, **kwargs):
+        if not _cpu_backend:
+            raise ContractError(
+                "dcp.async_save needs a CPU backend beside NCCL on GPU ranks ('A CPU backend must be enabled for "
+                "async save', torch/distributed/checkpoint/state_dict_saver.py): launch with run_ranks(..., "
+                "cpu_backend=True), which initialises the group as 'cuda:nccl,cpu:gloo'")
+        return real(*args, **kwargs)
+    async_save.__wrapped__ = real
+    return async_save
+
+
+_SAVER = "torch.distributed.checkpoint.state_dict_saver"
+
+
+class _PatchSaver:
+    """Wraps dcp.async_save when torch.distributed.checkpoint is first imported (importing it in every rank
+    would cost every launch), or at once if it already is."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _SAVER:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.async_save = _async_save(module.async_save)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def enable(cpu_backend=False):
+    """In a gloo CPU rank (the launcher calls it): judge its tensors and guard its collectives, for the
+    rest of the process; ``cpu_backend``: whether the launch asked for a CPU backend beside the GPU's
+    (``dcp.async_save`` needs one). Does nothing when MGPU_CONTRACT=0 or when already on."""
+    global _active, _cpu_backend
+    if _active or os.environ.get("MGPU_CONTRACT", "1") == "0":
+        return
+    _active, _cpu_backend = True, cpu_backend
+    if _SAVER in sys.modules:
+        saver = sys.modules[_SAVER]
+        saver.async_save = _async_save(saver.async_save)
+        if "torch.distributed.checkpoint" in sys.modules:
+            sys.modules["torch.distributed.checkpoint"].async_save = saver.async_save
+    else:
+        sys.meta_path.insert(0, _PatchSaver())
+    c10d = dist.distributed_c10d
+    for name in CALLS:
+        real = getattr(c10d, name, None)
+        if real is not None:
+            guarded = _guarded(name, real)
+            setattr(c10d, name, guarded)  # c10d's own helpers (P2POp's check of isend/irecv) see the same
+            if getattr(dist, name, None) is real:
+                setattr(dist, name, guarded)
+    torch.nn.Parameter.__new__ = _parameter_new(torch.nn.Parameter.__new__)
+    torch.from_numpy = _from_numpy(torch.from_numpy)
+    _HostMode().__enter__()  # never left: the mode lives as long as the rank
+
+
+def mark_host(value, origin: str, _depth: int = 0):
+    """Judge every tensor in ``value`` (tensors, modules' parameters and buffers, in lists, tuples and dicts)
+    host, made by ``origin``: what the caller hands a rank is on the CPU on every machine."""
+    if not _active or _depth > 4:
+        return
+    if isinstance(value, torch.Tensor):
+        _tag(value, origin)
+    elif isinstance(value, torch.nn.Module):
+        for t in (*value.parameters(), *value.buffers()):
+            _tag(t, origin)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            mark_host(v, origin, _depth + 1)
+    elif isinstance(value, dict):
+        for v in value.values():
+            mark_host(v, origin, _depth + 1)
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """Whether the contract judges ``t`` a host tensor (False outside a gloo rank)."""
+    return _host(t) is not None
