@@ -271,7 +271,7 @@ def _same_sizes():
         def sized(output, input, *args, **kwargs):
             outs = output if isinstance(output, (list, tuple)) else [output]
             ins = input if isinstance(input, (list, tuple)) else [input]
-            mine = torch.tensor([sum(t.numel() for t in outs), sum(t.numel() for t in ins)])
+            mine = torch.tensor([sum(t.numel() for t in outs), sum(t.numel() for t in ins)], device=outs[0].device)
             every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             with _disable_current_modes():  # not one of the learner's collectives: keep it out of the counts
                 gather(every, mine)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from ..runtime.launch import rank_device
 
 # Bytes per parameter of (parameters, gradients, one optimizer state) for each precision, and the bytes
 # of the fp32 master copy that only "mixed" keeps. The ZeRO paper's model (its section 3.1): mixed
@@ -127,16 +128,19 @@ def comm_bytes_per_step(n_params: int, *, zero_stage: int, world_size: int, para
 # --- models and parameters ----------------------------------------------------------------------------
 
 def make_model(widths: list[int], seed: int = 0, tie: tuple[int, int] | None = None,
-               freeze: tuple[int, ...] = ()) -> nn.Sequential:
-    """Linear → ReLU → … → Linear from ``seed``. ``tie=(i, j)``: Linear j's weight *is* Linear i's (one
-    tensor reached from two modules; their shapes must agree). ``freeze``: Linears whose weight is frozen."""
+               freeze: tuple[int, ...] = (), device=None) -> nn.Sequential:
+    """Linear → ReLU → … → Linear from ``seed``, on ``device`` (default ``rank_device()``: NCCL's collectives
+    take no CPU tensor; drawn on the CPU first, the same weights on every machine). ``tie=(i, j)``: Linear j's
+    weight *is* Linear i's (one tensor reached from two modules; their shapes must agree). ``freeze``: Linears
+    whose weight is frozen."""
     torch.manual_seed(seed)
     lins = [nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])]
     if tie is not None:
         lins[tie[1]].weight = lins[tie[0]].weight
     for i in freeze:
         lins[i].weight.requires_grad_(False)
-    return nn.Sequential(*[m for i, lin in enumerate(lins) for m in ([nn.ReLU()] if i else []) + [lin]])
+    model = nn.Sequential(*[m for i, lin in enumerate(lins) for m in ([nn.ReLU()] if i else []) + [lin]])
+    return model.to(device or rank_device())
 
 
 def linears(model: nn.Module) -> list[nn.Linear]:
@@ -153,9 +157,11 @@ def unique(params) -> list[torch.Tensor]:
     return out
 
 
-def make_batch(seed: int, n: int, d_in: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(seed: int, n: int, d_in: int, classes: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` inputs and labels on ``device`` (default ``rank_device()``), drawn on the CPU as make_model."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g)
+    device = device or rank_device()
+    return torch.randn(n, d_in, generator=g).to(device), torch.randint(0, classes, (n,), generator=g).to(device)
 
 
 def _state_tensors(opt) -> list[torch.Tensor]:
