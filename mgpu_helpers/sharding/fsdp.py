@@ -129,7 +129,7 @@ def trains_like_one_process(rank, world_size, method, widths, steps=3, per_rank=
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2: DTensors
-    return max((a.detach().cpu() - b.detach()).abs().max().item() for a, b in zip(full, ref.parameters()))
+    return max((a.detach().cpu() - b.detach().cpu()).abs().max().item() for a, b in zip(full, ref.parameters()))
 
 
 @contextlib.contextmanager
