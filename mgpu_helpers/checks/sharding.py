@@ -229,11 +229,14 @@ class ShardedOptimizerCheck(RemembersVerdict):
         size = {i: params[i].numel() * params[i].element_size() for i in trainable}
         load = [sum(b for i, b in size.items() if owners[i] == [r]) for r in range(world)]
         total, largest = sum(size.values()), max(size.values())
+        # Frozen parameters hold no state, so who owns them is not seen; ZeroRedundancyOptimizer counts them in
+        # its partition, which can put all their bytes' worth of trainable ones on the other ranks.
+        frozen = sum(p.numel() * p.element_size() for i, p in enumerate(params) if i not in size)
         heavy = max(range(world), key=load.__getitem__)
         greedy = [0] * world
         for b in sorted(size.values(), reverse=True):  # ZeroRedundancyOptimizer's partition: largest first
             greedy[greedy.index(min(greedy))] += b
-        expect(load[heavy] <= total / world + largest,
+        expect(load[heavy] <= total / world + largest + frozen,
                f"unbalanced: rank {heavy} owns {load[heavy]} of {total} bytes of trainable parameters "
                f"(shares {load}); giving each parameter, largest first, to the least-loaded rank (as "
                f"ZeroRedundancyOptimizer does) gives at most {max(greedy)} per rank. The heaviest rank's "
