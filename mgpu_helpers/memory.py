@@ -43,6 +43,13 @@ def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0) ->
     return nn.Sequential(*layers).to(dtype)
 
 
+def make_batch(n: int, d_in: int, classes: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` inputs and class labels from ``seed``, drawn on the CPU by a generator of their own (the global
+    RNG stays untouched; the values are the same on every device), then moved to ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d_in, generator=g).to(device), torch.randint(0, classes, (n,), generator=g).to(device)
+
+
 def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
     # foreach=True is CUDA's default; keep it on every device so CPU and GPU figures match.
     if name == "sgd":

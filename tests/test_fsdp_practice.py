@@ -14,7 +14,7 @@ from mgpu_helpers import fsdp_practice as fp
 from mgpu_helpers.fsdp_practice.init import meta_init
 from mgpu_helpers.fsdp_practice.timeline import overlap, summarize, trace
 from mgpu_helpers.runtime.launch import run_ranks
-from mgpu_helpers.sharding.fsdp import fake_world
+from mgpu_helpers.runtime.fake_world import fake_world
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"d": 32, "blocks": 3, "d_in": 8, "classes": 4}

@@ -69,7 +69,8 @@ from testkit import run_torchrun  # noqa: E402
 from mgpu_helpers.runtime.launch import run_ranks  # noqa: E402
 from mgpu_helpers.sharding import linears, make_model, unique  # noqa: E402
 from mgpu_helpers.checks.sharding import check_8_2  # noqa: E402
-from mgpu_helpers.sharding.fsdp import fake_world, formula, measure, sweep, trains_like_one_process  # noqa: E402
+from mgpu_helpers.runtime.fake_world import fake_world  # noqa: E402
+from mgpu_helpers.sharding.fsdp import formula, measure, sweep, trains_like_one_process  # noqa: E402
 from mgpu_helpers.checks.references.sharding import reference_reduce_scatter  # noqa: E402
 
 WIDTHS = [16, 64, 64, 64, 10]
@@ -143,12 +144,12 @@ def test_ddp_holds_a_bucketed_copy_of_the_gradients():
 
 
 def _comm_received(rank, world, method):
-    from mgpu_helpers.fsdp_practice import CommLog
-    from mgpu_helpers.sharding import make_batch
+    from mgpu_helpers.runtime.comm_log import CommLog
+    from mgpu_helpers.memory import make_batch
     from mgpu_helpers.sharding.fsdp import build
     import torch.nn.functional as F
     model, _, step = build(method, WIDTHS, reduce_scatter_fn=reference_reduce_scatter)
-    x, y = make_batch(1, 8, WIDTHS[0], WIDTHS[-1])
+    x, y = make_batch(8, WIDTHS[0], WIDTHS[-1], 1)
     with CommLog() as comm:
         F.cross_entropy(model(x), y).backward()
         step()

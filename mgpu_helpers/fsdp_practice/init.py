@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .knobs import MODEL, Net, make_model, profiled_peak, shard, storage_bytes
+from .instruments import profiled_peak, storage_bytes
+from .knobs import MODEL, Net, make_model, shard
 from ..runtime.launch import rank_device
 
 

@@ -13,65 +13,8 @@ import contextlib
 import gc
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
-from torch.utils._pytree import tree_leaves
 
 from ..runtime.launch import rank_device
-
-
-class CommLog(TorchDispatchMode):
-    """``with CommLog() as c:`` records each c10d collective this rank makes: ``c.calls`` holds
-    ``(op, dtype, bytes in, bytes out)``. FSDP2's all-gathers and reduce-scatters are called from Python
-    and pass the dispatcher as ``c10d`` ops (``_allgather_base_``: in = this rank's shard, out = the whole
-    unit; ``_reduce_scatter_base_``: in = the whole gradient, out = this rank's shard).
-
-    ``c.order`` is the issue order on this thread: ``G`` for an all-gather, ``m`` for a matrix multiply
-    (``aten::mm`` / ``addmm``). It is what explicit prefetch changes (``G m m G m m`` -> ``G G m m G m m``),
-    the same on every run and every machine, where the time each takes is not."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[str, str, int, int]] = []
-        self.order = ""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(is_traceable_wrapper_subclass_type(t) for t in types):
-            return NotImplemented  # let DTensor unwrap; its collectives come back here on plain tensors
-        # c10d: what FSDP2 and DDP call; _c10d_functional: DTensor's (full_tensor(), redistribute)
-        if func.namespace in ("c10d", "_c10d_functional") and not func._opname.startswith(("barrier", "monitored",
-                                                                                             "wait")):
-            ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            nb = [t.numel() * t.element_size() for t in ts]
-            # (output, input) for _allgather_base_ and _reduce_scatter_base_; in place for all-reduce
-            out, inp = (nb[0], nb[1]) if len(nb) > 1 else (sum(nb), sum(nb))
-            self.calls.append((_kind(func._opname), str(ts[0].dtype).replace("torch.", "") if ts else "-",
-                               inp, out))
-            self.order += "G" if self.calls[-1][0] == "all_gather" else ""
-        elif func in _MATMULS:
-            self.order += "m"
-        return func(*args, **(kwargs or {}))
-
-    def summary(self) -> dict[str, dict]:
-        """``{"all_gather bfloat16": {"calls", "bytes_in", "bytes_out"}, ...}``."""
-        out: dict[str, dict] = {}
-        for op, dtype, i, o in self.calls:
-            s = out.setdefault(f"{op} {dtype}", {"calls": 0, "bytes_in": 0, "bytes_out": 0})
-            s["calls"], s["bytes_in"], s["bytes_out"] = s["calls"] + 1, s["bytes_in"] + i, s["bytes_out"] + o
-        return out
-
-    @property
-    def gathered(self) -> int:
-        """Bytes this rank received from other ranks in all-gathers (the unit minus its own shard)."""
-        return sum(o - i for op, _, i, o in self.calls if op == "all_gather")
-
-
-_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-
-
-def _kind(name: str) -> str:
-    n = name.replace("_", "")
-    return next((k for k, w in [("all_gather", "allgather"), ("reduce_scatter", "reducescatter"),
-                                ("all_reduce", "allreduce"), ("broadcast", "broadcast")] if w in n), name)
 
 
 def storage_bytes(tensors) -> int:
@@ -168,4 +111,4 @@ def _measured(r, baseline):
     r["peak"], r["end"] = peak, cur
 
 
-__all__ = ["CommLog", "storage_bytes", "state_bytes", "profiled_peak"]
+__all__ = ["storage_bytes", "state_bytes", "profiled_peak"]

@@ -153,15 +153,6 @@ def unique(params) -> list[torch.Tensor]:
     return out
 
 
-def make_batch(seed: int, n: int, d_in: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g)
-
-
-def _state_tensors(opt) -> list[torch.Tensor]:
-    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-
-
 # --- ZeRO-2 around a model: the shard this rank owns of one flat buffer --------------------------------
 
 class Zero2:
