@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..runtime.launch import rank_device
 from ..memory import make_batch
-from .instruments import _quiet_stderr
+from ..runtime.alloc_reference import quiet_fd2
 from .knobs import MODEL, build, make_model
 
 COMPUTE = ("aten::mm", "aten::addmm", "aten::gelu", "aten::gelu_backward")
@@ -94,7 +94,7 @@ def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
     cuda = rank_device().type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     dist.barrier()
-    with _quiet_stderr(), profile(activities=acts) as prof:
+    with quiet_fd2(), profile(activities=acts) as prof:
         step()
         if cuda:
             torch.cuda.synchronize()
