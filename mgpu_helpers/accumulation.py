@@ -34,13 +34,6 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([(g.full_tensor() if hasattr(g, "full_tensor") else g).flatten().cpu() for g in grads])
 
 
-def _grads_of(widths, seed, x, y):
-    """Single-process reference: gradients of the mean loss over (x, y), and that loss."""
-    model = mlp(widths, seed=seed)
-    (loss := F.cross_entropy(model(x), y)).backward()
-    return flat_grads(model), loss.item()
-
-
 # --- counting collectives ----------------------------------------------------------------------------
 
 class AllReduceCount:

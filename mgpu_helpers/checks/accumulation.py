@@ -6,11 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..accumulation import AllReduceCount, _grads_of, flat_grads
+from ..accumulation import AllReduceCount, flat_grads
 from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device
 from .base import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
                    expect_equal, expect_type, plain, run_learner_ranks)
+
+
+def _grads_of(widths, seed, x, y):
+    """Single-process reference: gradients of the mean loss over (x, y), and that loss."""
+    model = mlp(widths, seed=seed)
+    (loss := F.cross_entropy(model(x), y)).backward()
+    return flat_grads(model), loss.item()
 
 
 def _model_case(rng, k: int, m: int) -> dict:

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from ..memory import make_batch
 from ..runtime.comm_log import CommLog
-from ..sharding.zero import Zero2, _ceil_div, all_gather_flat, linears, make_model, unique
+from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, make_model, unique
 from .base import REGISTRY, expect, expect_close, expect_equal, expect_type, run_learner_ranks
 from .remember import RemembersVerdict
 
@@ -371,7 +371,7 @@ class ReduceScatterCheck(RemembersVerdict):
 
     def judge(self, case, result):
         world, n = case["world_size"], case["n"]
-        L = _ceil_div(n, world)
+        L = ceil_div(n, world)
         grads, final = _baseline_82(case)
         pad = lambda g: F.pad(g, (0, L * world - n))  # noqa: E731
         expect(isinstance(result, list) and len(result) == world, "expected one result per rank")

@@ -13,7 +13,7 @@ import gc
 
 import torch
 
-from ..runtime.alloc_reference import AllocationReference
+from ..runtime.alloc_reference import AllocationReference, quiet_fd2
 from ..runtime.launch import rank_device
 
 
@@ -58,7 +58,7 @@ def profiled_peak(baseline: int = 0):
             r["peak"] = baseline + torch.cuda.max_memory_allocated() - at
             r["end"] = baseline + torch.cuda.memory_allocated() - at
             return
-        with AllocationReference() as ref:
+        with quiet_fd2(), AllocationReference() as ref:  # C++ warns on fd 2 inside the window too
             yield r
     finally:
         if enabled:

@@ -52,12 +52,6 @@ def quiet_fd2():
         os.close(saved)
 
 
-def _walk(events):
-    for e in events:
-        yield e
-        yield from _walk(e.children)
-
-
 class AllocationReference:
     """Live bytes of the CPU allocator from entry on, as the profiler's ``[memory]`` events record them.
 
@@ -81,14 +75,12 @@ class AllocationReference:
     def __exit__(self, *exc):
         with quiet_fd2():
             self._prof.__exit__(*exc)
-        allocs = []
-        for e in _walk(self._prof.profiler.kineto_results.experimental_event_tree()):
-            f = e.extra_fields
-            if type(f).__name__ == "_ExtraFields_Allocation":
-                if f.device.type == "cpu":
-                    allocs.append((e.start_time_ns, f.alloc_size))
-            else:
-                self.ranges.setdefault(e.name, []).append((e.start_time_ns, e.end_time_ns))
+        events = list(self._prof.profiler.kineto_results.events())
+        allocs = [(e.start_ns(), e.nbytes()) for e in events
+                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        for e in events:
+            if e.name() != "[memory]":
+                self.ranges.setdefault(e.name(), []).append((e.start_ns(), e.end_ns()))
         for spans in self.ranges.values():
             spans.sort()
         live = 0

@@ -27,7 +27,7 @@ PRECISIONS = {  # precision: (parameter bytes, gradient bytes, bytes per optimiz
 STATES_PER_PARAM = {"sgd": 0, "momentum": 1, "adam": 2}  # plain SGD keeps no state; momentum one buffer
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -74,7 +74,7 @@ def model_state_bytes(n_params: int, *, zero_stage: int = 0, world_size: int = 1
         raise ValueError(f"unknown optimizer {optimizer!r}: use one of {sorted(STATES_PER_PARAM)}")
     p_bytes, g_bytes, s_bytes, master = PRECISIONS[precision]
     k = master + STATES_PER_PARAM[optimizer] * s_bytes
-    shard = _ceil_div(n_params, world_size)  # elements per rank once a category is sharded
+    shard = ceil_div(n_params, world_size)  # elements per rank once a category is sharded
     out = {"parameters": p_bytes * (shard if zero_stage >= 3 else n_params),
            "gradients": g_bytes * (shard if zero_stage >= 2 else n_params),
            "optimizer": k * (shard if zero_stage >= 1 else n_params)}
@@ -109,7 +109,7 @@ def comm_bytes_per_step(n_params: int, *, zero_stage: int, world_size: int, para
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     n, peers = world_size, world_size - 1
-    shard = _ceil_div(n_params, n)
+    shard = ceil_div(n_params, n)
     rs, ag = peers * shard * grad_bytes, peers * shard * param_bytes   # one reduce-scatter, one all-gather
     out = {"all-reduce": 0, "reduce-scatter": 0, "all-gather": 0, "broadcast": 0}
     if zero_stage <= 1:
@@ -166,7 +166,7 @@ class Zero2:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.params = [p for p in unique(model.parameters()) if p.requires_grad]
         n = sum(p.numel() for p in self.params)
-        self.shard_len = _ceil_div(n, self.world)
+        self.shard_len = ceil_div(n, self.world)
         self.flat = torch.zeros(self.shard_len * self.world, device=self.params[0].device)
         off = 0
         for p in self.params:  # the parameters now live in the flat buffer (no second copy)
