@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from ..memory import make_batch
+from ..memory import make_batch, mlp
 from ..runtime.comm_log import CommLog
-from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, make_model, unique
+from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, unique
 from .base import REGISTRY, expect, expect_close, expect_equal, expect_type, run_learner_ranks
 from .remember import RemembersVerdict
 
@@ -69,7 +69,7 @@ def _dedupe(groups):
 
 
 def _baseline(case, dedupe=True, **variant):
-    model = make_model(case["widths"], case["seed"], tie=case["tie"], freeze=case["freeze"])
+    model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
     cls = OPTIMIZERS[case["optimizer"]]
 
     class Plain(cls):  # the unsharded optimizer, given the same (deduplicated) groups
@@ -98,7 +98,7 @@ def _all_states(opt):
 def _rank_81(rank, world, cls, case):
     if case["kind"] == "bad input":
         return _bad_input(cls)
-    model = make_model(case["widths"], case["seed"], tie=case["tie"], freeze=case["freeze"])
+    model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
     params = unique(model.parameters())
     first = [p.detach().clone() for p in params]
     try:
@@ -176,7 +176,7 @@ class ShardedOptimizerCheck(RemembersVerdict):
         if case["kind"] == "bad input":
             return self._judge_bad(result[0])
         world, (base1, base) = case["world_size"], _baseline(case)
-        model = make_model(case["widths"], case["seed"], tie=case["tie"], freeze=case["freeze"])
+        model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
         trainable = [i for i, p in enumerate(unique(model.parameters())) if p.requires_grad]
         tied = {i for i, p in enumerate(unique(model.parameters())) if case["tie"] and
                 p is linears(model)[case["tie"][0]].weight}
@@ -299,7 +299,7 @@ def _same_sizes():
 
 
 def _rank_82(rank, world, fn, case):
-    model = make_model(case["widths"], case["seed"], freeze=case["freeze"])
+    model = mlp(case["widths"], seed=case["seed"], freeze=case["freeze"])
     x, y = (t.tensor_split(world)[rank] for t in _batch82(case, world))
     zero = Zero2(model, OPTIMIZERS[case["optimizer"]], fn, **case["kwargs"])
     out = {"shards": [], "grads_left": [], "counts": [], "local": []}
@@ -332,7 +332,7 @@ def _batch82(case, world):
 
 def _baseline_82(case):
     """One process, the whole global batch: each step's flat gradient, and the parameters at the end."""
-    model = make_model(case["widths"], case["seed"], freeze=case["freeze"])
+    model = mlp(case["widths"], seed=case["seed"], freeze=case["freeze"])
     params = [p for p in model.parameters() if p.requires_grad]
     opt = OPTIMIZERS[case["optimizer"]](params, **case["kwargs"])
     x, y = _batch82(case, case["world_size"])

@@ -32,14 +32,14 @@ Run as a script (every knob on 2 ranks, one table per rank)::
 """
 from .init import SavedBytes, init_weights, meta_init, meta_init_values, saved_for_backward
 from ..runtime.comm_log import CommLog
-from .instruments import profiled_peak, state_bytes, storage_bytes
+from .instruments import profiled_peak, state_bytes
 from .knobs import (KNOBS, MODEL, PHASES, Block, Net, accumulation, blocks, budgets, build, forget_cached_meshes, knob_grid, knob_sweep,
                     make_model, measure, shard, sweep)
 from .plan import plan_knobs
 from .timeline import COMPUTE, overlap, summarize, trace
 from .timeline import plot as plot_timeline
 
-__all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes",
+__all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog",
            "state_bytes", "profiled_peak", "build", "measure", "accumulation", "sweep", "knob_grid", "knob_sweep", "budgets", "KNOBS", "PHASES",
            "meta_init", "meta_init_values", "init_weights", "SavedBytes", "saved_for_backward", "plan_knobs", "trace", "summarize",
            "overlap", "plot_timeline", "COMPUTE"]

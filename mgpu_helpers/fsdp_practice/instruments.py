@@ -13,25 +13,16 @@ import gc
 
 import torch
 
+from ..memory import nbytes
 from ..runtime.alloc_reference import AllocationReference, quiet_fd2
 from ..runtime.launch import rank_device
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors: this rank's local shard)."""
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 def state_bytes(model, opt=None) -> dict[str, int]:
     """This rank's parameters, gradients and optimizer state, by the tensors themselves."""
     ps = list(model.parameters())
-    return {"parameters": storage_bytes(ps), "gradients": storage_bytes(p.grad for p in ps),
-            "optimizer_state": storage_bytes(v for s in (opt.state.values() if opt else []) for v in s.values())}
+    return {"parameters": nbytes(ps), "gradients": nbytes(p.grad for p in ps),
+            "optimizer_state": nbytes(v for s in (opt.state.values() if opt else []) for v in s.values())}
 
 
 @contextlib.contextmanager
@@ -76,4 +67,4 @@ def profiled_peak(baseline: int = 0):
                     r["compute"][name[3:-3]] = max(r["compute"].get(name[3:-3], 0), baseline + max(at_mm))
 
 
-__all__ = ["storage_bytes", "state_bytes", "profiled_peak"]
+__all__ = ["state_bytes", "profiled_peak"]

@@ -14,12 +14,12 @@ FSDP2 and matplotlib (3 s), and the planner (``mgpu-plan``) needs only ``model_s
 """
 from ..runtime.fake_world import fake_world  # noqa: F401  (the lesson runs its ranks in it)
 from .zero import (PRECISIONS, STATES_PER_PARAM, Zero2, all_gather_flat, comm_bytes_per_step, linears,
-                   make_model, model_state_bytes, reduce_scatter_flat, unique)
+                   model_state_bytes, reduce_scatter_flat, unique)
 
 _FSDP = ("STAGE", "MODEL_STATE", "build", "measure", "sweep", "trains_like_one_process", "formula",
          "plot_per_rank", "plot_peaks")
 
-__all__ = ["PRECISIONS", "STATES_PER_PARAM", "Zero2", "all_gather_flat", "comm_bytes_per_step", "linears", "make_model",
+__all__ = ["PRECISIONS", "STATES_PER_PARAM", "Zero2", "all_gather_flat", "comm_bytes_per_step", "linears",
            "model_state_bytes", "reduce_scatter_flat", "unique", "fake_world", *_FSDP]
 
 

@@ -22,11 +22,11 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..runtime.fake_world import fake_world
-from ..memory import make_batch
+from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device
 from ..runtime.plots import COLORS, LABELS, unit_for
 from ..runtime.tracker import MemoryTracker
-from .zero import Zero2, all_gather_flat, linears, make_model, model_state_bytes
+from .zero import Zero2, all_gather_flat, linears, model_state_bytes
 
 STAGE = {"DDP (DistributedDataParallel)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
          "FSDP2 per block + root": 3, "FSDP2 root only": 3}
@@ -58,7 +58,7 @@ def _ddp(model):
 def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
     """(model, optimizer to track, step function) for ``method`` on this rank (a key of ``STAGE``)."""
     dev = rank_device()
-    model = make_model(widths, seed).to(dev)
+    model = mlp(widths, seed=seed).to(dev)
     if method.startswith("FSDP2"):
         mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
         if "per block" in method:
@@ -106,7 +106,7 @@ def _measure(rank, world_size, method, widths, per_rank, seed, reduce_scatter_fn
         mt.mark("end")
     state, at_peak = mt.breakdown(), mt.peak_breakdown()
     at_peak["other"] += buckets
-    return {"n_params": sum(p.numel() for p in make_model(widths, seed).parameters()),
+    return {"n_params": sum(p.numel() for p in mlp(widths, seed=seed).parameters()),
             "state": {**{c: state[c] for c in MODEL_STATE[:3]}, "buckets": buckets},
             "peak": mt.peak_bytes + buckets, "peak_breakdown": at_peak,
             "naive_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
@@ -117,7 +117,7 @@ def trains_like_one_process(rank, world_size, method, widths, steps=3, per_rank=
     """Max |difference| between this rank's parameters after ``steps`` steps of ``method`` (each rank on its
     share of the batch) and one process training the same model with Adam on the whole batch."""
     model, _, step = build(method, widths, seed, lr=1e-2, reduce_scatter_fn=reduce_scatter_fn)
-    ref = make_model(widths, seed)
+    ref = mlp(widths, seed=seed)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=True)
     x, y = make_batch(per_rank * world_size, widths[0], widths[-1], seed + 1)
     xs, ys = (t.tensor_split(world_size)[rank].to(rank_device()) for t in (x, y))

@@ -126,19 +126,6 @@ def comm_bytes_per_step(n_params: int, *, zero_stage: int, world_size: int, para
 
 # --- models and parameters ----------------------------------------------------------------------------
 
-def make_model(widths: list[int], seed: int = 0, tie: tuple[int, int] | None = None,
-               freeze: tuple[int, ...] = ()) -> nn.Sequential:
-    """Linear → ReLU → … → Linear from ``seed``. ``tie=(i, j)``: Linear j's weight *is* Linear i's (one
-    tensor reached from two modules; their shapes must agree). ``freeze``: Linears whose weight is frozen."""
-    torch.manual_seed(seed)
-    lins = [nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])]
-    if tie is not None:
-        lins[tie[1]].weight = lins[tie[0]].weight
-    for i in freeze:
-        lins[i].weight.requires_grad_(False)
-    return nn.Sequential(*[m for i, lin in enumerate(lins) for m in ([nn.ReLU()] if i else []) + [lin]])
-
-
 def linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
