@@ -1,5 +1,5 @@
-"""Each check of notebook 12 passes the solution, fails the stub, and names each planted mistake. The mistakes
-are issue 28's: for 12.1 a policy that misses either budget, no or too much forward prefetch, the root left
+"""Each check of notebook 12 passes the solution, fails the stub, and names each planted mistake. The mistakes:
+for 12.1 a policy that misses either budget, no or too much forward prefetch, the root left
 unsharded; for 12.2 the optimizer not saved, its state keyed by position (``optimizer.state_dict()``), nothing loaded, ``dcp.load`` without ``set_state_dict`` (the lr a
 scheduler set is lost), each rank's shards written with ``torch.save``, the whole model gathered to rank 0 and
 written with ``torch.save``, a full state dict written with DCP, and only rank 0 saving.

@@ -11,8 +11,8 @@ memory and communication for one steady training step are measured:
 
 Memory is counted two ways in the same step. :class:`~mgpu_helpers.runtime.tracker.MemoryTracker` gives the split
 by category but learns a storage only when it is made, so it misses the unsharded parameters FSDP2 frees
-with ``resize_(0)`` and re-grows every step (issue 18). ``torch.profiler`` with ``profile_memory=True``
-sees every allocation of the CPU allocator (FACTS.md: matched the tracker and the planner to 8 bytes), so
+with ``resize_(0)`` and re-grows every step. ``torch.profiler`` with ``profile_memory=True``
+sees every allocation of the CPU allocator (measured: it matched the tracker and the planner to 8 bytes where both see everything), so
 the **peak** is the profiler's; the gap between the two is reported as its own row, never hidden. On a GPU
 the peak is ``torch.cuda.max_memory_allocated`` (the same semantics). Collectives are counted at the
 dispatcher (:class:`~mgpu_helpers.runtime.comm_log.CommLog`): op, dtype, bytes in and out, on every rank.

@@ -1,4 +1,4 @@
-"""Decide every check outside the learner's kernel (DESIGN.md §5, last paragraph).
+"""Decide every check outside the learner's kernel: a verdict computed inside it can always be subverted there.
 
 A judge is a separate, long-lived process (``python -m mgpu_helpers.tools.grading.judge CONFIG``) that never
 runs learner code. Before any notebook is executed it imports the course's check modules and the hidden
