@@ -173,8 +173,3 @@ class Zero2:
 def all_gather_flat(out: torch.Tensor, shard: torch.Tensor) -> None:
     """``all_gather_single`` (torch >= 2.13; its older name ``all_gather_into_tensor`` now warns)."""
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, shard)
-
-
-def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor) -> None:
-    """``reduce_scatter_single`` (torch >= 2.13; ``reduce_scatter_tensor`` before, which now warns). SUM."""
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, full)
