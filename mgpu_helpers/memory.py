@@ -1,7 +1,7 @@
 """Notebook 01 -- where training memory goes.
 
 Parameters, gradients, optimizer state and activations, counted two ways: by formula (what the
-learner writes in exercises 1.1 and 1.2) and by measurement (:class:`MemoryTracker`, which has the
+learner writes in exercises 1.1 and 1.2) and by measurement (:class:`~mgpu_helpers.runtime.tracker.MemoryTracker`, which has the
 semantics of ``torch.cuda.memory_allocated`` on any device).
 
 Precisions used throughout the course (the ZeRO paper's accounting, Rajbhandari et al. 2020):
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-from .runtime.tracker import CATEGORIES, MemoryTracker  # noqa: F401  (re-exported for the notebooks)
 
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
