@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from .execute import die_with_grader
+from .execute import die_with_parent
 
 RESULT_CAP = 64 * 2**20
 
@@ -100,7 +100,7 @@ class Judge:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.grading.judge", json.dumps(self.config)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                         stderr=open(self.log, "a"), preexec_fn=die_with_grader())
+                                         stderr=open(self.log, "a"), preexec_fn=die_with_parent())
             self.ready = False
         return self
 
