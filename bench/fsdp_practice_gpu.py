@@ -30,7 +30,7 @@ def main():
     from mgpu_helpers.fsdp_practice import knob_grid, measure
     from mgpu_helpers.fsdp_practice.timeline import summarize, trace
     from mgpu_helpers.runtime.launch import run_ranks
-    from mgpu_helpers.sharding.fsdp import fake_world
+    from mgpu_helpers.runtime.fake_world import fake_world
 
     knobs = knob_grid(world) + [{"precision": "mp_policy"}, {"precision": "autocast"}, {"offload": True},
                                 {"optimizer": "fused"}, {"save_on_cpu": True}]

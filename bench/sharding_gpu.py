@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from mgpu_helpers.runtime.launch import rank_device, run_ranks  # noqa: E402
-from mgpu_helpers.sharding import make_batch  # noqa: E402
+from mgpu_helpers.memory import make_batch  # noqa: E402
 from mgpu_helpers.sharding.fsdp import STAGE, build, formula  # noqa: E402
 from mgpu_helpers.checks.references.sharding import reference_reduce_scatter  # noqa: E402
 from mgpu_helpers.runtime.tracker import MemoryTracker  # noqa: E402
@@ -34,7 +34,7 @@ def one_rank(rank, world_size):
         out["device"] += f" ({torch.cuda.get_device_name(dev)})"
     for method in STAGE:
         model, opt, step = build(method, WIDTHS, reduce_scatter_fn=reference_reduce_scatter)
-        x, y = (t.to(dev) for t in make_batch(1, PER_RANK, WIDTHS[0], WIDTHS[-1]))
+        x, y = make_batch(PER_RANK, WIDTHS[0], WIDTHS[-1], 1, device=dev)
 
         def train_step():
             model.zero_grad(set_to_none=True)

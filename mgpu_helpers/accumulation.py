@@ -1,7 +1,7 @@
 """Notebook 05 -- gradient accumulation: k micro-batches give one big batch's gradients, and the
 gradient all-reduce (DDP) or reduce-scatter (FSDP2) can wait for the last micro-step.
 
-Counting collectives: ``AllReduceCount`` (DDP comm hook) and ``CollectiveCounter`` (c10d ops, e.g. FSDP2's).
+Counting collectives: ``AllReduceCount`` (DDP comm hook) and ``runtime.comm_log.CommLog`` (c10d ops, e.g. FSDP2's).
 ``no_sync_context(model)`` skips gradient sync for DDP and FSDP2 and refuses anything else;
 ``peak_vs_effective_batch`` measures memory. The checks of 5.1 and 5.2 are in ``checks.accumulation``.
 
@@ -21,7 +21,6 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from .memory import mlp
 from .runtime.tracker import MemoryTracker
@@ -29,22 +28,10 @@ from .runtime.tracker import MemoryTracker
 
 # --- data and gradients ------------------------------------------------------------------------------
 
-def make_batch(seed: int, n: int, d_in: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)  # its own generator: the global RNG stays untouched
-    return torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g)
-
-
 def flat_grads(model: nn.Module) -> torch.Tensor:
     """Every parameter's gradient in one CPU vector (full tensors for FSDP2's DTensors; zeros where None)."""
     grads = (torch.zeros_like(p) if p.grad is None else p.grad.detach() for p in model.parameters())
     return torch.cat([(g.full_tensor() if hasattr(g, "full_tensor") else g).flatten().cpu() for g in grads])
-
-
-def _grads_of(widths, seed, x, y):
-    """Single-process reference: gradients of the mean loss over (x, y), and that loss."""
-    model = mlp(widths, seed=seed)
-    (loss := F.cross_entropy(model(x), y)).backward()
-    return flat_grads(model), loss.item()
 
 
 # --- counting collectives ----------------------------------------------------------------------------
@@ -68,29 +55,6 @@ class AllReduceCount:
             fut.set_result(buf)
             return fut
         return default_hooks.allreduce_hook(state.group, bucket)  # what DDP does without a hook
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter() as c:`` counts c10d collectives by name in ``c.counts``. Those called from
-    Python (FSDP2's reduce-scatters and all-gathers, ``dist.*``) pass the dispatcher as ``c10d`` ops, where
-    a dispatch mode sees them; DDP's built-in all-reduce does not (use ``AllReduceCount``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(is_traceable_wrapper_subclass_type(t) for t in types):
-            return NotImplemented  # let DTensor unwrap; its collectives come back here on plain tensors
-        if func.namespace == "c10d":
-            self.counts[func._opname] = self.counts.get(func._opname, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-    def _sum(self, word: str) -> int:  # c10d names vary: reduce_scatter_, _reduce_scatter_base_, ...
-        return sum(n for name, n in self.counts.items() if word in name.replace("_", ""))
-
-    reduce_scatters = property(lambda self: self._sum("reducescatter"))
-    all_gathers = property(lambda self: self._sum("allgather"))
 
 
 # --- skipping the sync: DDP and FSDP2 ----------------------------------------------------------------

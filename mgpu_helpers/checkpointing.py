@@ -75,7 +75,7 @@ def segments(layers: int, k: int) -> list[tuple[int, int]]:
     return [(i, min(i + k, layers)) for i in range(0, layers, k)]
 
 
-def _run(blocks, x):
+def run_blocks(blocks, x):
     for block in blocks:
         x = block(x)
     return x
@@ -98,7 +98,7 @@ def per_block(blocks, x, k=None, context_fn=None):
 
 
 def no_checkpointing(blocks, x, k=None):
-    return _run(blocks, x)
+    return run_blocks(blocks, x)
 
 
 class OpLog(TorchDispatchMode):

@@ -1,7 +1,7 @@
 """Notebook 01 -- where training memory goes.
 
 Parameters, gradients, optimizer state and activations, counted two ways: by formula (what the
-learner writes in exercises 1.1 and 1.2) and by measurement (:class:`MemoryTracker`, which has the
+learner writes in exercises 1.1 and 1.2) and by measurement (:class:`~mgpu_helpers.runtime.tracker.MemoryTracker`, which has the
 semantics of ``torch.cuda.memory_allocated`` on any device).
 
 Precisions used throughout the course (the ZeRO paper's accounting, Rajbhandari et al. 2020):
@@ -26,21 +26,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .runtime.tracker import CATEGORIES, MemoryTracker  # noqa: F401  (re-exported for the notebooks)
+from .runtime.launch import rank_device
 
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Sequential:
-    """Linear → ReLU → … → Linear with the given layer widths (no ReLU after the last Linear)."""
+def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0, tie: tuple[int, int] | None = None,
+        freeze: tuple[int, ...] = (), device=None) -> nn.Sequential:
+    """Linear → ReLU → … → Linear with the given layer widths (no ReLU after the last Linear), from ``seed``,
+    on ``device`` (default ``rank_device()``: in a rank its GPU under NCCL, else the CPU; drawn on the CPU
+    first, so the weights are the same everywhere). ``tie=(i, j)``: Linear j's weight *is* Linear i's (one
+    tensor reached from two modules; their shapes must agree). ``freeze``: Linears whose weight is frozen."""
     torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-        layers.append(nn.Linear(a, b))
-        if i < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers).to(dtype)
+    lins = [nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])]
+    if tie is not None:
+        lins[tie[1]].weight = lins[tie[0]].weight
+    for i in freeze:
+        lins[i].weight.requires_grad_(False)
+    model = nn.Sequential(*[m for i, lin in enumerate(lins) for m in ([nn.ReLU()] if i else []) + [lin]])
+    return model.to(device or rank_device(), dtype)
+
+
+def make_batch(n: int, d_in: int, classes: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` inputs and class labels from ``seed``, drawn on the CPU by a generator of their own (the global
+    RNG stays untouched; the values are the same on every device), then moved to ``device`` (default
+    ``rank_device()``, as ``mlp``)."""
+    g, device = torch.Generator().manual_seed(seed), device or rank_device()
+    return torch.randn(n, d_in, generator=g).to(device), torch.randint(0, classes, (n,), generator=g).to(device)
 
 
 def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
@@ -55,9 +68,11 @@ def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer
 
 
 def nbytes(tensors) -> int:
-    """Bytes of distinct storages among ``tensors`` (views of one storage count once)."""
+    """Bytes of distinct storages among ``tensors`` (views of one storage count once; a DTensor: this rank's
+    local shard)."""
     seen, total = set(), 0
     for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             total += t.untyped_storage().nbytes()

@@ -207,7 +207,7 @@ def top_memory_ops(prof, k: int = 6) -> list[tuple[str, int]]:
 
 # --- exercise 2.1's scenario (its check runs it, its reference measures it) --------------------------------
 
-def _inputs(case):
+def scenario_inputs(case):
     model = mlp(case["widths"], seed=case["seed"])
     g = torch.Generator().manual_seed(case["seed"])
     x = torch.randn(case["batch"], case["widths"][0], generator=g)
@@ -218,7 +218,7 @@ def _inputs(case):
 def scenario(case: dict):
     """A tracker that already holds a baseline and an earlier, larger peak, and one training-like step to
     measure: ``with scenario(case) as (step, tracker): ...``."""
-    model, (x, y) = _inputs(case)
+    model, (x, y) = scenario_inputs(case)
 
     def step():
         F.cross_entropy(model(x), y).backward()  # the gradients stay allocated after the step

@@ -16,24 +16,24 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_helpers.checks.accumulation import check_5_1, check_5_2
 from mgpu_helpers.checks.references.accumulation import accumulate
-from mgpu_helpers.accumulation import (AllReduceCount, CollectiveCounter,
-                                       flat_grads, make_batch, no_sync_context, peak_vs_effective_batch)
+from mgpu_helpers.accumulation import AllReduceCount, flat_grads, no_sync_context, peak_vs_effective_batch
+from mgpu_helpers.memory import make_batch, mlp
+from mgpu_helpers.runtime.comm_log import CommLog
 from mgpu_helpers.runtime.launch import run_ranks
-from mgpu_helpers.memory import mlp
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTHS, K, PER_RANK = [12, 24, 24, 5], 4, 8
 
 
 def _big_batch_grads(world):
-    x, y = make_batch(3, PER_RANK * world, WIDTHS[0], WIDTHS[-1])
+    x, y = make_batch(PER_RANK * world, WIDTHS[0], WIDTHS[-1], 3)
     model = mlp(WIDTHS, seed=1)
     F.cross_entropy(model(x), y).backward()
     return flat_grads(model)
 
 
 def _shard(rank, world):
-    return (t.tensor_split(world)[rank] for t in make_batch(3, PER_RANK * world, WIDTHS[0], WIDTHS[-1]))
+    return (t.tensor_split(world)[rank] for t in make_batch(PER_RANK * world, WIDTHS[0], WIDTHS[-1], 3))
 
 
 def ddp_only_no_sync(model):  # the trap of the notebook: silently a no-op without no_sync
@@ -41,7 +41,7 @@ def ddp_only_no_sync(model):  # the trap of the notebook: silently a no-op witho
 
 
 def test_accumulate_equals_one_big_batch():
-    x, y = make_batch(0, 24, WIDTHS[0], WIDTHS[-1])
+    x, y = make_batch(24, WIDTHS[0], WIDTHS[-1], 0)
     big, acc = mlp(WIDTHS, seed=1), mlp(WIDTHS, seed=1)
     loss = F.cross_entropy(big(x), y)
     loss.backward()
@@ -72,7 +72,7 @@ def _ddp_counts(rank, world):
         else:
             accumulate(ddp, F.cross_entropy, x, y, K, skip=skip)
         out[name] = (count.calls, flat_grads(ddp.module))
-    with CollectiveCounter() as c:  # collectives called from Python are seen by the dispatch mode
+    with CommLog() as c:  # collectives called from Python are seen by the dispatch mode
         dist.all_reduce(torch.ones(3))
     out["python all_reduce"] = c.counts
     return out
@@ -88,7 +88,7 @@ def test_ddp_no_sync_counts_one_sync_and_matches_the_big_batch():
         assert r["no_sync_context"][0] == one and r["ddp_only_no_sync"][0] == one  # DDP: both work
         for name in ("none", "no_sync_context", "ddp_only_no_sync"):
             torch.testing.assert_close(r[name][1], ref, rtol=1e-4, atol=1e-6)
-        assert r["python all_reduce"] == {"allreduce_": 1}
+        assert r["python all_reduce"] == {"all_reduce": 1}
 
 
 def _param_groups(state):
@@ -110,7 +110,7 @@ def _fsdp_counts(rank, world):
     out = {}
     for name, skip in [("none", None), ("ddp_only_no_sync", ddp_only_no_sync), ("no_sync_context", no_sync_context)]:
         model.zero_grad(set_to_none=True)
-        with CollectiveCounter() as c:
+        with CommLog() as c:
             accumulate(model, F.cross_entropy, x, y, K, skip=skip)
         out[name] = (c.reduce_scatters, c.all_gathers, flat_grads(model))
     out["sync restored"] = all(g.reduce_grads for m in model.modules() if hasattr(m, "_get_fsdp_state")

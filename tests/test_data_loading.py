@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 from testkit import run_torchrun
 from mgpu_helpers.data_loading import SlowDataset, epoch_seconds, in_flight, pin_memory_on_this_machine, worker_memory
 from mgpu_helpers.checks.data_loading import check_10_1
-from mgpu_helpers.checks.references.data_loading import _variant, sampler_shard
+from mgpu_helpers.checks.references.data_loading import sampler_variant, sampler_shard
 
 
 def test_workers_are_other_processes_and_persistent_ones_stay():
@@ -31,7 +31,7 @@ def test_pin_memory_without_accelerator_warns():
 @pytest.mark.parametrize("n,world,drop", [(10, 4, False), (10, 4, True), (2, 5, False), (7, 1, True), (12, 3, True)])
 def test_reference_variant_equals_the_sampler(n, world, drop):
     for shuffle in (False, True):
-        assert _variant(n, world, shuffle, 3, 2, drop) == [sampler_shard(n, world, r, shuffle, 3, 2, drop)
+        assert sampler_variant(n, world, shuffle, 3, 2, drop) == [sampler_shard(n, world, r, shuffle, 3, 2, drop)
                                                            for r in range(world)]
 
 

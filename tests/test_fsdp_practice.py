@@ -14,7 +14,7 @@ from mgpu_helpers import fsdp_practice as fp
 from mgpu_helpers.fsdp_practice.init import meta_init
 from mgpu_helpers.fsdp_practice.timeline import overlap, summarize, trace
 from mgpu_helpers.runtime.launch import run_ranks
-from mgpu_helpers.sharding.fsdp import fake_world
+from mgpu_helpers.runtime.fake_world import fake_world
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"d": 32, "blocks": 3, "d_in": 8, "classes": 4}
@@ -100,7 +100,7 @@ def test_meta_init_never_holds_the_whole_model():
 
 def test_meta_init_on_gloo_equals_one_process_and_dtensor_rng_repeats_shards():
     """DTensor's RNG supports CUDA-like devices only: on a CPU mesh each rank draws the same local values
-    (FACTS.md). init_weights draws what one process draws and keeps each rank's shard."""
+    (measured). init_weights draws what one process draws and keeps each rank's shard."""
     ours, dtensor = zip(*run_ranks(lambda r, w: (fp.meta_init_values(r, w, SMALL, seed=3),
                                                  fp.meta_init_values(r, w, SMALL, seed=3, dtensor_rng=True)), 2))
     assert all(o == {"equal_to_one_process": True, "shards_repeat": False} for o in ours)
@@ -140,7 +140,7 @@ def test_traces_show_collectives_and_prefetch_order():
 
 
 def test_the_lessons_own_shard_is_refused_as_an_answer_to_12_1():
-    """Grading integrity (issue 20): 12.1's answer is a call of fully_shard; ``fsdp_practice.shard`` makes the
+    """Grading integrity: 12.1's answer is a call of fully_shard; ``fsdp_practice.shard`` makes the
     same call, so an answer that delegates to it is refused, not measured."""
     from mgpu_helpers.checks.fsdp_practice import check_12_1
 

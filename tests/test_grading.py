@@ -1,7 +1,8 @@
 """The instructor grader `mgpu-grade` on a generated class of the fixture course (tests/grading_fixtures).
 
 One grading run (module fixture) covers: a perfect student, the untouched release, partial work, a named
-mistake, a hidden-check failure, a missing notebook, and one student per tamper vector of DESIGN.md §5.
+mistake, a hidden-check failure, a missing notebook, and one student per tamper vector (edited check cells, skip tags,
+stored outputs, monkeypatched checks, exits, loops, floods, malformed JSON, ...).
 Every tamper student solves 90.2 and tampers around 90.1: 90.1 (and its hidden check) must score 0 and
 90.2 full marks. The fixture notebook is stored as *.ipynb.json so that `pytest --nbval` does not collect it.
 """

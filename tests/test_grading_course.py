@@ -9,7 +9,7 @@ One class run (module fixture, ``--jobs 2``) shared by every assertion, three st
   exercise only, the mistake named in the student's feedback.md, and every other exercise full marks.
 
 The fixture course (tests/test_grading.py) proves the grader's mechanics and its tamper vectors; this proves
-the course's own check cells and judges under the sandbox that hides ``checks/references/`` (issue 26: the
+the course's own check cells and judges under the sandbox that hides ``checks/references/`` (the
 course's solutions once scored 36/52 here while every study-mode test passed).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NB = "05_gradient_accumulation.ipynb"
 pytestmark = pytest.mark.slow
 
-DELEGATE_5_1 = '''from mgpu_helpers.accumulation import flat_grads, make_batch
+DELEGATE_5_1 = '''from mgpu_helpers.accumulation import flat_grads
 
 
 def accumulate_gradients(model, loss_fn, inputs, targets, k):

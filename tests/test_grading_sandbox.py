@@ -1,4 +1,4 @@
-"""The grader's sandbox seen from inside a graded exercise cell (issue 11).
+"""The grader's sandbox seen from inside a graded exercise cell.
 
 A probe student's exercise 90.1 walks the whole file system and lists the processes it can see; its 90.2
 forks sleeping children until the sandbox refuses (a bounded loop, never a real bomb). Both report through

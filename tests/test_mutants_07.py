@@ -1,10 +1,10 @@
-"""Check 7.1 passes the solution, fails the stub, and names planted mistakes (EVERY_SEED under every one of
-20 seeds: they must not depend on the draw)."""
+"""Check 7.1 passes the solution, fails the stub, and names planted mistakes (EVERY_SEED under every seed of
+``sweep_seeds()``: they must not depend on the draw)."""
 from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.tools.authoring import mutant_fails_every_seed, mutant_verdict
+from mgpu_helpers.tools.authoring import mutant_fails_every_seed, mutant_verdict, sweep_seeds
 import mgpu_helpers.checks.checkpointing  # noqa: F401  (registers 7.1)
 from testkit import solution_passes_stub_fails
 
@@ -71,7 +71,7 @@ def test_both_loop_variables_read_is_named_as_what_went_wrong():
     """A closure over start and x: with several segments the wrong blocks re-run; with k = L (one segment)
     only x is wrong. Under every seed the message names one of the two, never something else."""
     edits = [(CALL, "x = checkpoint(lambda: run_segment(blocks[start:start + k], x), use_reentrant=False)")]
-    for seed in range(20):
+    for seed in sweep_seeds():
         ok, msg = mutant_verdict(NB, "7.1", FN, edits, seed=seed)
         assert not ok and ("the recomputation ran the wrong blocks" in msg
                            or "the segment's input was not passed to checkpoint" in msg), msg

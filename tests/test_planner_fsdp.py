@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 import mgpu_helpers.planner.trace as planner_trace
 from mgpu_helpers.planner import plan
-from mgpu_helpers.planner.fsdp import fake_group, rank_groups, shard_rows
+from mgpu_helpers.planner.fsdp import rank_groups, shard_rows
 from mgpu_helpers.planner.models import decoder, lm_loss, tied_frozen, token_batch
 
 TINY = dict(model_fn=decoder("tiny"), batch=token_batch(4, 32, 512), loss_fn=lm_loss)
@@ -74,8 +74,7 @@ def test_inside_a_process_group_it_says_so():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with pytest.raises(RuntimeError, match="call plan\\(\\) outside an initialised process group"):
-            with fake_group(2, 0):
-                pass
+            fsdp_plan(world_size=2)
     finally:
         dist.destroy_process_group()
 

@@ -67,16 +67,18 @@ import torch.distributed as dist  # noqa: E402
 
 from testkit import run_torchrun  # noqa: E402
 from mgpu_helpers.runtime.launch import run_ranks  # noqa: E402
-from mgpu_helpers.sharding import linears, make_model, unique  # noqa: E402
+from mgpu_helpers.memory import mlp  # noqa: E402
+from mgpu_helpers.sharding import linears, unique  # noqa: E402
 from mgpu_helpers.checks.sharding import check_8_2  # noqa: E402
-from mgpu_helpers.sharding.fsdp import fake_world, formula, measure, sweep, trains_like_one_process  # noqa: E402
+from mgpu_helpers.runtime.fake_world import fake_world  # noqa: E402
+from mgpu_helpers.sharding.fsdp import formula, measure, sweep, trains_like_one_process  # noqa: E402
 from mgpu_helpers.checks.references.sharding import reference_reduce_scatter  # noqa: E402
 
 WIDTHS = [16, 64, 64, 64, 10]
 
 
 def test_make_model_ties_and_freezes():
-    m = make_model([4, 5, 5, 5, 3], tie=(1, 2), freeze=(0,))
+    m = mlp([4, 5, 5, 5, 3], tie=(1, 2), freeze=(0,))
     lins = linears(m)
     assert lins[1].weight is lins[2].weight and not lins[0].weight.requires_grad
     assert len(unique([p for lin in lins for p in lin.parameters()])) == len(list(m.parameters())) == 7
@@ -143,12 +145,12 @@ def test_ddp_holds_a_bucketed_copy_of_the_gradients():
 
 
 def _comm_received(rank, world, method):
-    from mgpu_helpers.fsdp_practice import CommLog
-    from mgpu_helpers.sharding import make_batch
+    from mgpu_helpers.runtime.comm_log import CommLog
+    from mgpu_helpers.memory import make_batch
     from mgpu_helpers.sharding.fsdp import build
     import torch.nn.functional as F
     model, _, step = build(method, WIDTHS, reduce_scatter_fn=reference_reduce_scatter)
-    x, y = make_batch(1, 8, WIDTHS[0], WIDTHS[-1])
+    x, y = make_batch(8, WIDTHS[0], WIDTHS[-1], 1)
     with CommLog() as comm:
         F.cross_entropy(model(x), y).backward()
         step()
@@ -163,13 +165,13 @@ def test_comm_bytes_per_step_against_fsdp2_and_zero2(world):
     Zero2's flat buffer; for FSDP2 within its per-parameter padding, less the root's second all-gather (the
     root is not resharded after forward)."""
     from mgpu_helpers.sharding import comm_bytes_per_step
-    n = sum(p.numel() for p in make_model(WIDTHS).parameters())
+    n = sum(p.numel() for p in mlp(WIDTHS).parameters())
     with fake_world(world):
         zero2 = _comm_received(0, world, "ZeRO-2 (Zero2)")
         fsdp = _comm_received(0, world, "FSDP2 per block + root")
     want2, want3 = (comm_bytes_per_step(n, zero_stage=s, world_size=world) for s in (2, 3))
     assert zero2 == {"all_gather": want2["all-gather"], "reduce_scatter": want2["reduce-scatter"]}, zero2
-    root = sum(p.numel() * 4 for p in linears(make_model(WIDTHS))[-1].parameters()) * (world - 1) // world
+    root = sum(p.numel() * 4 for p in linears(mlp(WIDTHS))[-1].parameters()) * (world - 1) // world
     assert abs(fsdp["all_gather"] - (want3["all-gather"] - root)) <= 64 * world * 8, fsdp  # padding: < a row each
     assert abs(fsdp["reduce_scatter"] - want3["reduce-scatter"]) <= 64 * world * 8, fsdp
     big = [comm_bytes_per_step(10**9, zero_stage=s, world_size=8)["total"] for s in range(4)]

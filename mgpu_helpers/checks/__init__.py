@@ -4,7 +4,6 @@ check_4_1``). ``references/`` holds what a judge compares against when PyTorch i
 imported only inside ``judge`` (never by a notebook or a lesson module) and the grading sandbox does not
 mount it, so no learner's code can reach it while it is graded."""
 from .base import *  # noqa: F401,F403  the machinery, for `from mgpu_helpers.checks import Check`
-from .base import REGISTRY, _matches, describe_value, plain, one_thread  # noqa: F401  (names * skips)
 
 
 def load_checks(module: str) -> None:

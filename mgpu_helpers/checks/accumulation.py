@@ -6,11 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..accumulation import AllReduceCount, _grads_of, flat_grads, make_batch
-from ..memory import mlp
+from ..accumulation import AllReduceCount, flat_grads
+from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device
 from .base import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
                    expect_equal, expect_type, plain, run_learner_ranks)
+
+
+def _grads_of(widths, seed, x, y):
+    """Single-process reference: gradients of the mean loss over (x, y), and that loss."""
+    model = mlp(widths, seed=seed)
+    (loss := F.cross_entropy(model(x), y)).backward()
+    return flat_grads(model), loss.item()
 
 
 def _model_case(rng, k: int, m: int) -> dict:
@@ -19,7 +26,7 @@ def _model_case(rng, k: int, m: int) -> dict:
 
 
 def _data(case, world=1):
-    x, y = make_batch(case["seed"] + 1, world * case["k"] * case["micro"], case["widths"][0], case["widths"][-1])
+    x, y = make_batch(world * case["k"] * case["micro"], case["widths"][0], case["widths"][-1], case["seed"] + 1)
     if case.get("pad"):  # padding: targets -100, which F.cross_entropy ignores; a different count per micro-batch
         g, m = torch.Generator().manual_seed(case["seed"] + 2), case["micro"]
         for j, pads in enumerate(torch.randperm(m, generator=g)[:case["k"]].tolist()):  # 0..m-1, all different

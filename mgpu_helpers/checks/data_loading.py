@@ -32,10 +32,10 @@ class ShardIndices(Check):
         got = [[int(i) for i in r] if isinstance(r, (list, tuple)) else r for r in result]
         for r in got:
             expect_type(r, list, self.function, "a list of ints (the indices of one rank)")
-        from .references.data_loading import _variant, sampler_shard
+        from .references.data_loading import sampler_variant, sampler_shard
         want = [sampler_shard(c["n"], c["world_size"], r, c["shuffle"], c["seed"], c["epoch"], c["drop_last"])
                 for r in range(c["world_size"])]
-        v = lambda **kw: _variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], c["drop_last"], **kw)
+        v = lambda **kw: sampler_variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], c["drop_last"], **kw)
         mistakes = {"contiguous blocks per rank: DistributedSampler deals indices out round-robin "
                     "(rank, rank + world_size, ...)": v(strided=False)}
         if not c["drop_last"]:
@@ -46,13 +46,13 @@ class ShardIndices(Check):
         if c["shuffle"]:
             mistakes["shuffled with the seed alone: set_epoch forgotten, the same order every epoch"] = v(use_epoch=False)
         if c["drop_last"] and c["n"] % c["world_size"]:
-            mistakes["drop_last ignored: padded instead of dropping the tail"] = _variant(
+            mistakes["drop_last ignored: padded instead of dropping the tail"] = sampler_variant(
                 c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], False)
             # neither padded nor dropped (order[rank::world_size]): named here too, so that the diagnosis
             # does not depend on whether a drop_last case happens to be the first one that fails
             mistakes["no padding (and no dropping): ranks get different numbers of samples, so they run "
                      "different numbers of steps and the last collective hangs; with drop_last=True drop the "
-                     "tail instead"] = _variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], False,
+                     "tail instead"] = sampler_variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], False,
                                                 pad=False)
         expect_equal(got, want, "the indices of every rank (rank 0 first)",
                      mistakes={k: m for k, m in mistakes.items() if m != want},

@@ -18,7 +18,7 @@ import functools
 import inspect
 import types
 
-from ..runtime.exercises import _codes  # a function's code objects, nested ones too
+from ..runtime.exercises import code_objects  # a function's code objects, nested ones too
 
 PACKAGE = __name__.split(".")[0]        # mgpu_helpers
 
@@ -82,7 +82,7 @@ def course_code_used(obj, may_use=(), _seen=None) -> str | None:
         return None
     values = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
     values += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
-    for code in _codes(obj.__code__):
+    for code in code_objects(obj.__code__):
         for name in code.co_names:
             module = _course_module(name, may_use)   # `import mgpu_helpers.x` / `from mgpu_helpers.x import y`
             if module:

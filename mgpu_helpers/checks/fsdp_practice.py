@@ -15,9 +15,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 
 from .base import REGISTRY, Check, expect, expect_close, run_learner_ranks
-from ..fsdp_practice import MODEL, CommLog, blocks, budgets, knob_sweep, make_model, measure, shard
+from ..fsdp_practice import MODEL, blocks, budgets, knob_sweep, make_model, measure, shard
 from ..runtime.launch import rank_device
-from ..sharding import fake_world, make_batch
+from ..runtime.fake_world import fake_world
+from ..memory import make_batch
+from ..runtime.comm_log import CommLog
 
 
 def _rank_12_1(rank, world, fn, case):
@@ -45,7 +47,7 @@ class ShardForBudgetCheck(Check):
                 f"bytes per rank and {case['comm_budget']:,} bytes all-gathered per rank per step")
 
     def run(self, fn, case):
-        # Every rank of 4, each in turn in this process under torch's fake process group (``sharding.fake_world``:
+        # Every rank of 4, each in turn in this process under torch's fake process group (``runtime.fake_world``:
         # the allocations are real, the collectives move no data): the bytes are exact and the same on every
         # run. On real gloo ranks a rank's profiled peak moved by up to one unsharded unit between runs on a
         # busy machine (gloo's worker threads free their buffers on their own schedule): 2,550,228 bytes
@@ -120,7 +122,7 @@ DTYPE = torch.float64
 
 
 def _batch(case, step):
-    return make_batch(case["seed"] + 100 + step, ROWS, MODEL_12_2["d_in"], MODEL_12_2["classes"])
+    return make_batch(ROWS, MODEL_12_2["d_in"], MODEL_12_2["classes"], case["seed"] + 100 + step)
 
 
 def _sharded(seed, reorder=False):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..memory import make_optimizer
-from ..profiling import _inputs, scenario
+from ..profiling import scenario_inputs, scenario
 from .base import REGISTRY, Check, expect, expect_equal, expect_type, plain
 
 
@@ -62,7 +62,7 @@ class PeakPhase(Check):
         return out
 
     def run(self, fn, case):
-        model, batch = _inputs(case)
+        model, batch = scenario_inputs(case)
         return plain(fn(model, make_optimizer(case["optimizer"], model.parameters()), batch))
 
     def judge(self, case, result):

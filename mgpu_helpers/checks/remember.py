@@ -2,11 +2,12 @@
 
 Cells after an exercise ask whether the learner's function passed, to use it or to fall back to torch's own
 machinery. Running the check again there repeats its work -- and, for a function that hangs, its timeout
-(issue 21: 71 s in notebook 08). The check cell has just judged that very function object, so the answer is
+(71 s in notebook 08 for one that hangs). The check cell has just judged that very function object, so the answer is
 remembered: ``check.passed(fn)`` returns the verdict of the last ``check(fn)`` when ``fn`` is the same
 object (re-running the exercise cell makes a new one), else runs the check quietly.
 
-Only the kernel's display uses this; grading decides outside the kernel (DESIGN.md §5).
+Only the kernel's display uses this; grading decides outside the kernel, where the learner's code cannot
+reach the verdict (``tools.grading.judge``).
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from ..accumulation import CollectiveCounter
-from ..sharding.zero import Zero2, _ceil_div, all_gather_flat, linears, make_batch, make_model, unique
+from ..memory import make_batch, mlp
+from ..runtime.comm_log import CommLog
+from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, unique
 from .base import REGISTRY, expect, expect_close, expect_equal, expect_type, run_learner_ranks
 from .remember import RemembersVerdict
 
@@ -42,7 +43,7 @@ def _train(case, make_opt, model, hparams=True, schedule=True, grad_scale=1.0):
     opt = make_opt(groups)
     if case["add_group"]:
         opt.add_param_group(_extra_group(model, case) if hparams else {"params": _extra_group(model, case)["params"]})
-    x, y = make_batch(case["seed"] + 1, case["batch"], case["widths"][0], case["widths"][-1])
+    x, y = make_batch(case["batch"], case["widths"][0], case["widths"][-1], case["seed"] + 1)
     opt.after_first = None
     for step in range(case["steps"]):
         opt.zero_grad(set_to_none=True)
@@ -68,7 +69,7 @@ def _dedupe(groups):
 
 
 def _baseline(case, dedupe=True, **variant):
-    model = make_model(case["widths"], case["seed"], tie=case["tie"], freeze=case["freeze"])
+    model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
     cls = OPTIMIZERS[case["optimizer"]]
 
     class Plain(cls):  # the unsharded optimizer, given the same (deduplicated) groups
@@ -97,7 +98,7 @@ def _all_states(opt):
 def _rank_81(rank, world, cls, case):
     if case["kind"] == "bad input":
         return _bad_input(cls)
-    model = make_model(case["widths"], case["seed"], tie=case["tie"], freeze=case["freeze"])
+    model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
     params = unique(model.parameters())
     first = [p.detach().clone() for p in params]
     try:
@@ -175,7 +176,7 @@ class ShardedOptimizerCheck(RemembersVerdict):
         if case["kind"] == "bad input":
             return self._judge_bad(result[0])
         world, (base1, base) = case["world_size"], _baseline(case)
-        model = make_model(case["widths"], case["seed"], tie=case["tie"], freeze=case["freeze"])
+        model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
         trainable = [i for i, p in enumerate(unique(model.parameters())) if p.requires_grad]
         tied = {i for i, p in enumerate(unique(model.parameters())) if case["tie"] and
                 p is linears(model)[case["tie"][0]].weight}
@@ -301,7 +302,7 @@ def _same_sizes():
 
 
 def _rank_82(rank, world, fn, case):
-    model = make_model(case["widths"], case["seed"], freeze=case["freeze"])
+    model = mlp(case["widths"], seed=case["seed"], freeze=case["freeze"])
     x, y = (t.tensor_split(world)[rank] for t in _batch82(case, world))
     zero = Zero2(model, OPTIMIZERS[case["optimizer"]], fn, **case["kwargs"])
     out = {"shards": [], "grads_left": [], "counts": [], "local": []}
@@ -309,7 +310,7 @@ def _rank_82(rank, world, fn, case):
         F.cross_entropy(model(x), y).backward()
         local = torch.cat([p.grad.flatten() for p in zero.params])
         try:
-            with CollectiveCounter() as count, _same_sizes():
+            with CommLog() as count, _same_sizes():
                 shard = fn(zero.params)
         except _ShardSizes as e:
             return {"sizes": str(e)}
@@ -329,12 +330,12 @@ def _rank_82(rank, world, fn, case):
 
 
 def _batch82(case, world):
-    return make_batch(case["seed"] + 1, world * case["per_rank"], case["widths"][0], case["widths"][-1])
+    return make_batch(world * case["per_rank"], case["widths"][0], case["widths"][-1], case["seed"] + 1)
 
 
 def _baseline_82(case):
     """One process, the whole global batch: each step's flat gradient, and the parameters at the end."""
-    model = make_model(case["widths"], case["seed"], freeze=case["freeze"])
+    model = mlp(case["widths"], seed=case["seed"], freeze=case["freeze"])
     params = [p for p in model.parameters() if p.requires_grad]
     opt = OPTIMIZERS[case["optimizer"]](params, **case["kwargs"])
     x, y = _batch82(case, case["world_size"])
@@ -373,7 +374,7 @@ class ReduceScatterCheck(RemembersVerdict):
 
     def judge(self, case, result):
         world, n = case["world_size"], case["n"]
-        L = _ceil_div(n, world)
+        L = ceil_div(n, world)
         grads, final = _baseline_82(case)
         pad = lambda g: F.pad(g, (0, L * world - n))  # noqa: E731
         expect(isinstance(result, list) and len(result) == world, "expected one result per rank")
@@ -401,12 +402,10 @@ class ReduceScatterCheck(RemembersVerdict):
                              "gradient, so nothing was saved (set each p.grad to None)": n},
                              hint="After the call a rank holds only its shard.")
                 counts = res["counts"][step]
-                rs = sum(v for k, v in counts.items() if "reducescatter" in k.replace("_", ""))
-                ar = sum(v for k, v in counts.items() if "allreduce" in k.replace("_", ""))
+                rs, ar, ag = (counts.get(op, 0) for op in ("reduce_scatter", "all_reduce", "all_gather"))
                 expect(world == 1 or not ar or rs, f"rank {r}: all_reduce of the whole gradient, then a slice: "
                        "right values, but every rank received all of it; reduce-scatter sends each rank "
                        f"only its 1/N (collectives seen: {counts})")
-                ag = sum(v for k, v in counts.items() if "allgather" in k.replace("_", ""))
                 expect(world == 1 or not ag, f"rank {r}: all_gather of every rank's whole gradient, then a sum: "
                        f"right values, but each rank received (and held) {world} full gradients; reduce-scatter "
                        f"sends each rank only the sum of its 1/N (collectives seen: {counts})")

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .knobs import MODEL, Net, make_model, profiled_peak, shard, storage_bytes
+from ..memory import nbytes
+from .instruments import profiled_peak
+from .knobs import MODEL, Net, make_model, shard
 from ..runtime.launch import rank_device
 
 
@@ -68,12 +70,12 @@ def meta_init(rank, world_size, model_kw=None):
     with profiled_peak() as meta:
         with torch.device("meta"):
             model = Net(**mkw)
-        on_meta = storage_bytes(p for p in model.parameters() if p.device.type != "meta")
+        on_meta = nbytes(p for p in model.parameters() if p.device.type != "meta")
         shard(model)
         model.to_empty(device=rank_device())
         init_weights(model)
     full = sum(p.numel() * p.element_size() for p in make_model(**mkw, device="meta").parameters())
-    return {"whole_model": full, "shard": storage_bytes(model.parameters()), "on_meta": on_meta,
+    return {"whole_model": full, "shard": nbytes(model.parameters()), "on_meta": on_meta,
             "built_then_sharded": whole["peak"], "meta_then_sharded": meta["peak"],
             "finite": all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())}
 

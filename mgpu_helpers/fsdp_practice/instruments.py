@@ -1,11 +1,10 @@
 """Notebook 12 -- the measuring instruments: each rank's live bytes from ``torch.profiler`` (every allocation
-of the CPU allocator; on CUDA the allocator's own counters) and each collective from the dispatcher.
+of the CPU allocator; on CUDA the allocator's own counters) and its state by the tensors themselves.
 
 ``profiled_peak`` has ``memory_allocated`` semantics: bytes alive at entry (given) plus every allocation and
 free inside, in time order, with the peak per ``record_function("## phase ##")`` range. It sees what a
 tracker that learns storages when they are made misses: FSDP2's unsharded parameters, freed with
-``resize_(0)`` after use and re-grown at the next all-gather (issue 18; FACTS.md: the profiler matched the
-tracker and the planner to 8 bytes where both see everything).
+``resize_(0)`` after use and re-grown at the next all-gather.
 """
 from __future__ import annotations
 
@@ -13,109 +12,26 @@ import contextlib
 import gc
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
-from torch.utils._pytree import tree_leaves
 
+from ..memory import nbytes
+from ..runtime.alloc_reference import AllocationReference, quiet_fd2
 from ..runtime.launch import rank_device
-
-
-class CommLog(TorchDispatchMode):
-    """``with CommLog() as c:`` records each c10d collective this rank makes: ``c.calls`` holds
-    ``(op, dtype, bytes in, bytes out)``. FSDP2's all-gathers and reduce-scatters are called from Python
-    and pass the dispatcher as ``c10d`` ops (``_allgather_base_``: in = this rank's shard, out = the whole
-    unit; ``_reduce_scatter_base_``: in = the whole gradient, out = this rank's shard).
-
-    ``c.order`` is the issue order on this thread: ``G`` for an all-gather, ``m`` for a matrix multiply
-    (``aten::mm`` / ``addmm``). It is what explicit prefetch changes (``G m m G m m`` -> ``G G m m G m m``),
-    the same on every run and every machine, where the time each takes is not."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[str, str, int, int]] = []
-        self.order = ""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(is_traceable_wrapper_subclass_type(t) for t in types):
-            return NotImplemented  # let DTensor unwrap; its collectives come back here on plain tensors
-        # c10d: what FSDP2 and DDP call; _c10d_functional: DTensor's (full_tensor(), redistribute)
-        if func.namespace in ("c10d", "_c10d_functional") and not func._opname.startswith(("barrier", "monitored",
-                                                                                             "wait")):
-            ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            nb = [t.numel() * t.element_size() for t in ts]
-            # (output, input) for _allgather_base_ and _reduce_scatter_base_; in place for all-reduce
-            out, inp = (nb[0], nb[1]) if len(nb) > 1 else (sum(nb), sum(nb))
-            self.calls.append((_kind(func._opname), str(ts[0].dtype).replace("torch.", "") if ts else "-",
-                               inp, out))
-            self.order += "G" if self.calls[-1][0] == "all_gather" else ""
-        elif func in _MATMULS:
-            self.order += "m"
-        return func(*args, **(kwargs or {}))
-
-    def summary(self) -> dict[str, dict]:
-        """``{"all_gather bfloat16": {"calls", "bytes_in", "bytes_out"}, ...}``."""
-        out: dict[str, dict] = {}
-        for op, dtype, i, o in self.calls:
-            s = out.setdefault(f"{op} {dtype}", {"calls": 0, "bytes_in": 0, "bytes_out": 0})
-            s["calls"], s["bytes_in"], s["bytes_out"] = s["calls"] + 1, s["bytes_in"] + i, s["bytes_out"] + o
-        return out
-
-    @property
-    def gathered(self) -> int:
-        """Bytes this rank received from other ranks in all-gathers (the unit minus its own shard)."""
-        return sum(o - i for op, _, i, o in self.calls if op == "all_gather")
-
-
-_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-
-
-def _kind(name: str) -> str:
-    n = name.replace("_", "")
-    return next((k for k, w in [("all_gather", "allgather"), ("reduce_scatter", "reducescatter"),
-                                ("all_reduce", "allreduce"), ("broadcast", "broadcast")] if w in n), name)
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors: this rank's local shard)."""
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 def state_bytes(model, opt=None) -> dict[str, int]:
     """This rank's parameters, gradients and optimizer state, by the tensors themselves."""
     ps = list(model.parameters())
-    return {"parameters": storage_bytes(ps), "gradients": storage_bytes(p.grad for p in ps),
-            "optimizer_state": storage_bytes(v for s in (opt.state.values() if opt else []) for v in s.values())}
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Some builds' profiler writes ``USDT: ... profiler_start`` / ``profiler_stop`` and a once-per-process
-    "Memory block of unknown size was allocated before the profiling started" from C++ straight to file
-    descriptor 2 (no Python warning to filter), which nbval would compare. Silence fd 2 while profiling."""
-    import os
-    import sys
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
+    return {"parameters": nbytes(ps), "gradients": nbytes(p.grad for p in ps),
+            "optimizer_state": nbytes(v for s in (opt.state.values() if opt else []) for v in s.values())}
 
 
 @contextlib.contextmanager
 def profiled_peak(baseline: int = 0):
     """``with profiled_peak(b) as r: ...`` then ``r["peak"]``, ``r["end"]``: live bytes as
     ``memory_allocated`` would say, counting ``baseline`` bytes alive at entry plus every allocation and
-    free inside (the profiler's ``[memory]`` events in time order; on CUDA the allocator itself), and
-    ``r["phases"]``: the peak inside each ``record_function("## name ##")`` range, ``r["compute"]``: per
-    phase, the most held when a matrix multiply starts (CPU only)."""
+    free inside (on the CPU :class:`~mgpu_helpers.runtime.alloc_reference.AllocationReference`; on CUDA the
+    allocator itself), and ``r["phases"]``: the peak inside each ``record_function("## name ##")`` range,
+    ``r["compute"]``: per phase, the most held when a matrix multiply starts (CPU only)."""
     r = {"peak": baseline, "end": baseline, "phases": {}, "compute": {}}
     # Collect earlier garbage now (FSDP2 modules sit in reference cycles): freed inside the window, a
     # tensor the profiler saw allocated in an earlier window would count as a free, at gc's whim. And no
@@ -124,48 +40,31 @@ def profiled_peak(baseline: int = 0):
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with _measured(r, baseline):
+        if rank_device().type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            at = torch.cuda.memory_allocated()
+            yield r
+            torch.cuda.synchronize()
+            r["peak"] = baseline + torch.cuda.max_memory_allocated() - at
+            r["end"] = baseline + torch.cuda.memory_allocated() - at
+            return
+        with quiet_fd2(), AllocationReference() as ref:  # C++ warns on fd 2 inside the window too
             yield r
     finally:
         if enabled:
             gc.enable()
-
-
-@contextlib.contextmanager
-def _measured(r, baseline):
-    dev = rank_device()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        at = torch.cuda.memory_allocated()
-        yield r
-        torch.cuda.synchronize()
-        r["peak"] = baseline + torch.cuda.max_memory_allocated() - at
-        r["end"] = baseline + torch.cuda.memory_allocated() - at
-        return
-    from torch.profiler import ProfilerActivity, profile
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        yield r
-    events = list(prof.profiler.kineto_results.events())
-    ev = sorted((e.start_ns(), e.nbytes()) for e in events
-                if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    spans = [(e.name()[3:-3], e.start_ns(), e.end_ns()) for e in events if e.name().startswith("## ")]
+    r["peak"], r["end"] = baseline + ref.peak_bytes, baseline + ref.final_bytes
     # the live total when each matrix multiply starts: what is held *while computing*, as opposed to the
     # transient peak of an all-gather's copy-out (which needs the gather buffer and the unit at once)
-    mms = sorted(e.start_ns() for e in events if e.name() in ("aten::addmm", "aten::mm"))
-    cur, peak, i = baseline, baseline, 0
-    for t, n in ev:
-        while i < len(mms) and mms[i] < t:
-            for name, a, b in spans:
-                if a <= mms[i] <= b:
-                    r["compute"][name] = max(r["compute"].get(name, 0), cur)
-            i += 1
-        cur += n
-        peak = max(peak, cur)
-        for name, a, b in spans:  # a phase's peak: the highest live total inside its record_function
-            if a <= t <= b:
-                r["phases"][name] = max(r["phases"].get(name, 0), cur)
-    r["peak"], r["end"] = peak, cur
+    mms = [a for op in ("aten::addmm", "aten::mm") for a, _ in ref.ranges.get(op, [])]
+    for name, spans in ref.ranges.items():
+        if name.startswith("## "):
+            for a, b in spans:
+                if inside := ref.events_in(a, b):
+                    r["phases"][name[3:-3]] = max(r["phases"].get(name[3:-3], 0), baseline + max(inside))
+                if at_mm := [ref.live_at(t, inclusive=True) for t in mms if a <= t <= b]:
+                    r["compute"][name[3:-3]] = max(r["compute"].get(name[3:-3], 0), baseline + max(at_mm))
 
 
-__all__ = ["CommLog", "storage_bytes", "state_bytes", "profiled_peak"]
+__all__ = ["state_bytes", "profiled_peak"]

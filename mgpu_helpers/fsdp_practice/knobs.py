@@ -14,11 +14,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.nn import functional as F
 from torch.profiler import record_function
 
+from ..memory import make_batch
+from ..runtime.fake_world import fake_world
 from ..runtime.launch import rank_device
 from ..runtime.tracker import MemoryTracker
-from ..sharding.fsdp import fake_world
-from ..sharding.zero import make_batch
-from .instruments import CommLog, profiled_peak, state_bytes, storage_bytes
+from ..runtime.comm_log import CommLog
+from .instruments import profiled_peak, state_bytes
 
 MODEL = {"d": 128, "blocks": 4, "d_in": 32, "classes": 10}  # the notebook's model: 4 units of 131,712 bytes
 STATE = ("parameters", "gradients", "optimizer_state")
@@ -132,7 +133,7 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
         model._set_unshard_async_op(True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, **{k["optimizer"]: True})
     world, rank = dist.get_world_size(), dist.get_rank()
-    x, y = make_batch(seed + 1, k["rows"] * world, mkw["d_in"], mkw["classes"])
+    x, y = make_batch(k["rows"] * world, mkw["d_in"], mkw["classes"], seed + 1)
     x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
     cast = torch.autocast(rank_device().type, torch.bfloat16) if k["precision"] == "autocast" \
         else contextlib.nullcontext()
@@ -191,7 +192,7 @@ def accumulation(rank, world_size, micro_batches=4, sync_each=True, rows=8, seed
     ``to_accumulated_grad_if_needed``). ``{"peak"`` (the profiler's, the whole step), ``"gathered"``,
     ``"reduced"`` (bytes this rank sent into reduce-scatters), ``"per_micro"`` ({op: calls} per micro-batch)}."""
     model, opt, _ = build({}, seed=seed)
-    x, y = make_batch(seed + 1, rows * micro_batches * world_size, MODEL["d_in"], MODEL["classes"])
+    x, y = make_batch(rows * micro_batches * world_size, MODEL["d_in"], MODEL["classes"], seed + 1)
     x, y = x.tensor_split(world_size)[rank].to(rank_device()), y.tensor_split(world_size)[rank].to(rank_device())
     per_micro = []
 
@@ -266,5 +267,4 @@ def _demo(rank, world_size):
     return "\n".join(lines)
 
 
-__all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "CommLog", "storage_bytes", "state_bytes",
-           "profiled_peak", "build", "measure", "accumulation", "sweep", "knob_grid", "knob_sweep", "budgets", "KNOBS", "PHASES"]
+__all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "build", "measure", "accumulation", "sweep", "knob_grid", "knob_sweep", "budgets", "KNOBS", "PHASES"]

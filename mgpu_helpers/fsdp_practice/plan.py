@@ -13,7 +13,7 @@ import functools
 
 from torch.nn import functional as F
 
-from ..sharding.zero import make_batch
+from ..memory import make_batch
 from .knobs import MODEL, Net
 
 PRECISION = {"fp32": "fp32", "mp_policy": "fsdp-mixed", "autocast": "bf16-autocast"}
@@ -29,7 +29,7 @@ def plan_knobs(world_size: int, knobs: dict, model_kw=None):
         raise ValueError(f"knobs {knobs}: the planner plans reshard_after_forward (True, False, an int), "
                          "prefetch, precision, offload")
     mkw = {**MODEL, **(model_kw or {})}
-    batch = make_batch(1, k["rows"], mkw["d_in"], mkw["classes"])  # only shapes and dtypes are used
+    batch = make_batch(k["rows"], mkw["d_in"], mkw["classes"], 1)  # only shapes and dtypes are used
     return plan(functools.partial(Net, **mkw), batch, loss_fn=F.cross_entropy, optimizer="adam",
                 precision=PRECISION[k["precision"]], zero_stage=3, world_size=world_size, device="cpu",
                 reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"] or 1,

@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..runtime.launch import rank_device
-from ..sharding.zero import make_batch
-from .instruments import _quiet_stderr
+from ..memory import make_batch
+from ..runtime.alloc_reference import quiet_fd2
 from .knobs import MODEL, build, make_model
 
 COMPUTE = ("aten::mm", "aten::addmm", "aten::gelu", "aten::gelu_backward")
@@ -66,7 +66,7 @@ def _ddp_step(model_kw=None, rows=8, bucket_cap_mb=0.25):
                 device_ids=[rank_device().index] if rank_device().type == "cuda" else None)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
     world, rank = dist.get_world_size(), dist.get_rank()
-    x, y = make_batch(1, rows * world, mkw["d_in"], mkw["classes"])
+    x, y = make_batch(rows * world, mkw["d_in"], mkw["classes"], 1)
     x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
 
     def step():
@@ -94,7 +94,7 @@ def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
     cuda = rank_device().type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     dist.barrier()
-    with _quiet_stderr(), profile(activities=acts) as prof:
+    with quiet_fd2(), profile(activities=acts) as prof:
         step()
         if cuda:
             torch.cuda.synchronize()

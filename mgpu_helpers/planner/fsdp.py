@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .accounting import FakeTracker
@@ -124,20 +123,6 @@ class FSDPFakeTracker(FakeTracker):
                 if st._cdata not in self._recs:
                     self._add(st, "parameters")
         return self
-
-
-@contextlib.contextmanager
-def fake_group(world_size: int, rank: int):
-    """A fake default process group of ``world_size`` (this process is ``rank``), torn down after."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    if dist.is_initialized():
-        raise RuntimeError("plan(zero_stage=3) runs FSDP2 in a fake process group of its own; call plan() "
-                           "outside an initialised process group (e.g. in the notebook, not inside ranks)")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def shard_rows(sizes, world_size, rank):

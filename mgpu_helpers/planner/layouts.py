@@ -56,7 +56,7 @@ OPTIONS = dict(gradient_as_bucket_view=False, fsdp_units="blocks", reshard_after
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_args(zero_stage, world_size, precision, options):
+def check_args(zero_stage, world_size, precision, options):
     """plan()'s arguments, every one checked before anything is traced: one clear error naming the argument."""
     if zero_stage not in ZERO_STAGES or isinstance(zero_stage, bool):
         raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
@@ -100,7 +100,7 @@ def _check_args(zero_stage, world_size, precision, options):
     return o
 
 
-def _check_trace_args(kw):
+def check_trace_args(kw):
     from .trace import OPTIMIZERS
     if kw["optimizer"] not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kw['optimizer']!r}")
@@ -125,7 +125,7 @@ def zero_partition(numels, world_size):
     return ranks
 
 
-def _bytes(sizes, n, block):
+def padded_bytes(sizes, n, block):
     return sum(-(-(-(-numel // n) * e) // block) * block for numel, e in sizes)
 
 
@@ -153,12 +153,12 @@ def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=F
         t, state_sizes = trace.timeline.to(torch.float64).clone(), trace.state_sizes
     n, block, s = world_size, trace.round_to, zero_stage if world_size > 1 else -1
     grads = [(numel, trace.grad_bytes_per_elem) for numel, _ in trace.param_sizes]
-    full = {"p": _bytes(trace.param_sizes, 1, block), "g": _bytes(grads, 1, block), "o": _bytes(state_sizes, 1, block)}
+    full = {"p": padded_bytes(trace.param_sizes, 1, block), "g": padded_bytes(grads, 1, block), "o": padded_bytes(state_sizes, 1, block)}
     state = {"parameters": full["p"], "gradients": full["g"], "optimizer": full["o"]}
     in_step = torch.tensor([ph == "step" for ph in trace.phases])
     bwd = torch.tensor([ph.startswith("backward") for ph in trace.phases])
     if s in (0, 1):  # DDP's buckets: a flat copy of every gradient, from construction on
-        buckets = _bytes([(sum(g for g, _ in grads), trace.grad_bytes_per_elem)], 1, block)
+        buckets = padded_bytes([(sum(g for g, _ in grads), trace.grad_bytes_per_elem)], 1, block)
         if gradient_as_bucket_view:  # the gradients live in the buckets: all of them, all step. Each new
             # gradient autograd makes lives beside its bucket view until added into it and freed; counted
             # until the next one is made (an upper bound: the trace does not mark the add)
@@ -174,13 +174,13 @@ def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=F
     if s == 1:  # ZeroRedundancyOptimizer: this rank's whole parameters' state, and its step
         mine = zero_partition([numel for numel, _ in trace.param_sizes], n)[rank]
         per_param = trace.param_state_sizes if layout != "zero-mixed" else [[sz] for sz in state_sizes]
-        own = sum(_bytes(per_param[i], 1, block) for i in mine)
-        own_p = _bytes([trace.param_sizes[i] for i in mine], 1, block)
+        own = sum(padded_bytes(per_param[i], 1, block) for i in mine)
+        own_p = padded_bytes([trace.param_sizes[i] for i in mine], 1, block)
         t[:, _O] -= full["o"] - own
         t[in_step, _X] *= own_p / full["p"] if full["p"] else 1.0
         state["optimizer"] = own
     if s == 2:  # the course's ZeRO-2: state and gradients in equal flat shards
-        part = {"g": _bytes(grads, n, block), "o": _bytes(state_sizes, n, block), "p": _bytes(trace.param_sizes, n, block)}
+        part = {"g": padded_bytes(grads, n, block), "o": padded_bytes(state_sizes, n, block), "p": padded_bytes(trace.param_sizes, n, block)}
         t[:, _O] *= part["o"] / full["o"] if full["o"] else 1.0
         t[in_step, _X] *= part["p"] / full["p"] if full["p"] else 1.0
         g, r = t[:, _G].clone(), part["g"] / full["g"] if full["g"] else 1.0

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.tracker import CATEGORIES, MemoryTracker
-from .layouts import LAYOUTS, METHOD, _bytes, _check_args, _check_trace_args, rank_timeline
+from .layouts import LAYOUTS, METHOD, padded_bytes, check_args, check_trace_args, rank_timeline
 from .trace import Trace, apply_checkpointing, make_optimizer, trace_step, train_step, warm_up
 
 # --- plans -----------------------------------------------------------------------------------------
@@ -113,9 +113,9 @@ def _fsdp_plan(trace_kw, world_size, options, config, layout):
     for ranks in rank_groups(trace_kw["model_fn"], world_size, fsdp["fsdp_units"], fsdp["reshard_after_forward"]):
         tr = trace_step(**trace_kw, fsdp=dict(fsdp, world_size=world_size, rank=ranks[0]))
         block = tr.round_to
-        state = {"parameters": _bytes(tr.param_sizes, 1, block),
-                 "gradients": _bytes([(n, tr.grad_bytes_per_elem) for n, _ in tr.param_sizes], 1, block),
-                 "optimizer": _bytes(tr.state_sizes, 1, block)}
+        state = {"parameters": padded_bytes(tr.param_sizes, 1, block),
+                 "gradients": padded_bytes([(n, tr.grad_bytes_per_elem) for n, _ in tr.param_sizes], 1, block),
+                 "optimizer": padded_bytes(tr.state_sizes, 1, block)}
         state["total"] = sum(state.values())
         p = _from_timeline(tr.timeline.to(torch.float64), tr.phases, state, config, tr.n_params, layout,
                            f"{METHOD[3]} ({'per block + root' if fsdp['fsdp_units'] == 'blocks' else 'root only'})")
@@ -129,7 +129,7 @@ def plan_from_trace(trace: Trace, zero_stage: int = 0, world_size: int = 1, **op
     0-2 by rule (planner.layouts), stage 3 by running FSDP2 on the traced step's model (cached per trace).
     ``options``: :data:`OPTIONS` (plan()'s docs)."""
     layout = trace.config.get("layout", trace.config["precision"])
-    o = _check_args(zero_stage, world_size, layout, options)
+    o = check_args(zero_stage, world_size, layout, options)
     mp = o["mp_policy"]
     if mp is not None:  # a policy names the layout: FSDP2's mixed precision, or its own dtypes
         layout = ("fsdp-mixed" if (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32) else
@@ -174,7 +174,7 @@ def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_s
     ``mp_policy=None`` (a ``MixedPrecisionPolicy`` or its keyword dict; ``precision="fsdp-mixed"`` is
     ``param_dtype=bf16, reduce_dtype=fp32``); ``offload=False`` (``CPUOffloadPolicy``: on a CPU plan,
     host and device are the same memory, so the figure is their sum)."""
-    o = _check_args(zero_stage, world_size, precision, options)  # before tracing: fail fast, nothing half-done
+    o = check_args(zero_stage, world_size, precision, options)  # before tracing: fail fast, nothing half-done
     return _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size, micro_batches,
                  checkpointing, device, round_to, o)
 
@@ -184,7 +184,7 @@ def _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size
     trace_kw = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                     micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to)
     if zero_stage == 3:
-        _check_trace_args(trace_kw)
+        check_trace_args(trace_kw)
         trace = Trace(timeline=torch.zeros(1, len(CATEGORIES), dtype=torch.int64), phases=["forward"], n_params=0,
                       param_sizes=[], state_sizes=[], grad_bytes_per_elem=4, unit_numel=0, round_to=1,
                       config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,

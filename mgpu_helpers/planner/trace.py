@@ -24,6 +24,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
+from ..runtime.fake_world import fake_world
 from ..runtime.tracker import CATEGORIES, CUDA_BLOCK
 from .accounting import FakeTracker
 from .cuda import CudaKernels, recompute_contexts
@@ -214,8 +215,10 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
         if fsdp is None:
             return _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing, device,
                           round_to, None, kernels)
-        from .fsdp import fake_group
-        with fake_group(fsdp["world_size"], fsdp["rank"]):
+        if torch.distributed.is_initialized():
+            raise RuntimeError("plan(zero_stage=3) runs FSDP2 in a fake process group of its own; call plan() "
+                               "outside an initialised process group (e.g. in the notebook, not inside ranks)")
+        with fake_world(fsdp["world_size"], fsdp["rank"]):
             return _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing,
                           device, round_to, fsdp, kernels)
 

@@ -19,11 +19,11 @@ import types
 STUB = re.compile(r"^Exercise (\d{1,2}\.\d{1,2}):")  # what release writes into a stub (checks.base uses it too)
 
 
-def _codes(code):
+def code_objects(code):
     yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _codes(const)
+            yield from code_objects(const)
 
 
 def stub_exercise(obj) -> str | None:
@@ -34,7 +34,7 @@ def stub_exercise(obj) -> str | None:
         code = getattr(fn, "__code__", None)
         if code is None:
             continue
-        for c in _codes(code):
+        for c in code_objects(code):
             if "NotImplementedError" in c.co_names:
                 for const in c.co_consts:
                     m = isinstance(const, str) and STUB.match(const)

@@ -12,8 +12,6 @@ Run as a script (ZeroRedundancyOptimizer and FSDP2 against one process, bytes pe
 """
 from __future__ import annotations
 
-import contextlib
-
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
@@ -23,10 +21,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..runtime.fake_world import fake_world
+from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device
 from ..runtime.plots import COLORS, LABELS, unit_for
 from ..runtime.tracker import MemoryTracker
-from .zero import Zero2, all_gather_flat, linears, make_batch, make_model, model_state_bytes
+from .zero import Zero2, all_gather_flat, linears, model_state_bytes
 
 STAGE = {"DDP (DistributedDataParallel)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
          "FSDP2 per block + root": 3, "FSDP2 root only": 3}
@@ -58,7 +58,7 @@ def _ddp(model):
 def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
     """(model, optimizer to track, step function) for ``method`` on this rank (a key of ``STAGE``)."""
     dev = rank_device()
-    model = make_model(widths, seed).to(dev)
+    model = mlp(widths, seed=seed).to(dev)
     if method.startswith("FSDP2"):
         mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
         if "per block" in method:
@@ -90,7 +90,7 @@ def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatte
 
 def _measure(rank, world_size, method, widths, per_rank, seed, reduce_scatter_fn):
     model, opt, step = build(method, widths, seed, reduce_scatter_fn=reduce_scatter_fn)
-    x, y = make_batch(seed + 1, per_rank * world_size, widths[0], widths[-1])
+    x, y = make_batch(per_rank * world_size, widths[0], widths[-1], seed + 1)
     x, y = (t.tensor_split(world_size)[rank].to(rank_device()) for t in (x, y))
 
     def train_step():
@@ -106,7 +106,7 @@ def _measure(rank, world_size, method, widths, per_rank, seed, reduce_scatter_fn
         mt.mark("end")
     state, at_peak = mt.breakdown(), mt.peak_breakdown()
     at_peak["other"] += buckets
-    return {"n_params": sum(p.numel() for p in make_model(widths, seed).parameters()),
+    return {"n_params": sum(p.numel() for p in mlp(widths, seed=seed).parameters()),
             "state": {**{c: state[c] for c in MODEL_STATE[:3]}, "buckets": buckets},
             "peak": mt.peak_bytes + buckets, "peak_breakdown": at_peak,
             "naive_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
@@ -117,9 +117,9 @@ def trains_like_one_process(rank, world_size, method, widths, steps=3, per_rank=
     """Max |difference| between this rank's parameters after ``steps`` steps of ``method`` (each rank on its
     share of the batch) and one process training the same model with Adam on the whole batch."""
     model, _, step = build(method, widths, seed, lr=1e-2, reduce_scatter_fn=reduce_scatter_fn)
-    ref = make_model(widths, seed)
+    ref = mlp(widths, seed=seed)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=True)
-    x, y = make_batch(seed + 1, per_rank * world_size, widths[0], widths[-1])
+    x, y = make_batch(per_rank * world_size, widths[0], widths[-1], seed + 1)
     xs, ys = (t.tensor_split(world_size)[rank].to(rank_device()) for t in (x, y))
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
@@ -130,19 +130,6 @@ def trains_like_one_process(rank, world_size, method, widths, steps=3, per_rank=
         ref_opt.step()
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2: DTensors
     return max((a.detach().cpu() - b.detach().cpu()).abs().max().item() for a, b in zip(full, ref.parameters()))
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int, rank: int = 0):
-    """Be rank ``rank`` of ``world_size`` ranks inside this process: torch's fake process group (private:
-    ``torch.testing._internal.distributed.fake_pg``) returns from every collective at once, moving no data.
-    Shapes and allocations are real, values are not: right for memory accounting, useless for training."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def sweep(world_sizes, methods, widths, per_rank=8, reduce_scatter_fn=None) -> dict:
@@ -218,6 +205,6 @@ def _demo(rank, world_size):
     return "\n".join(lines)
 
 
-__all__ = ["STAGE", "build", "measure", "sweep", "fake_world", "trains_like_one_process", "formula",
+__all__ = ["STAGE", "build", "measure", "sweep", "trains_like_one_process", "formula",
            "plot_per_rank", "plot_peaks", "all_gather_flat"]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from ..runtime.launch import rank_device
 
 # Bytes per parameter of (parameters, gradients, one optimizer state) for each precision, and the bytes
 # of the fp32 master copy that only "mixed" keeps. The ZeRO paper's model (its section 3.1): mixed
@@ -28,7 +27,7 @@ PRECISIONS = {  # precision: (parameter bytes, gradient bytes, bytes per optimiz
 STATES_PER_PARAM = {"sgd": 0, "momentum": 1, "adam": 2}  # plain SGD keeps no state; momentum one buffer
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -75,7 +74,7 @@ def model_state_bytes(n_params: int, *, zero_stage: int = 0, world_size: int = 1
         raise ValueError(f"unknown optimizer {optimizer!r}: use one of {sorted(STATES_PER_PARAM)}")
     p_bytes, g_bytes, s_bytes, master = PRECISIONS[precision]
     k = master + STATES_PER_PARAM[optimizer] * s_bytes
-    shard = _ceil_div(n_params, world_size)  # elements per rank once a category is sharded
+    shard = ceil_div(n_params, world_size)  # elements per rank once a category is sharded
     out = {"parameters": p_bytes * (shard if zero_stage >= 3 else n_params),
            "gradients": g_bytes * (shard if zero_stage >= 2 else n_params),
            "optimizer": k * (shard if zero_stage >= 1 else n_params)}
@@ -110,7 +109,7 @@ def comm_bytes_per_step(n_params: int, *, zero_stage: int, world_size: int, para
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     n, peers = world_size, world_size - 1
-    shard = _ceil_div(n_params, n)
+    shard = ceil_div(n_params, n)
     rs, ag = peers * shard * grad_bytes, peers * shard * param_bytes   # one reduce-scatter, one all-gather
     out = {"all-reduce": 0, "reduce-scatter": 0, "all-gather": 0, "broadcast": 0}
     if zero_stage <= 1:
@@ -127,22 +126,6 @@ def comm_bytes_per_step(n_params: int, *, zero_stage: int, world_size: int, para
 
 # --- models and parameters ----------------------------------------------------------------------------
 
-def make_model(widths: list[int], seed: int = 0, tie: tuple[int, int] | None = None,
-               freeze: tuple[int, ...] = (), device=None) -> nn.Sequential:
-    """Linear → ReLU → … → Linear from ``seed``, on ``device`` (default ``rank_device()``: NCCL's collectives
-    take no CPU tensor; drawn on the CPU first, the same weights on every machine). ``tie=(i, j)``: Linear j's
-    weight *is* Linear i's (one tensor reached from two modules; their shapes must agree). ``freeze``: Linears
-    whose weight is frozen."""
-    torch.manual_seed(seed)
-    lins = [nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])]
-    if tie is not None:
-        lins[tie[1]].weight = lins[tie[0]].weight
-    for i in freeze:
-        lins[i].weight.requires_grad_(False)
-    model = nn.Sequential(*[m for i, lin in enumerate(lins) for m in ([nn.ReLU()] if i else []) + [lin]])
-    return model.to(device or rank_device())
-
-
 def linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
@@ -155,17 +138,6 @@ def unique(params) -> list[torch.Tensor]:
             seen.add(id(p))
             out.append(p)
     return out
-
-
-def make_batch(seed: int, n: int, d_in: int, classes: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` inputs and labels on ``device`` (default ``rank_device()``), drawn on the CPU as make_model."""
-    g = torch.Generator().manual_seed(seed)
-    device = device or rank_device()
-    return torch.randn(n, d_in, generator=g).to(device), torch.randint(0, classes, (n,), generator=g).to(device)
-
-
-def _state_tensors(opt) -> list[torch.Tensor]:
-    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 # --- ZeRO-2 around a model: the shard this rank owns of one flat buffer --------------------------------
@@ -181,7 +153,7 @@ class Zero2:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.params = [p for p in unique(model.parameters()) if p.requires_grad]
         n = sum(p.numel() for p in self.params)
-        self.shard_len = _ceil_div(n, self.world)
+        self.shard_len = ceil_div(n, self.world)
         self.flat = torch.zeros(self.shard_len * self.world, device=self.params[0].device)
         off = 0
         for p in self.params:  # the parameters now live in the flat buffer (no second copy)
@@ -201,8 +173,3 @@ class Zero2:
 def all_gather_flat(out: torch.Tensor, shard: torch.Tensor) -> None:
     """``all_gather_single`` (torch >= 2.13; its older name ``all_gather_into_tensor`` now warns)."""
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, shard)
-
-
-def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor) -> None:
-    """``reduce_scatter_single`` (torch >= 2.13; ``reduce_scatter_tensor`` before, which now warns). SUM."""
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, full)

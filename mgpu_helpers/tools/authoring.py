@@ -1,7 +1,7 @@
 """The notebook metadata schema, the solution → student transformation, and the mutant harness.
 
-Schema (DESIGN.md §4)
----------------------
+Schema
+------
 * notebook: ``metadata.mgpu = {"notebook": "04", "module": "ddp"}``
 * exercise cell (code): tag ``exercise``;
   ``metadata.mgpu = {"exercise": "4.1", "function": "average_gradients", "task": "<what to do>"}``;

@@ -26,7 +26,6 @@ printed URL (use the port it printed on both sides of ``-L``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import glob
 import json
 import os
@@ -39,6 +38,8 @@ import tempfile
 import time
 import webbrowser
 from pathlib import Path
+
+from .grading.execute import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,15 +104,6 @@ def open_url(info: dict, token: str, target: str) -> str:
     return f"{base}lab/tree/{target}?token={token}"
 
 
-def _die_with_parent(parent: int):
-    """preexec_fn of the server: SIGKILL when the launcher dies, however it dies (Linux)."""
-    def preexec():
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the launcher died before the prctl: no signal will come
-            os._exit(1)
-    return preexec if sys.platform.startswith("linux") else None
-
-
 def start(root: Path, port: int = 8888, token: str | None = None, extra: list[str] = (),
           env: dict | None = None, runtime_dir: Path | None = None, log: Path | None = None):
     """Start JupyterLab in the background: (process, token, info). Used by ``main`` and the browser test."""
@@ -124,7 +116,7 @@ def start(root: Path, port: int = 8888, token: str | None = None, extra: list[st
     install_overrides()
     out = open(log, "ab") if log else None  # None: JupyterLab's log goes to this terminal
     proc = subprocess.Popen(lab_command(root, port, config, extra), env=env, stdout=out, stderr=out,
-                            start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+                            start_new_session=True, preexec_fn=die_with_parent())
     if out:
         out.close()  # the child holds its own copy
     try:

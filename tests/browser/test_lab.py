@@ -28,7 +28,7 @@ pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "test-output" / "browser"
 CHROMIUM = os.environ.get("MGPU_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-# Flags for a closed network and root (see ../shared/FACTS.md): no sandbox as root, no background
+# Flags for a closed network and root: no sandbox as root, no background
 # connections that a machine without internet refuses by the dozen.
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]

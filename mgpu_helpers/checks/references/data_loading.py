@@ -14,7 +14,7 @@ def sampler_shard(n, world_size, rank, shuffle, seed, epoch, drop_last) -> list[
     return list(s)
 
 
-def _variant(n, world, shuffle, seed, epoch, drop_last, *, pad=True, strided=True, use_epoch=True):
+def sampler_variant(n, world, shuffle, seed, epoch, drop_last, *, pad=True, strided=True, use_epoch=True):
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch * use_epoch)).tolist() \
         if shuffle else list(range(n))
     per = -(-(n - world) // world) if drop_last and n % world else -(-n // world)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ...memory import make_optimizer
-from ...profiling import _inputs, scenario, train_step
+from ...profiling import scenario_inputs, scenario, train_step
 from ...runtime.tracker import MemoryTracker
 
 
@@ -17,7 +17,7 @@ def peak_figures(case: dict) -> dict:
 
 def phase_peaks(case: dict) -> tuple[dict, dict]:
     """(peak bytes within each phase, bytes at the end of each phase) of the reference step, for 2.2."""
-    model, (x, y) = _inputs(case)
+    model, (x, y) = scenario_inputs(case)
     opt = make_optimizer(case["optimizer"], model.parameters())
     with MemoryTracker(model, opt) as t:
         train_step(model, opt, x, y, mark=t.mark)

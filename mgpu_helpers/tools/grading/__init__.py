@@ -1,4 +1,4 @@
-"""`mgpu-grade`: grade submitted notebooks without trusting them (DESIGN.md §5).
+"""`mgpu-grade`: grade submitted notebooks without trusting them.
 
 Pipeline, one module each::
 

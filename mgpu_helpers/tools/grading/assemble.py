@@ -1,4 +1,4 @@
-"""Build the notebook the grader executes, never trusting the submitted file (DESIGN.md §5).
+"""Build the notebook the grader executes, never trusting the submitted file.
 
 Only the learner's *exercise cells* are taken, found by the exercise id in ``metadata.mgpu.exercise``;
 their tags, outputs and metadata are dropped and any ``# NBVAL_*`` comment line is removed. Their source

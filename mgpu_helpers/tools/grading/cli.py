@@ -1,4 +1,4 @@
-"""`mgpu-grade`: grade submitted notebooks without trusting them (DESIGN.md §5).
+"""`mgpu-grade`: grade submitted notebooks without trusting them.
 
     mgpu-grade SUBMISSIONS --out OUT [--jobs N] [--timeout S] [--hidden DIR] [--solutions DIR]
     mgpu-grade SUBMISSIONS --out OUT_K --shard K/N --key KEY     one of N slices of the class (a SLURM array task)

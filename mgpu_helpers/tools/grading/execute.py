@@ -249,10 +249,10 @@ def course_files(solutions: Path, cap: int = 64 * 2**20) -> dict[str, bytes]:
     return files
 
 
-def die_with_grader():
-    """preexec_fn of the grader's children (sandboxes, judges): SIGKILL when the thread that started them
-    dies (Linux's PR_SET_PDEATHSIG), so a grader killed outright (SLURM's time limit, the OOM killer) leaves
-    nothing running; unshare --kill-child then takes the sandbox's namespace down with it."""
+def die_with_parent():
+    """preexec_fn of a child (the grader's sandboxes and judges, ``mgpu-lab``'s server): SIGKILL when the
+    thread that started it dies (Linux's PR_SET_PDEATHSIG), so a parent killed outright (SLURM's time limit,
+    the OOM killer) leaves nothing running; unshare --kill-child then takes a sandbox's namespace down too."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -260,7 +260,7 @@ def die_with_grader():
 
     def preexec():
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the grader died before the prctl
+        if os.getppid() != parent:  # the parent died before the prctl: no signal will come
             os._exit(1)
     return preexec
 
@@ -304,7 +304,7 @@ def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: 
     try:
         with os.fdopen(os.open(job / "sandbox.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=kernel_env([]),
-                                    start_new_session=True, pass_fds=(jobfd,), preexec_fn=die_with_grader())
+                                    start_new_session=True, pass_fds=(jobfd,), preexec_fn=die_with_parent())
             RUNNING.add(proc)
             try:
                 proc.wait(timeout=limits.notebook_timeout + 60)

@@ -1,4 +1,4 @@
-"""Decide every check outside the learner's kernel (DESIGN.md §5, last paragraph).
+"""Decide every check outside the learner's kernel: a verdict computed inside it can always be subverted there.
 
 A judge is a separate, long-lived process (``python -m mgpu_helpers.tools.grading.judge CONFIG``) that never
 runs learner code. Before any notebook is executed it imports the course's check modules and the hidden
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from .execute import die_with_grader
+from .execute import die_with_parent
 
 RESULT_CAP = 64 * 2**20
 
@@ -100,7 +100,7 @@ class Judge:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.grading.judge", json.dumps(self.config)],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                         stderr=open(self.log, "a"), preexec_fn=die_with_grader())
+                                         stderr=open(self.log, "a"), preexec_fn=die_with_parent())
             self.ready = False
         return self
 

@@ -228,7 +228,7 @@ def _plan_dir(model_type, directory, checkpointing):
 
 
 def failure_class(message: str) -> str:
-    """The kinds of failure the catalogue counts (the issue's before/after table)."""
+    """The kinds of failure the catalogue counts (before/after a planner change, as a table)."""
     for needle, kind in (("BF16 type", "MoE grouped matmul"), ("grouped_mm", "MoE grouped matmul"),
                          ("DataDependent", "data-dependent"), ("DynamicOutputShape", "data-dependent"),
                          ("attn_implementation", "attention implementation"), ("sdpa", "attention implementation"),

@@ -1,0 +1,73 @@
+"""``CommLog``: the collectives this rank makes, as the dispatcher sees them.
+
+Collectives called from Python (FSDP2's all-gathers and reduce-scatters, ``dist.*``, DTensor's) pass the
+dispatcher as ``c10d`` / ``_c10d_functional`` ops, where a dispatch mode sees them. DDP's built-in
+all-reduce runs in C++ and is not seen: count it with a comm hook (``accumulation.AllReduceCount``)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+from torch.utils._pytree import tree_leaves
+
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+_KINDS = [("all_gather", "allgather"), ("reduce_scatter", "reducescatter"), ("all_reduce", "allreduce"),
+          ("broadcast", "broadcast")]
+
+
+def _kind(name: str) -> str:  # c10d names vary: reduce_scatter_, _reduce_scatter_base_, reduce_scatter_tensor...
+    n = name.replace("_", "")
+    return next((k for k, w in _KINDS if w in n), name)
+
+
+class CommLog(TorchDispatchMode):
+    """``with CommLog() as c:`` records each collective this rank makes: ``c.calls`` holds
+    ``(op, dtype, bytes in, bytes out)``, ``c.counts`` the calls by op, ``c.all_gathers`` and
+    ``c.reduce_scatters`` two of them. FSDP2's ``_allgather_base_``: in = this rank's shard, out = the whole
+    unit; ``_reduce_scatter_base_``: in = the whole gradient, out = this rank's shard.
+
+    ``c.order`` is the issue order on this thread: ``G`` for an all-gather, ``m`` for a matrix multiply
+    (``aten::mm`` / ``addmm``). It is what explicit prefetch changes (``G m m G m m`` -> ``G G m m G m m``),
+    the same on every run and every machine, where the time each takes is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, str, int, int]] = []
+        self.order = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # let DTensor unwrap; its collectives come back here on plain tensors
+        if func.namespace in ("c10d", "_c10d_functional") and not func._opname.startswith(("barrier", "monitored",
+                                                                                             "wait")):
+            ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            nb = [t.numel() * t.element_size() for t in ts]
+            # (output, input) for _allgather_base_ and _reduce_scatter_base_; in place for all-reduce
+            out, inp = (nb[0], nb[1]) if len(nb) > 1 else (sum(nb), sum(nb))
+            self.calls.append((_kind(func._opname), str(ts[0].dtype).replace("torch.", "") if ts else "-",
+                               inp, out))
+            self.order += "G" if self.calls[-1][0] == "all_gather" else ""
+        elif func in _MATMULS:
+            self.order += "m"
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(op for op, *_ in self.calls))
+
+    all_gathers = property(lambda self: self.counts.get("all_gather", 0))
+    reduce_scatters = property(lambda self: self.counts.get("reduce_scatter", 0))
+
+    def summary(self) -> dict[str, dict]:
+        """``{"all_gather bfloat16": {"calls", "bytes_in", "bytes_out"}, ...}``."""
+        out: dict[str, dict] = {}
+        for op, dtype, i, o in self.calls:
+            s = out.setdefault(f"{op} {dtype}", {"calls": 0, "bytes_in": 0, "bytes_out": 0})
+            s["calls"], s["bytes_in"], s["bytes_out"] = s["calls"] + 1, s["bytes_in"] + i, s["bytes_out"] + o
+        return out
+
+    @property
+    def gathered(self) -> int:
+        """Bytes this rank received from other ranks in all-gathers (the unit minus its own shard)."""
+        return sum(o - i for op, _, i, o in self.calls if op == "all_gather")

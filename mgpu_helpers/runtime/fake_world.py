@@ -1,0 +1,21 @@
+"""One fake process group: be rank ``rank`` of ``world_size`` ranks inside this process.
+
+torch's fake process group (private: ``torch.testing._internal.distributed.fake_pg``) returns from every
+collective at once, moving no data. Shapes and allocations are real, values are not: right for memory
+accounting (notebooks 08 and 12, the planner's FSDP2 runs), useless for training."""
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """The default process group is a fake one of ``world_size`` (this process is ``rank``), torn down after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
