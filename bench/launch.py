@@ -9,7 +9,7 @@ initialisation is fatal; run_ranks never forks with a GPU visible).
 
     PYTHONPATH=. python3 bench/launch.py [--repeats 5]
 
-Goal on a GPU machine (issue 10): every later forkserver launch of 2 ranks <= 0.5 s, "cuda" rows included.
+Goal on a GPU machine: every later forkserver launch of 2 ranks <= 0.5 s, "cuda" rows included.
 """
 import argparse
 import json

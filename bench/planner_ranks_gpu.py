@@ -5,7 +5,7 @@
 
 Each rank is a process that does ``torch.cuda.set_device(0)`` and joins a gloo group: CUDA tensors over
 gloo, every process with its own caching allocator, so ``max_memory_allocated()`` is that rank's peak
-(FACTS.md: FSDP2, DDP and ZeroRedundancyOptimizer train that way on one H200). The measured figure is the
+(FSDP2, DDP and ZeroRedundancyOptimizer train that way on one H200: bench/RESULTS.md). The measured figure is the
 third step's peak minus what was allocated before the model was built (the batch, and cuBLAS's two
 workspaces -- the forward's handle and autograd's backward thread's -- made first on purpose: they are
 ``planner.budget``'s "cuBLAS workspace" line, not tensors; the "ws" column shows what they took, 64 MiB

@@ -19,7 +19,7 @@ from mgpu_helpers.checks.references.accumulation import accumulate
 from mgpu_helpers.accumulation import AllReduceCount, flat_grads, no_sync_context, peak_vs_effective_batch
 from mgpu_helpers.memory import make_batch, mlp
 from mgpu_helpers.runtime.comm_log import CommLog
-from mgpu_helpers.runtime.launch import run_ranks
+from mgpu_helpers.runtime.launch import rank_device, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTHS, K, PER_RANK = [12, 24, 24, 5], 4, 8
@@ -73,7 +73,7 @@ def _ddp_counts(rank, world):
             accumulate(ddp, F.cross_entropy, x, y, K, skip=skip)
         out[name] = (count.calls, flat_grads(ddp.module))
     with CommLog() as c:  # collectives called from Python are seen by the dispatch mode
-        dist.all_reduce(torch.ones(3))
+        dist.all_reduce(torch.ones(3, device=rank_device()))
     out["python all_reduce"] = c.counts
     return out
 

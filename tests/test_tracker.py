@@ -250,11 +250,12 @@ def test_per_module_wraps_torchs_memtracker_across_iterations():
 
 def _rank_step(rank, world_size):
     import torch.distributed as dist
+    from mgpu_helpers.runtime.launch import rank_device
     from mgpu_helpers.runtime.tracker import MemoryTracker
-    model = mlp(16, 32, 4)
+    model = mlp(16, 32, 4).to(rank_device())  # the device contract: what meets a collective lives there
     opt = adam(model)
     with MemoryTracker(model, opt) as mt:
-        model(torch.randn(8, 16)).sum().backward()
+        model(torch.randn(8, 16, device=rank_device())).sum().backward()
         for p in model.parameters():
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)  # in place: no new storage
         opt.step()

@@ -114,6 +114,7 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
     direction; ``held``: within ``tolerance``; by default 0 -- to the byte -- on the CPU, 2% on a GPU, whose
     allocator rounds blocks and adds kernels' workspaces). Plans are of the ranks' device: the CPU under
     gloo, a GPU under NCCL."""
+    from .budget import cublas_workspaces
     from .plans import plan
     rows = []
     for precision in precisions:
@@ -129,8 +130,12 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
                          **METHODS[method], **options)
                 if p.rank_peaks and len(p.rank_peaks) != n:
                     raise AssertionError(f"plan gave {len(p.rank_peaks)} rank peaks for {n} ranks")
+                # On a GPU max_memory_allocated also holds cuBLAS's workspaces (forward's handle and the
+                # backward thread's): what mgpu-plan's "alloc" column adds to the tensors.
+                extra = sum(cublas_workspaces("hopper" if torch.cuda.get_device_capability()[0] == 9 else "other")) \
+                    if device == "cuda" else 0
                 for r, m in enumerate(got):
-                    planned = p.rank_peaks[r]
+                    planned = p.rank_peaks[r] + extra
                     error = planned / m["peak"] - 1
                     rows.append(dict(model=model, method=method, world=n, precision=precision, rank=r,
                                      measured=m["peak"], planned=planned, error=error,

@@ -104,7 +104,7 @@ def _note(note):
 
 
 def _start_method(backend, threads=None):
-    # Fork starts 2 ranks in 0.1 s, spawn in 2.3 s (FACTS.md), and ranks see notebook globals. But forked
+    # Fork starts 2 ranks in 0.1 s, spawn in 2.3 s (2 cores, torch 2.13), and ranks see notebook globals. But forked
     # children can't use CUDA once the parent asked for it, nor run backward once a CUDA build's autograd
     # started per-GPU threads (H200): no fork with a GPU. GNU OpenMP hangs a forked child's first parallel
     # op if the parent ran one: forked ranks get 1 thread. Otherwise ranks fork from a forkserver: a fresh
@@ -218,7 +218,7 @@ def _setup_rank(local_rank, backend, threads, cpu_backend=False):
     else:
         _device = torch.device("cpu")
         contract.enable(cpu_backend)  # gloo on the CPU: refuse what NCCL would (contract.py)
-    torch.set_num_threads(threads) if threads else None  # all cores per rank: 4x slower (FACTS.md)
+    torch.set_num_threads(threads) if threads else None  # all cores per rank: world 2 ran 4x slower (148 vs 45 ms/step)
 
 
 class _JobPickler(cloudpickle.Pickler):
