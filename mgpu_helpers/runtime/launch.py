@@ -367,6 +367,9 @@ def torchrun_main(fn, *args, backend="auto", timeout=300.0, cpu_backend=False):
                             timeout=datetime.timedelta(seconds=timeout))
     try:
         result = fn(rank, world_size, *args)
+        # No rank tears its group down while a peer still talks to it (gloo aborted a rank at exit under load:
+        # "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group() if dist.is_initialized() else None
     print(result, flush=True) if rank == 0 else None
