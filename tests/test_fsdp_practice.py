@@ -186,37 +186,36 @@ def _notebook_cell(cell_id):
     return "".join(next(c for c in nb["cells"] if c.get("id") == cell_id)["source"])
 
 
-def test_on_real_gpus_recipe_shards_a_hugging_face_llama():
-    """The closing section's apply_fsdp2 uses a Hugging Face causal LM's names (model.model.layers, lm_head tied
-    to model.model.embed_tokens): run it on transformers' LlamaForCausalLM, as the notebook says."""
+def _recipe_on_llama(tied):
+    """The closing section's recipe (cell c12-43) on transformers' LlamaForCausalLM under a fake group of 2:
+    apply_fsdp2, then one step of the user's loss. Returns (model, the cell's namespace) inside the group."""
     transformers = pytest.importorskip("transformers")
     ns = {"torch": torch}  # the notebook's first cell imported it
     exec(compile(_notebook_cell("c12-43"), "c12-43", "exec"), ns)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-    with fake_world(2):
-        model = transformers.LlamaForCausalLM(cfg)
-        ns["apply_fsdp2"](model, ns["init_device_mesh"]("cpu", (2,)))
-        ids = torch.randint(0, 64, (2, 8))
-        model(input_ids=ids, labels=ids).loss.backward()
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(cfg)
+    ns["apply_fsdp2"](model, ns["init_device_mesh"]("cpu", (2,)))
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return model, ns
+
+
+def test_on_real_gpus_recipe_shards_a_hugging_face_llama():
+    """The closing section's apply_fsdp2 uses a Hugging Face causal LM's names (model.model.layers, lm_head tied
+    to model.model.embed_tokens): run it on transformers' LlamaForCausalLM, as the notebook says."""
     from torch.distributed.fsdp import FSDPModule
+    with fake_world(2):
+        model, _ = _recipe_on_llama(tied=True)
     assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in model.model.layers)
     assert model.lm_head.weight is model.model.embed_tokens.weight        # still one parameter, in the root's unit
 
 
 def test_on_real_gpus_recipe_untied_is_torchtitans_layout():
     """Untied, apply_fsdp2 is torchtitan's apply_fsdp: the embedding a unit, each block, [norm, lm_head], the root."""
-    transformers = pytest.importorskip("transformers")
-    ns = {"torch": torch}
-    exec(compile(_notebook_cell("c12-43"), "c12-43", "exec"), ns)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    from torch.distributed.fsdp import FSDPModule
     with fake_world(2):
-        model = transformers.LlamaForCausalLM(cfg)
-        ns["apply_fsdp2"](model, ns["init_device_mesh"]("cpu", (2,)))
-        ids = torch.randint(0, 64, (2, 8))
-        model(input_ids=ids, labels=ids).loss.backward()
-        from torch.distributed.fsdp import FSDPModule
+        model, ns = _recipe_on_llama(tied=False)
         assert isinstance(model.model.embed_tokens, FSDPModule)
         assert model.model.norm._get_fsdp_state() is model.lm_head._get_fsdp_state()
         assert ns["units"](model) == 5
