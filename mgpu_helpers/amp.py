@@ -18,7 +18,7 @@ Apex ``amp`` (NVIDIA, 2018) came before ``torch.amp``. Its opt levels and today'
         lists, dynamic loss scaling
     O2  16-bit model, fp32 master weights    -> exercise 6.2 by hand; FSDP2 MixedPrecisionPolicy(param_dtype=
         in the optimizer, norms kept fp32       torch.bfloat16, reduce_dtype=torch.float32) with sharding
-                                                (notebook 08 describes it; the course runs FSDP2 in fp32 only)
+                                                (notebook 08 describes it; notebook 12 measures it)
     O3  pure 16 bits, no master weights      -> model.to(torch.bfloat16) (the "bf16" row: updates get lost)
 
 ``amp.initialize(model, opt, opt_level)`` has no equivalent (nothing to patch); ``with amp.scale_loss(loss,
