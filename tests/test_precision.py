@@ -44,3 +44,11 @@ def test_old_torch_is_refused_in_one_line(monkeypatch):
         importlib.reload(mgpu_helpers)
     monkeypatch.undo()
     importlib.reload(mgpu_helpers)
+
+
+def test_the_oldest_torch_is_the_one_pyproject_pins():
+    import tomllib
+    from pathlib import Path
+    import mgpu_helpers
+    deps = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch>={'.'.join(map(str, mgpu_helpers.MIN_TORCH))}" in deps

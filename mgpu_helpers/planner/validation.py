@@ -132,8 +132,8 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
                     raise AssertionError(f"plan gave {len(p.rank_peaks)} rank peaks for {n} ranks")
                 # On a GPU max_memory_allocated also holds cuBLAS's workspaces (forward's handle and the
                 # backward thread's): what mgpu-plan's "alloc" column adds to the tensors.
-                extra = sum(cublas_workspaces("hopper" if torch.cuda.get_device_capability()[0] == 9 else "other")) \
-                    if device == "cuda" else 0
+                hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+                extra = sum(cublas_workspaces("hopper" if hopper else "other")) if device == "cuda" else 0
                 for r, m in enumerate(got):
                     planned = p.rank_peaks[r] + extra
                     error = planned / m["peak"] - 1
