@@ -26,8 +26,10 @@ would start. A rank that raises becomes ``RankError`` here, with its traceback; 
 - ``MGPU_SHARED_GPU=1`` and at least one GPU but fewer than ranks (tests: several ranks on the one lent
   GPU): a CUDA-only gloo group, ``init_process_group("cuda:gloo")``, every rank on GPU 0
   (``torch.cuda.set_device(0)``; NCCL refuses two ranks on one GPU). Like NCCL it has no CPU backend, so
-  the contract holds as on real GPUs; but gloo's CUDA side runs fewer operations than NCCL (all_reduce and
-  broadcast; no send/recv): a cell that raises "unsupported" there needs one GPU per rank.
+  the contract holds as on real GPUs; but gloo's CUDA side does less than NCCL: on an H100 (torch 2.11) its
+  all_reduce, broadcast, reduce, all_gather(_into_tensor), reduce_scatter(_tensor) and all_to_all_single ran,
+  while send/recv failed ("Bad address") and ``DTensor.full_tensor()`` killed the ranks (SIGSEGV). A cell that
+  fails there for that reason needs one GPU per rank (bench/RESULTS.md, 2026-12-06).
 
 ``cpu_backend=True`` adds a CPU backend beside NCCL: ``init_process_group("cuda:nccl,cpu:gloo")``, as
 torchtitan does, for what needs CPU collectives: ``dcp.async_save`` stages the state dict in CPU memory and
