@@ -18,18 +18,16 @@ Without CUDA only the CPU columns are printed.
 """
 import argparse
 import copy
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tracker_vs_cuda import MiB, Net, Report, blocks, diff  # noqa: E402
+from bench.measure import cuda_step_peak, optimizer_state
+from bench.tracker_vs_cuda import MiB, Net, Report, diff
 
-from mgpu_helpers.amp import autocast_dtypes, step_memory  # noqa: E402
-from mgpu_helpers.runtime.tracker import MemoryTracker  # noqa: E402
+from mgpu_helpers.amp import autocast_dtypes, step_memory
+from mgpu_helpers.runtime.tracker import MemoryTracker
 
 NOTEBOOK_MODELS = {"weight-heavy": ([1024] * 5, 16), "activation-heavy": ([64, 256, 256, 256, 64], 4096)}
 PRECISIONS = ("fp32", "bf16 autocast", "fp16 autocast+scaler", "pure bf16")
@@ -68,14 +66,8 @@ def train_step(model, opt, scaler, precision, shape, device, mark=lambda label: 
 def cuda_peak(base, precision, shape):
     dev = torch.device("cuda")
     model, opt, scaler = make(base, precision, dev)
-    train_step(model, opt, scaler, precision, shape, dev)  # warm-up: Adam state, cuBLAS workspace
-    torch.cuda.synchronize()
-    owned = blocks([*model.parameters(), *model.buffers()] + [v for s in opt.state.values() for v in s.values()])
-    extra = torch.cuda.memory_allocated() - owned
-    torch.cuda.reset_peak_memory_stats()
-    train_step(model, opt, scaler, precision, shape, dev)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - extra
+    peak, _ = cuda_step_peak(lambda: train_step(model, opt, scaler, precision, shape, dev),
+                             held=lambda: [*model.parameters(), *model.buffers(), *optimizer_state(opt)])
     del model, opt, scaler
     torch.cuda.empty_cache()
     return peak

@@ -15,6 +15,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from bench.measure import cuda_step_peak
 from bench.tracker_vs_cuda import Report, diff
 from mgpu_helpers.checkpointing import Stack, no_checkpointing, plan_for, predict_peak
 from mgpu_helpers.checks.references.checkpointing import checkpoint_every
@@ -32,14 +33,7 @@ def step(model, x, y, k):
 def cuda_peak(base, x, y, k):
     model = copy.deepcopy(base).cuda()
     x, y = x.cuda(), y.cuda()
-    step(model, x, y, k)  # warm-up: cuBLAS workspace, kernels
-    torch.cuda.synchronize()
-    owned = sum(-(-p.untyped_storage().nbytes() // 512) * 512 for p in model.parameters())
-    extra = torch.cuda.memory_allocated() - owned
-    torch.cuda.reset_peak_memory_stats()
-    step(model, x, y, k)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - extra
+    return cuda_step_peak(lambda: step(model, x, y, k), held=lambda: list(model.parameters()))[0]
 
 
 def tracker_peak(base, x, y, k):

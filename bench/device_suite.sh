@@ -1,42 +1,23 @@
 #!/usr/bin/env bash
-# The whole pytest suite (tests/ and solutions/) on a host without Jupyter packages (the H200 host's Xeon),
-# under one oneDNN ISA, with the CPU figures' planned-vs-measured log. Usage:
-#   bash bench/device_suite.sh OUTDIR [ISA] [pytest args...]   (ISA: NATIVE or e.g. AVX512_CORE_BF16)
-# Needs .whl/ with the Jupyter wheels (nbval, nbclient, ipykernel and their dependencies; README, Verified on).
+# pytest on the GPU host's CPU (no GPU visible), with the host's torch -- torch 2.11 there, the oldest the
+# course supports (MIN_TORCH in mgpu_helpers/__init__.py) -- and Jupyter's packages carried in .jup
+# (see gpu_verify.sh). Usage:
+#   bash bench/device_suite.sh OUTDIR fast          # make test-fast's selection: units, checks, mutants at 2 seeds
+#   bash bench/device_suite.sh OUTDIR all [PATHS]   # the whole suite (or PATHS), MGPU_SEEDS=20
 set -u
-out=${1:?usage: device_suite.sh OUTDIR [ISA] [pytest args]}; isa=${2:-NATIVE}; shift $(( $# < 2 ? $# : 2 ))
+out=${1:?usage: device_suite.sh OUTDIR fast|all [paths]}; tier=${2:-fast}; shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"; out=$(cd "$out" && pwd)
-py=${PYTHON:-python3}
-if ! $py -c "import nbval, nbclient, ipykernel" 2>/dev/null; then
-  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site:$PWD
-  $py -m ipykernel install --prefix /tmp/kp --name python3 >/dev/null 2>&1
-  export JUPYTER_PATH=/tmp/kp/share/jupyter
-fi
-export CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 MGPU_FIGURES_LOG="$out/$isa.figures.jsonl"
-rm -f "$MGPU_FIGURES_LOG"
-if [ "$isa" = NATIVE ]; then unset ONEDNN_MAX_CPU_ISA; else export ONEDNN_MAX_CPU_ISA=$isa; fi
+export PYTHONPATH="$PWD:$PWD/.jup" CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1
+if ! python3 -c "import nbval, nbclient, ipykernel" 2>/dev/null; then echo "device_suite.sh: carry .jup (see gpu_verify.sh)" >&2; exit 2; fi
+python3 -m ipykernel install --prefix /tmp/kp --name python3 >/dev/null 2>&1; export JUPYTER_PATH=/tmp/kp/share/jupyter
 start=$(date +%s)
-# --dist loadfile keeps a file's module fixtures on one worker; notebook 12's planted mistakes (one file, ~10
-# minutes in a row) go to workers of their own, test by test, beside the rest. -v names every result in the log
-# (an outer `timeout` that cuts pytest before its summary still leaves which test failed). LIMIT: seconds.
-jobs=${JOBS:-15}; slow=${SLOW-tests/test_mutants_12.py}   # SLOW: files split test by test (space-separated);
-# SLOW= (empty): one run over the paths given
-run() { timeout "${LIMIT:-100000}" $py -m pytest -p no:cacheprovider -v -n "$1" --dist "$2" --tb=short --durations=15 \
-    -o addopts="--nbval --nbval-current-env --nbval-cell-timeout=300 -m 'not browser and not answers' -rfEs" "${@:3}"; }
-rc_slow=0
-if [ -n "$slow" ]; then
-  run 4 load $slow > "$out/$isa.slow.log" 2>&1 &
-  slow_pid=$!
-  run $(( jobs > 8 ? jobs - 4 : 4 )) loadfile $(printf -- '--ignore=%s ' $slow) "$@" > "$out/$isa.log" 2>&1
-  rc=$?
-  wait $slow_pid; rc_slow=$?
-  cat "$out/$isa.slow.log" >> "$out/$isa.log"
-else
-  run "$jobs" "${DIST:-loadfile}" "$@" > "$out/$isa.log" 2>&1   # DIST=load: a file's tests spread over workers
-  rc=$?
-fi
-rc=$(( rc || rc_slow ))
-worst=$($py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; w=max(r,key=lambda x:abs(x['error'])); print(f\"worst planner CPU error {100*w['error']:+.4f}% ({w['test']}) over {len(r)} figures\")" "$MGPU_FIGURES_LOG" 2>/dev/null)
-echo "$isa ($($py -c 'import torch; print("torch", torch.__version__, torch.backends.cpu.get_cpu_capability())')) rc=$rc $(( $(date +%s) - start ))s: $(grep -E '^=+ .*(passed|failed)' "$out/$isa.log" | tr -d = | paste -sd+); $worst" | tee -a "$out/summary.txt"
-grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) " "$out/$isa.log" | sort -u | head -30
+case "$tier" in
+fast) MGPU_SEEDS=2 python3 -m pytest -v -n "${JOBS:-12}" --dist loadfile --tb=short --durations=15 \
+        -m "not slow and not browser and not answers" tests "$@" >"$out/fast.log" 2>&1 ;;
+all)  MGPU_SEEDS=20 python3 -m pytest -v -n "${JOBS:-12}" --dist loadfile --tb=short --durations=15 "$@" >"$out/all.log" 2>&1 ;;
+*) echo "device_suite.sh: tier is fast or all" >&2; exit 2 ;;
+esac
+rc=$?
+echo "$tier ($(python3 -c 'import torch; print("torch", torch.__version__)')) rc=$rc $(( $(date +%s) - start ))s: $(grep -E '^=+ .*(passed|failed)' "$out/$tier.log" | tr -d =)" | tee -a "$out/summary.txt"
+grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) " "$out/$tier.log" | sort -u | head -30
+exit $rc

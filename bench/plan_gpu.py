@@ -33,6 +33,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
+from bench.measure import cuda_step_peak, optimizer_state  # noqa: E402
 from mgpu_helpers.planner import budget as db  # noqa: E402
 from mgpu_helpers.runtime.plots import fmt_bytes  # noqa: E402
 from mgpu_helpers.tools.plan_cli import parse_args, run  # noqa: E402
@@ -157,17 +158,12 @@ def measure(argv):
     if a.checkpointing == "on":
         apply_checkpointing(model)
     opt = make_optimizer(model, a.optimizer)
-    train_step(model, opt, batch, output_loss, precision=prec, micro_batches=k)  # warm-up
+    run = lambda: train_step(model, opt, batch, output_loss, precision=prec, micro_batches=k)  # noqa: E731
     if not cuda:
+        run()
         return print(json.dumps(dict(dry_run=str(dev))))
-    torch.cuda.synchronize()
-    owned = {t.untyped_storage().data_ptr(): -(-t.untyped_storage().nbytes() // 512) * 512 for t in
-             [*model.parameters(), *model.buffers(), *batch, *(v for s in opt.state.values() for v in s.values())]
-             if t.is_cuda}
-    extra = torch.cuda.memory_allocated() - sum(owned.values())  # cuBLAS workspace & co.: no tensor owns it
-    torch.cuda.reset_peak_memory_stats()
-    train_step(model, opt, batch, output_loss, precision=prec, micro_batches=k)
-    torch.cuda.synchronize()
+    _, extra = cuda_step_peak(run, held=lambda: [*model.parameters(), *model.buffers(), *batch,
+                                                 *optimizer_state(opt)])  # extra: cuBLAS workspace & co.
     free, total = torch.cuda.mem_get_info()
     print(json.dumps(dict(allocated=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved(),
                           extra=extra, used=total - free)))

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from bench.measure import cuda_step_peak, optimizer_state
 from mgpu_helpers.planner import lm_loss, plan, token_batch
 from mgpu_helpers.planner.models import Decoder
 from mgpu_helpers.planner.trace import apply_checkpointing, make_optimizer, train_step
@@ -41,17 +42,8 @@ def measure(batch, precision="fp32", checkpointing=False, micro_batches=1):
         apply_checkpointing(model)
     opt = make_optimizer(model)
     kw = dict(precision=precision, micro_batches=micro_batches)
-    train_step(model, opt, batch, lm_loss, **kw)  # warm-up
-    torch.cuda.synchronize()
-    owned = {}
-    for t in [*model.parameters(), *model.buffers(), *(v for s in opt.state.values() for v in s.values())]:
-        if t.is_cuda:
-            owned[t.untyped_storage()._cdata] = -(-t.untyped_storage().nbytes() // 512) * 512
-    extra = torch.cuda.memory_allocated() - sum(owned.values())
-    torch.cuda.reset_peak_memory_stats()
-    train_step(model, opt, batch, lm_loss, **kw)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - extra
+    peak, _ = cuda_step_peak(lambda: train_step(model, opt, batch, lm_loss, **kw),
+                             held=lambda: [*model.parameters(), *model.buffers(), *optimizer_state(opt)])
     del model, opt
     torch.cuda.empty_cache()
     return peak

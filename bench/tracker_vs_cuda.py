@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mgpu_helpers.runtime.tracker import CUDA_BLOCK, MemoryTracker
+from bench.measure import cuda_step_peak, optimizer_state
+from mgpu_helpers.runtime.tracker import MemoryTracker
 
 MiB = 2**20
 CONFIGS = {  # name: (bf16 autocast, activation checkpointing, micro-batches per step)
@@ -89,16 +90,6 @@ def train_step(model, opt, cfg, shape, device, probe=lambda label: None):
     opt.zero_grad(set_to_none=True)
 
 
-def blocks(tensors, block=CUDA_BLOCK):
-    """Bytes of distinct storages, each rounded up to the allocator's block."""
-    seen = {}
-    for t in tensors:
-        if torch.is_tensor(t) and t.device.type == "cuda":
-            s = t.untyped_storage()
-            seen[s._cdata] = -(-s.nbytes() // block) * block
-    return sum(seen.values())
-
-
 class Probe:
     """Reads ``read()`` at the end of the step; passes the other labels to ``mark`` (a tracker's)."""
 
@@ -113,17 +104,12 @@ class Probe:
 
 
 def measure_cuda(model, opt, cfg, shape):
-    """(a) the allocator alone, relative to the model and optimizer."""
+    """(a) the allocator alone, relative to the model and optimizer: (current at the step's end, peak)."""
     dev = torch.device("cuda")
-    train_step(model, opt, cfg, shape, dev)  # warm-up: Adam state, cuBLAS workspace, autocast kernels
-    torch.cuda.synchronize()
-    owned = blocks([*model.parameters(), *model.buffers()]
-                   + [v for s in opt.state.values() for v in s.values()])
-    extra = torch.cuda.memory_allocated() - owned
-    torch.cuda.reset_peak_memory_stats()
-    probe = Probe(lambda: torch.cuda.memory_allocated() - extra)
-    train_step(model, opt, cfg, shape, dev, probe)
-    return probe.at_end, torch.cuda.max_memory_allocated() - extra
+    probe = Probe(torch.cuda.memory_allocated)
+    peak, extra = cuda_step_peak(lambda: train_step(model, opt, cfg, shape, dev, probe),
+                                 held=lambda: [*model.parameters(), *model.buffers(), *optimizer_state(opt)])
+    return probe.at_end - extra, peak
 
 
 def measure_tracker(model, opt, cfg, shape, device, round_to):
