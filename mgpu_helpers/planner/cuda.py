@@ -7,7 +7,9 @@ made the difference:
 - ``F.scaled_dot_product_attention``: a fused kernel (flash, cuDNN, memory-efficient) saves its output and
   one log-sum-exp per row; the math fallback saves the (batch, heads, seq, seq) softmax of every layer. A
   Hugging Face Llama with grouped-query heads in fp32 planned 11.5% *below* the allocator: no fused CUDA
-  kernel takes fp32 with grouped heads, so the GPU ran math while the trace ran a fused kernel.
+  kernel takes fp32 with grouped heads, so the GPU ran math while the trace ran a fused kernel. The math
+  kernel computes fp16/bf16 inputs in fp32 (torch's default): a Falcon with one key/value head (math: no
+  ``enable_gqa``) planned 17% below the H100 in bf16 autocast while the trace kept its softmax in bf16.
 - ``F.rms_norm``: CUDA runs one fused kernel that saves the input and one rstd per row; the CPU composes
   pow, mean, rsqrt and two products and saves the normalised input too. The 168M decoder planned 3.2%
   (fp32) and 3.8% (bf16 autocast) *above* the allocator when traced on the CPU.
@@ -119,9 +121,7 @@ def _math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     fp16/bf16 inputs are computed in fp32 (``allow_fp16_bf16_reduction_math_sdp`` off, torch's default):
     the query, key and value are upcast, so the scores, the softmax kept for backward and the broadcast
     key and value copies are fp32; the op then returns the output and the attention weights cast back (the
-    weights first: a scores-sized half copy that ``F.scaled_dot_product_attention`` drops). A Falcon with one
-    key/value head (math: differing heads without ``enable_gqa``) planned 17% below the H100's allocated
-    peak in bf16 autocast while this kernel was traced in bf16."""
+    weights first: a scores-sized half copy that ``F.scaled_dot_product_attention`` drops)."""
     if q.dim() != 4 or q.is_nested or k.dim() != 4:  # other layouts: torch's op (rare; its own branches)
         return torch.ops.aten._scaled_dot_product_attention_math(
             q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
