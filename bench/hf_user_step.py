@@ -82,7 +82,8 @@ SETTINGS = {"fp32": ("fp32", "off"), "bf16-autocast": ("bf16-autocast", "off"),
             "bf16-autocast + ckpt": ("bf16-autocast", "on")}
 TINY = dict(hidden_size=64, intermediate_size=128, ffn_hidden_size=128, moe_intermediate_size=32,
             shared_expert_intermediate_size=128, ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, vocab_size=1024, sliding_window=16)
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, vocab_size=1024,
+            sliding_window=16)
 
 
 def config(name, scale):
