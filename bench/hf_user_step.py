@@ -11,7 +11,9 @@ the checkpointing rows, ``torch.optim.AdamW`` (CUDA's default foreach), and per 
 bf16 rows), ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``. Configs are built in code (no
 network): a mixture of experts (OLMoE-, Qwen2-MoE-shaped), sliding-window and hybrid attention (Gemma-2 with
 its 256k vocabulary, Mistral with a window shorter than the sequence), a 152k vocabulary (Qwen2) and
-learned positions (OPT). Each row: fp32, bf16 autocast, bf16 autocast + checkpointing.
+learned positions (OPT), multi-query attention beside the MLP (Falcon: one key/value head for 16 query
+heads) and a mixture of experts with per-head q/k norms (Qwen3-MoE). Each row: fp32, bf16 autocast, bf16
+autocast + checkpointing.
 
 Every plan is made first (``mgpu_helpers.tools.plan_cli.run``, the command's own code: one GPU, ZeRO-0,
 ``--gpu H200``), in worker processes; then each row runs in a fresh child process (nothing of an earlier
@@ -66,12 +68,22 @@ FAMILIES = {
     "phi3 (fused qkv and gate_up)": ("phi3", dict(
         vocab_size=32064, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
         num_key_value_heads=16)),
+    "falcon (multi-query, parallel attention)": ("falcon", dict(
+        vocab_size=65024, hidden_size=1024, ffn_hidden_size=4096, num_hidden_layers=12, num_attention_heads=16,
+        new_decoder_architecture=False, multi_query=True, parallel_attn=True, alibi=False, bias=False)),
+    "qwen3_moe (MoE 16x top-4, q/k norms)": ("qwen3_moe", dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=4)),
+    # held out: planned before it was ever run, after the fix that falcon's rows led to
+    "bloom (ALiBi, eager attention)": ("bloom", dict(
+        vocab_size=65536, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16)),
 }
 SETTINGS = {"fp32": ("fp32", "off"), "bf16-autocast": ("bf16-autocast", "off"),
             "bf16-autocast + ckpt": ("bf16-autocast", "on")}
-TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=128,
-            ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, num_experts=4, vocab_size=1024, sliding_window=16)
+TINY = dict(hidden_size=64, intermediate_size=128, ffn_hidden_size=128, moe_intermediate_size=32,
+            shared_expert_intermediate_size=128, ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, vocab_size=1024,
+            sliding_window=16)
 
 
 def config(name, scale):

@@ -181,6 +181,62 @@ def saved_bytes(fn, *args):
     return sum(kept.values()), out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_route_keeps_what_torchs_math_kernel_keeps(dtype):
+    """Falcon's multi-query attention (one key/value head, no enable_gqa: math on a GPU) planned 17% below
+    the H100's allocated peak in bf16 autocast: torch's math kernel computes half inputs in fp32 and keeps
+    an fp32 softmax of (batch, heads, seq, seq), which the trace kept in bf16."""
+    torch.manual_seed(0)
+    b, h, s, d = 2, 8, 64, 16
+    q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, 1, s, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    mask = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s)
+    additive = torch.where(mask, 0.0, float("-inf")).to(dtype)  # as scaled_dot_product_attention converts it
+    real, want = saved_bytes(lambda: torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, additive, 0.0, False)[0])
+    ours, out = saved_bytes(pc._math_sdpa, q, k, v, mask, 0.0, False, None, False)
+    assert ours == real
+    # fp32 whatever the inputs: the softmax, the scaled query, the key and value broadcast to every head
+    assert ours == (b * h * s * s + 3 * b * h * s * d) * 4
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, want)
+
+
+class MultiQuery(torch.nn.Module):
+    """Falcon's attention as transformers 5.17 runs it: one key/value head, a mask, no enable_gqa."""
+
+    def __init__(self, width=64, heads=8, layers=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, width + 2 * width // heads) for _ in range(layers))
+
+    def forward(self, x):
+        b, s, w = x.shape
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().expand(b, 1, s, s)
+        for lin in self.qkv:
+            q, k, v = lin(x).view(b, s, self.heads + 2, w // self.heads).split([self.heads, 1, 1], dim=2)
+            x = x + F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                   attn_mask=mask).transpose(1, 2).reshape(b, s, w)
+        return x
+
+
+def test_traced_multi_query_attention_keeps_fp32_softmaxes_under_bf16_autocast(monkeypatch):
+    """The traced step's activations at the peak hold each layer's fp32 softmax: half of it was missing."""
+    b, s, heads, layers = 2, 128, 8, 2
+    batch = (torch.empty(b, s, 64), torch.empty(b, s, 64))
+
+    def activations():
+        tr = trace_step(lambda: MultiQuery(64, heads, layers), batch, loss_fn=lambda out, y: out.float().sum(),
+                        precision="bf16-autocast", device="cpu", kernels="cuda")
+        return tr.tracker_peak[1]["activations"]
+    upcast = activations()
+    monkeypatch.setattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", lambda: True)
+    half = activations()  # what the plan held before: the kernel traced in bf16
+    softmax_bf16 = layers * b * heads * s * s * 2
+    assert upcast - half >= softmax_bf16
+    assert upcast >= 2 * softmax_bf16
+
+
 def test_rms_norm_keeps_what_cudas_fused_kernel_keeps():
     """CUDA's fused RMSNorm keeps the input, the weight and one fp32 rstd per row; the CPU's composite also
     keeps the normalised input."""

@@ -7,7 +7,9 @@ made the difference:
 - ``F.scaled_dot_product_attention``: a fused kernel (flash, cuDNN, memory-efficient) saves its output and
   one log-sum-exp per row; the math fallback saves the (batch, heads, seq, seq) softmax of every layer. A
   Hugging Face Llama with grouped-query heads in fp32 planned 11.5% *below* the allocator: no fused CUDA
-  kernel takes fp32 with grouped heads, so the GPU ran math while the trace ran a fused kernel.
+  kernel takes fp32 with grouped heads, so the GPU ran math while the trace ran a fused kernel. The math
+  kernel computes fp16/bf16 inputs in fp32 (torch's default): a Falcon with one key/value head (math: no
+  ``enable_gqa``) planned 17% below the H100 in bf16 autocast while the trace kept its softmax in bf16.
 - ``F.rms_norm``: CUDA runs one fused kernel that saves the input and one rstd per row; the CPU composes
   pow, mean, rsqrt and two products and saves the normalised input too. The 168M decoder planned 3.2%
   (fp32) and 3.8% (bf16 autocast) *above* the allocator when traced on the CPU.
@@ -114,16 +116,26 @@ def _math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     added out of place (one more (batch, heads, seq, seq) tensor) and ``_safe_softmax`` runs its meta
     function (none of its temporaries); on the GPU the mask is added in place and ``_safe_softmax`` takes a
     boolean of the scores' size and a row flag beside its output (measured on the H200: Qwen2 with grouped
-    heads in fp32 reserved 14.6% above its allocated peak in the trace's order, 2.5% in the GPU's)."""
+    heads in fp32 reserved 14.6% above its allocated peak in the trace's order, 2.5% in the GPU's).
+
+    fp16/bf16 inputs are computed in fp32 (``allow_fp16_bf16_reduction_math_sdp`` off, torch's default):
+    the query, key and value are upcast, so the scores, the softmax kept for backward and the broadcast
+    key and value copies are fp32; the op then returns the output and the attention weights cast back (the
+    weights first: a scores-sized half copy that ``F.scaled_dot_product_attention`` drops)."""
     if q.dim() != 4 or q.is_nested or k.dim() != 4:  # other layouts: torch's op (rare; its own branches)
         return torch.ops.aten._scaled_dot_product_attention_math(
             q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    dtype = q.dtype
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask: the inputs' dtype
+        attn_mask = torch.where(attn_mask, q.new_zeros(()), q.new_full((), float("-inf")))
+    upcast = dtype in _HALF and not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
     hq, lq, d = q.shape[1:]
     sf = (scale if scale is not None else d ** -0.5) ** 0.5  # both operands scaled by its square root
     q = q * sf
-    if is_causal:
+    if is_causal:  # made inside the math kernel: the (upcast) query's dtype
         attn_mask = torch.ones(lq, k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask
         attn_mask = torch.where(attn_mask, q.new_zeros(()), q.new_full((), float("-inf")))
     if enable_gqa and k.shape[-3] != hq:  # repeat_interleave over the heads: expand, then a copy
         g = hq // k.shape[-3]
@@ -137,7 +149,10 @@ def _math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     del zero, rows, masked, attn
     if dropout_p > 0:
         out = torch.ops.aten.native_dropout(out, dropout_p, True)[0]
-    return out @ v
+    weights = out.to(dtype)  # the op's second output (a copy when upcast), made before the first
+    result = (out @ v).to(dtype)
+    del weights
+    return result
 
 
 class _FusedRMSNorm(torch.autograd.Function):
