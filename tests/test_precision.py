@@ -64,8 +64,8 @@ def test_the_setting_leaves_the_cpu_alone(monkeypatch):
 def test_a_bad_setting_is_one_clear_line(monkeypatch, bad):
     _gpu(monkeypatch, "Tesla T4", (7, 5))
     monkeypatch.setenv(CAPABILITY_ENV, bad)
-    with pytest.raises(ValueError, match=rf"^{CAPABILITY_ENV}='{re.escape(bad)}': a compute capability as MAJOR\.MINOR, "
-                                         r"e\.g\. 7\.5 \(a T4\)[^\n]*$"):
+    one_line = rf"^{CAPABILITY_ENV}='{re.escape(bad)}': a compute capability as MAJOR\.MINOR, e\.g\. 7\.5 \(a T4\)[^\n]*$"
+    with pytest.raises(ValueError, match=one_line):
         training_precision("cuda")
 
 

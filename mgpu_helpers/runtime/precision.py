@@ -19,7 +19,7 @@
 * A CPU: bf16 autocast (``torch.autocast("cpu")``'s default dtype), no scaler.
 
 ``MGPU_GPU_CAPABILITY=7.5`` (the environment variable, ``MAJOR.MINOR``) makes the decision on a CUDA device as if
-the GPU had that compute capability: the course behaves as on a T4 (fp16 + GradScaler) on any NVIDIA GPU, through
+the GPU had that compute capability: the course behaves as on a T4 (fp16 + GradScaler) on any GPU, through
 this same decision, and ``why`` says where the capability came from. A CPU ignores it; a value that is not
 ``MAJOR.MINOR`` is a ValueError.
 """
