@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mgpu-installed
 
-.PHONY: lab test test-fast test-browser release check-release clean-venv
+.PHONY: lab test test-fast test-min-torch test-browser release check-release clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ test-fast: $(STAMP)
 	$(VENV)/bin/mgpu-course release --check
 	MGPU_SEEDS=2 $(PY) -m pytest -n 2 --dist loadfile -m "not slow and not browser and not answers" tests \
 	  $$(git diff --name-only --diff-filter=d $$(git merge-base HEAD $(BASE)) -- 'solutions/*.ipynb')
+
+# The oldest torch the course supports (MIN_TORCH in mgpu_helpers/__init__.py, pyproject's pin), in a venv of
+# its own (.venv-min): the package imports, then the fast tier. Not in .ci/run: CI's time goes to `make test`.
+MIN_TORCH_PIN := torch==2.11.0
+test-min-torch:
+	$(MAKE) VENV=.venv-min TORCH=$(MIN_TORCH_PIN) .venv-min/.mgpu-installed
+	.venv-min/bin/python -c "import torch, mgpu_helpers; print('mgpu_helpers imports under torch', torch.__version__)"
+	$(MAKE) test-fast VENV=.venv-min TORCH=$(MIN_TORCH_PIN)
 
 # The learner's path in headless Chromium (tests/browser): needs Playwright for Python (the `browser`
 # extra) and Debian's chromium, installed here with apt-get when missing and we are root. Not part of

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .memory import make_optimizer, mlp
 from .runtime.plots import COLORS, LABELS, unit_for
+from .runtime.precision import training_precision
 from .runtime.tracker import MemoryTracker
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -95,22 +96,26 @@ def autocast_dtypes(device: str = "cpu", dtype=torch.bfloat16) -> dict[str, str]
 def step_memory(widths, batch: int, precision: str, device=None, seed: int = 0) -> dict:
     """Forward + backward of an MLP (``memory.mlp``) on ``batch`` rows, measured with ``MemoryTracker``:
     ``activations`` alive after forward (what backward will need), ``peak`` bytes of the whole
-    forward+backward, and its ``peak_breakdown``. The optimizer step is left out: it is the same in
-    "fp32" and "autocast" (fp32 weights, gradients and state either way)."""
+    forward+backward, and its ``peak_breakdown``. The optimizer step (and in fp16 its GradScaler) is left
+    out: it is the same in "fp32" and "autocast" (fp32 weights, gradients and state either way). The 16 bits
+    are ``training_precision(device)``'s: bf16 on a CPU, fp16 on a GPU without bf16 (the "bf16" row is then
+    an fp16 model: the same bytes)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: unknown precision {precision!r}; use one of {', '.join(map(repr, PRECISIONS))}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dt = torch.bfloat16 if precision == "bf16" else torch.float32
+    # the 16-bit type this device trains in (bf16 on a CPU; fp16 on a GPU without bf16 units, a T4): same bytes
+    half = training_precision(device).dtype
+    dt = half if precision == "bf16" else torch.float32
     model = mlp(list(widths), dtype=dt, seed=seed).to(device)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(batch, widths[0], generator=g).to(device, dt)
     y = torch.randint(widths[-1], (batch,), generator=g).to(device)
     if device.type == "cuda":  # cuBLAS's workspace and autocast's kernels exist before measuring (as in 01)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        with torch.autocast("cuda", dtype=half, enabled=precision == "autocast"):
             F.cross_entropy(model(x).float(), y).backward()
         model.zero_grad(set_to_none=True)
     with MemoryTracker(model) as mt:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast"):
+        with torch.autocast(device.type, dtype=half, enabled=precision == "autocast"):
             logits = model(x)
         activations = mt.breakdown()["activations"]
         mt.mark("backward")

@@ -56,6 +56,21 @@ def test_autocast_raises_memory_when_weights_dominate_and_lowers_it_otherwise():
     assert set(heavy) == set(PRECISIONS)
 
 
+def test_step_memory_takes_the_devices_16_bits(monkeypatch):
+    """The 16-bit rows run in training_precision(device)'s type: fp16 where it says so (a T4)."""
+    import mgpu_helpers.amp as amp
+    from mgpu_helpers.runtime.precision import Precision
+    bf16 = compare_precisions([64] * 3, 8)
+    asked, dtypes, mlp = [], [], amp.mlp
+    monkeypatch.setattr(amp, "training_precision",
+                        lambda device: asked.append(device) or Precision("cpu", torch.float16, True, "a T4"))
+    monkeypatch.setattr(amp, "mlp", lambda widths, dtype=torch.float32, seed=0:
+                        dtypes.append(dtype) or mlp(widths, dtype=dtype, seed=seed))
+    fp16 = compare_precisions([64] * 3, 8)
+    assert asked == [torch.device("cpu")] * 3 and dtypes == [torch.float32, torch.float32, torch.float16]
+    assert fp16["autocast"]["activations"] == bf16["autocast"]["activations"]  # 2 bytes an element either way
+
+
 def test_plain_python_rule_equals_gradscaler_on_random_scripts():
     for seed in range(10):
         for case in LossScalerCheck().cases(random.Random(seed)):

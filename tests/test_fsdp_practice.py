@@ -56,6 +56,23 @@ def test_mixed_precision_policy_gathers_bf16_and_reduces_fp32():
     assert mp["state"] == fp32["state"]           # fp32 master shards and optimizer state either way
 
 
+def test_a_gpu_without_bf16_gathers_fp16_and_the_scaler_agrees_across_ranks(monkeypatch):
+    """Where training_precision says fp16 + GradScaler (a T4), both 16-bit knobs follow it: MixedPrecisionPolicy
+    gathers fp16, and torch.amp.GradScaler's inf check on DTensor gradients all-reduces one 4-byte found_inf per
+    step (DTensor's found_inf_reduce_handler), which fp32 does not."""
+    from mgpu_helpers.fsdp_practice import init, knobs
+    from mgpu_helpers.runtime.precision import Precision
+    for module in (knobs, init):
+        monkeypatch.setattr(module, "training_precision", lambda device: Precision("cpu", torch.float16, True, "a T4"))
+    with fake_world(2):
+        fp32, mp, ac = (fp.measure(0, 2, k, SMALL, categories=False)["comm"]
+                        for k in ({}, {"precision": "mp_policy"}, {"precision": "autocast"}))
+        saved = fp.saved_for_backward(0, 2, "autocast", rows=8, model_kw=SMALL)
+    assert "all_gather float16" in mp and "all_gather float32" in ac and "float16" in saved and "bfloat16" not in saved
+    assert mp["all_reduce float32"] == ac["all_reduce float32"] == {"calls": 1, "bytes_in": 4, "bytes_out": 4}
+    assert "all_reduce float32" not in fp32
+
+
 def test_reshard_after_forward_trades_memory_for_all_gathers():
     rows = {r["reshard_after_forward"]: r for r in fp.sweep(2, [{"reshard_after_forward": True},
                                                                 {"reshard_after_forward": False}], SMALL)}

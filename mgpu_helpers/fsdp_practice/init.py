@@ -15,6 +15,7 @@ from ..memory import nbytes
 from .instruments import profiled_peak
 from .knobs import MODEL, Net, make_model, shard
 from ..runtime.launch import rank_device
+from ..runtime.precision import training_precision
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> None:
@@ -164,7 +165,8 @@ def saved_for_backward(rank, world_size, precision="fp32", rows=64, model_kw=Non
     model, _, _ = build({"precision": precision, "rows": rows}, model_kw)
     mkw = {**MODEL, **(model_kw or {})}
     x = torch.randn(rows, mkw["d_in"], device=rank_device())
-    cast = torch.autocast(rank_device().type, torch.bfloat16, enabled=precision == "autocast")
+    half = training_precision(rank_device()).dtype  # as knobs.build's step: fp16 on a GPU without bf16
+    cast = torch.autocast(rank_device().type, half, enabled=precision == "autocast")
     with SavedBytes(model) as s, cast:
         loss = model(x).float().pow(2).mean()
     loss.backward()

@@ -17,6 +17,7 @@ from torch.profiler import record_function
 from ..memory import make_batch
 from ..runtime.fake_world import fake_world
 from ..runtime.launch import rank_device
+from ..runtime.precision import training_precision
 from ..runtime.tracker import MemoryTracker
 from ..runtime.comm_log import CommLog
 from .instruments import profiled_peak, state_bytes
@@ -118,7 +119,8 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
                          "async_unshard (bool)")
     mkw = {**MODEL, **(model_kw or {})}
     model = make_model(**mkw, seed=seed)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+    half = training_precision(rank_device())  # bf16, or fp16 + GradScaler on a GPU without bf16 (a T4)
+    mp = MixedPrecisionPolicy(param_dtype=half.dtype, reduce_dtype=torch.float32) \
         if k["precision"] == "mp_policy" else None
     if shard_fn is None:
         shard(model, reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"], mp_policy=mp,
@@ -135,18 +137,24 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
     world, rank = dist.get_world_size(), dist.get_rank()
     x, y = make_batch(k["rows"] * world, mkw["d_in"], mkw["classes"], seed + 1)
     x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
-    cast = torch.autocast(rank_device().type, torch.bfloat16) if k["precision"] == "autocast" \
+    cast = torch.autocast(rank_device().type, half.dtype) if k["precision"] == "autocast" \
         else contextlib.nullcontext()
     hooks = torch.autograd.graph.save_on_cpu(pin_memory=False) if k["save_on_cpu"] else contextlib.nullcontext()
+    # fp16 needs loss scaling. FSDP2 takes torch.amp.GradScaler itself (ShardedGradScaler is FSDP1's): its
+    # gradients are DTensors, and DTensor runs the scaler's inf check as one op whose found_inf it all-reduces
+    # (max) over the mesh (torch/distributed/tensor/_dispatch.py, found_inf_reduce_handler), so every rank
+    # skips the same steps. Disabled (bf16, fp32), scale() and step() pass through: the same step as without.
+    scaler = torch.amp.GradScaler(rank_device().type, enabled=half.needs_scaler and k["precision"] != "fp32")
 
     def step(mark=lambda phase: None):
         with record_function("## forward ##"), cast, hooks:
             loss = F.cross_entropy(model(x), y)
         mark("backward")
         with record_function("## backward ##"):
-            loss.backward()
+            scaler.scale(loss).backward()
         with record_function("## optimizer ##"):
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad(set_to_none=True)
         return loss.detach()
     return model, opt, step

@@ -17,14 +17,23 @@
   ``including_emulation=False``, which is the compute capability test.
 * ROCm GPUs: bf16 (``is_bf16_supported`` returns True for every HIP device).
 * A CPU: bf16 autocast (``torch.autocast("cpu")``'s default dtype), no scaler.
+
+``MGPU_GPU_CAPABILITY=7.5`` (the environment variable, ``MAJOR.MINOR``) makes the decision on a CUDA device as if
+the GPU had that compute capability: the course behaves as on a T4 (fp16 + GradScaler) on any GPU, through
+this same decision, and ``why`` says where the capability came from. A CPU ignores it; a value that is not
+``MAJOR.MINOR`` is a ValueError.
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Precision", "for_gpu", "training_precision"]
+__all__ = ["CAPABILITY_ENV", "Precision", "for_gpu", "training_precision"]
+
+CAPABILITY_ENV = "MGPU_GPU_CAPABILITY"  # "7.5": decide on a CUDA device as if it had this compute capability
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,9 @@ class Precision:
 
 
 def training_precision(device: torch.device | str | None = None) -> Precision:
-    """The autocast dtype and whether a GradScaler is needed on ``device`` (default: cuda if visible)."""
+    """The autocast dtype and whether a GradScaler is needed on ``device`` (default: cuda if visible);
+    ``MGPU_GPU_CAPABILITY`` set, on a CUDA device as if it had that compute capability."""
+    told = _told_capability()
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -50,17 +61,32 @@ def training_precision(device: torch.device | str | None = None) -> Precision:
         raise ValueError(f"training_precision: device {str(device)!r}: the course trains on 'cuda' or 'cpu'")
     index = device.index if device.index is not None else torch.cuda.current_device()
     name = torch.cuda.get_device_name(index)
+    if told is not None:
+        return for_gpu(name, told, source=f", from {CAPABILITY_ENV}")
     if torch.version.hip:
         return Precision("cuda", torch.bfloat16, False, f"{name} (ROCm): bf16 autocast, no loss scaling")
     return for_gpu(name, torch.cuda.get_device_capability(index))
 
 
-def for_gpu(name: str, capability: tuple[int, int]) -> Precision:
-    """The choice for an NVIDIA GPU of this compute capability (what ``training_precision`` decides on it)."""
+def for_gpu(name: str, capability: tuple[int, int], source: str = "") -> Precision:
+    """The choice for an NVIDIA GPU of this compute capability (what ``training_precision`` decides on it);
+    ``source`` follows the capability in ``why`` (where it came from, when not the GPU)."""
     major, minor = capability
     if major >= 8:
-        return Precision("cuda", torch.bfloat16, False,
-                         f"{name} (compute capability {major}.{minor}): native bf16, so bf16 autocast and no loss scaling")
+        return Precision("cuda", torch.bfloat16, False, f"{name} (compute capability {major}.{minor}{source}): "
+                                                        f"native bf16, so bf16 autocast and no loss scaling")
     return Precision("cuda", torch.float16, True,
-                     f"{name} (compute capability {major}.{minor}) has no native bf16: fp16 autocast with "
+                     f"{name} (compute capability {major}.{minor}{source}) has no native bf16: fp16 autocast with "
                      f"torch.amp.GradScaler (loss scaling is required in fp16)")
+
+
+def _told_capability() -> tuple[int, int] | None:
+    """``MGPU_GPU_CAPABILITY`` as (major, minor), or None when it is unset or empty."""
+    raw = os.environ.get(CAPABILITY_ENV, "").strip()
+    if not raw:
+        return None
+    m = re.fullmatch(r"(\d+)\.(\d+)", raw)
+    if not m:
+        raise ValueError(f"{CAPABILITY_ENV}={raw!r}: a compute capability as MAJOR.MINOR, e.g. 7.5 (a T4) or "
+                         f"8.0 (an A100); unset it to use the GPU's own")
+    return int(m[1]), int(m[2])
