@@ -1,18 +1,8 @@
-"""Notebook 07 -- activation checkpointing: keep a few tensors, recompute the rest in backward.
-
-A stack of L residual blocks, split into **segments of k consecutive blocks** (blocks 0..k-1, k..2k-1, ...;
-the last segment is shorter when k does not divide L), each segment run under
-``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: forward keeps only each segment's input
-(one residual tensor, ``s`` bytes); backward recomputes one segment at a time, so at most k blocks'
-activations (``a`` bytes each) are alive at once. Activation memory ~ (L/k)·s + k·a, smallest near
-k = sqrt(L·s/a): the sqrt(L) rule (Chen et al. 2016, "Training deep nets with sublinear memory cost").
-
-``predict_peak`` gives the exact peak of one forward + backward of :class:`Stack` for any plan of
-checkpointed segments and plain blocks, byte for byte what :class:`MemoryTracker` measures on a CPU
-(tests/test_checkpointing.py proves it over random shapes). ``torch_segments`` is torch's own
-``checkpoint_sequential``, which the cells use until exercise 7.1 is written; ``selective_context`` is torch's
-selective checkpointing with a "save the matmuls, recompute the pointwise ops" policy. The check of 7.1 is in
-``checks.checkpointing``. Nothing here is distributed: every figure is one process's.
+"""Notebook 07 -- activation checkpointing: L residual blocks in segments of k, each under
+``checkpoint(..., use_reentrant=False)``, keep (L/k)·s + k·a bytes of activations, least near k = sqrt(L·s/a)
+(Chen et al. 2016). ``predict_peak`` gives the exact peak of one step of :class:`Stack` for any plan, byte for
+byte what :class:`MemoryTracker` measures on a CPU (tests/test_checkpointing.py, over random shapes);
+``selective_context`` saves the matmuls and recomputes the rest. The check of 7.1 is in ``checks.checkpointing``.
 """
 from __future__ import annotations
 
@@ -22,10 +12,9 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
                                     create_selective_checkpoint_contexts)
-
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .runtime.tracker import MemoryTracker
 
@@ -63,8 +52,6 @@ def make_data(batch: int, d: int, classes: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)  # its own generator: the global RNG stays untouched
     return torch.randn(batch, d, generator=g), torch.randint(0, classes, (batch,), generator=g)
 
-
-# --- the plan: which blocks are checkpointed together ---------------------------------------------------
 
 def segments(layers: int, k: int) -> list[tuple[int, int]]:
     """[(start, stop), ...]: consecutive runs of k blocks, the last one shorter when k does not divide L."""
@@ -117,8 +104,6 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# --- selective checkpointing: save what is expensive to recompute ----------------------------------------
-
 # aten ops as the policy sees them: nn.Linear reaches it as addmm (or mm without a bias), never as
 # aten.linear, which decomposes before dispatch (``policy_ops`` shows what a block sends it).
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
@@ -160,8 +145,6 @@ def recomputed_ops(model: Stack, x, y, forward, k=None) -> dict[str, int]:
             counts[op] = counts.get(op, 0) + 1
     return counts
 
-
-# --- prediction: the exact peak of one forward + backward of Stack ----------------------------------------
 
 def sequential_plan(layers: int, k: int) -> list[tuple[int, bool]]:
     """The plan :func:`torch_segments` runs: n = ceil(L/k) segments of floor(L/n) blocks, the last unchecked."""
@@ -259,7 +242,7 @@ def selective_vs_full(layers=8, d=128, h=512, classes=8, batch=512, repeat=3):
     return out
 
 
-def plot_sweep(rows, layers, ax_mem=None, passed=None, optimum=None):
+def plot_sweep(rows, layers, passed=None, optimum=None):
     """Peak memory (measured, predicted) and step time against k, no checkpointing as a line; on the
     memory panel the measured optimum, sqrt(L) and ``optimum`` (sqrt(L·s/a), the formula's) marked; on the
     time panel what the op counts predict if matmuls were all the time."""
@@ -298,6 +281,3 @@ def op_count_ratio(recomputed: int, layers: int) -> float:
     """Step time relative to no checkpointing if the blocks' matmuls were all the time: forward runs 2L
     of them, backward twice as many (input and weight gradients), and checkpointing adds ``recomputed``."""
     return (6 * layers + recomputed) / (6 * layers)
-
-
-# --- exercise 7.1 --------------------------------------------------------------------------------------

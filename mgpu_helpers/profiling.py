@@ -1,12 +1,7 @@
-"""Notebook 02 -- measuring memory: allocated vs reserved vs peak, snapshots, the profiler, and checks.
-
-On a GPU the allocator's counters are read live (:func:`allocator_demo`) and a snapshot of one training
-step is recorded (:func:`record_step_snapshot`). A CPU cannot run those, so the notebook shows figures
-stored under ``solutions/assets/02_gpu_*`` by ``PYTHONPATH=. python3 bench/profiling_gpu.py``, which runs
-these same functions on a GPU: ``02_gpu_figures.json`` (the numbers), ``02_gpu_snapshot.pickle``
-(``torch.cuda.memory._dump_snapshot``: open it at https://pytorch.org/memory_viz) and
-``02_gpu_snapshot.png`` (drawn by :func:`plot_snapshot` from that pickle). The checks of 2.1 and 2.2 are
-in ``checks.profiling``.
+"""Notebook 02 -- measuring memory: allocated vs reserved vs peak, snapshots, the profiler (checks of 2.1 and
+2.2 in ``checks.profiling``). :func:`allocator_demo` and :func:`record_step_snapshot` need a GPU: on a CPU
+the notebook shows what ``PYTHONPATH=. python3 bench/profiling_gpu.py`` stored from them under
+``solutions/assets/02_gpu_*`` (the snapshot pickle opens at https://pytorch.org/memory_viz).
 """
 from __future__ import annotations
 
@@ -49,8 +44,6 @@ def stored_figures() -> dict:
 def stored_snapshot() -> dict:  # our own file (bench/profiling_gpu.py): plain dicts and lists
     return pickle.loads(asset(SNAPSHOT).read_bytes())
 
-
-# --- the caching allocator, live on a GPU ---------------------------------------------------------
 
 def _counters(dev) -> dict:
     free, total = torch.cuda.mem_get_info(dev)
@@ -120,8 +113,6 @@ def explain_allocator(rows: dict) -> None:
     print(f"not PyTorch's: device used - reserved = {mib(last['device_used'] - last['reserved'])} "
           f"(the CUDA context, and any other process on the GPU)")
 
-
-# --- memory snapshots ------------------------------------------------------------------------------
 
 def train_step(model, opt, x, y, mark=lambda phase: None) -> None:
     """One training step in three phases; ``mark(phase)`` is called as each begins."""
@@ -204,8 +195,6 @@ def top_memory_ops(prof, k: int = 6) -> list[tuple[str, int]]:
     rows = [(e.key, int(e.self_cpu_memory_usage)) for e in prof.key_averages() if e.self_cpu_memory_usage > 0]
     return sorted(rows, key=lambda r: (-r[1], r[0]))[:k]
 
-
-# --- exercise 2.1's scenario (its check runs it, its reference measures it) --------------------------------
 
 def scenario_inputs(case):
     model = mlp(case["widths"], seed=case["seed"])

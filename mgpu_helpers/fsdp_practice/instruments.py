@@ -65,6 +65,3 @@ def profiled_peak(baseline: int = 0):
                     r["phases"][name[3:-3]] = max(r["phases"].get(name[3:-3], 0), baseline + max(inside))
                 if at_mm := [ref.live_at(t, inclusive=True) for t in mms if a <= t <= b]:
                     r["compute"][name[3:-3]] = max(r["compute"].get(name[3:-3], 0), baseline + max(at_mm))
-
-
-__all__ = ["state_bytes", "profiled_peak"]

@@ -34,6 +34,3 @@ def plan_knobs(world_size: int, knobs: dict, model_kw=None):
                 precision=PRECISION[k["precision"]], zero_stage=3, world_size=world_size, device="cpu",
                 reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"] or 1,
                 offload=k["offload"])
-
-
-__all__ = ["plan_knobs"]

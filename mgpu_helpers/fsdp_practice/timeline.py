@@ -170,6 +170,3 @@ def plot(traces_by_label: dict, title="One training step on every rank: compute 
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.grid(axis="x", alpha=0.3)
     return fig
-
-
-__all__ = ["trace", "summarize", "overlap", "plot", "COMPUTE"]

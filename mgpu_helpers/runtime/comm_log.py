@@ -1,8 +1,6 @@
-"""``CommLog``: the collectives this rank makes, as the dispatcher sees them.
-
-Collectives called from Python (FSDP2's all-gathers and reduce-scatters, ``dist.*``, DTensor's) pass the
-dispatcher as ``c10d`` / ``_c10d_functional`` ops, where a dispatch mode sees them. DDP's built-in
-all-reduce runs in C++ and is not seen: count it with a comm hook (``accumulation.AllReduceCount``)."""
+"""``CommLog``: the collectives this rank makes, as the dispatcher sees them (``c10d`` / ``_c10d_functional``
+ops: FSDP2's, ``dist.*``, DTensor's). DDP's built-in all-reduce runs in C++, unseen: count it with a comm hook
+(``accumulation.AllReduceCount``)."""
 from __future__ import annotations
 
 from collections import Counter

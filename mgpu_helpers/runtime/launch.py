@@ -1,7 +1,5 @@
 """Run ``fn(rank, world_size, *args)`` on N processes from a notebook cell, or as a torchrun script.
 
-    import torch, torch.distributed as dist
-    from mgpu_helpers.runtime.launch import run_ranks, rank_device
     def work(rank, world_size):
         t = torch.ones(2, device=rank_device()) * (rank + 1)
         dist.all_reduce(t)                      # the process group is already set up
@@ -11,35 +9,28 @@
 As a script, ``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2 -m my.module`` (try
 ``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.runtime.launch``). ``describe(2)`` says how 2 ranks
 would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving
-``timeout`` s raises ``TimeoutError`` (``RankTimeout``) saying where each hung rank was; every way out
-(Ctrl-C too) kills and joins every child. launch_watch.py watches the running ranks.
+``timeout`` s raises ``RankTimeout`` (a TimeoutError) saying where each hung rank was; every way out (Ctrl-C
+too) kills and joins every child. launch_watch.py watches the running ranks.
 
 **Backends and the device contract.** ``backend="auto"`` gives each rank, by what the machine has:
 
-- one GPU per rank: an NCCL group, ``rank_device()`` = ``cuda:LOCAL_RANK``. An NCCL-only group has no CPU
-  backend: a collective or send/recv on a CPU tensor raises "No backend type associated with device type
-  cpu". So a rank's tensors that meet a collective live on ``rank_device()``: models are built there, batches
-  are made there, results go back as Python values or ``.cpu()`` tensors.
-- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``. Gloo would take CPU tensors anywhere,
-  so each such rank runs under ``contract.py``: a tensor that would be a host tensor on a GPU machine and
-  reaches a collective or send/recv raises ``ContractError`` naming it. Code that runs here runs on GPUs.
-- ``MGPU_SHARED_GPU=1`` and at least one GPU but fewer than ranks (tests: several ranks on the one lent
-  GPU): a CUDA-only gloo group, ``init_process_group("cuda:gloo")``, every rank on GPU 0
-  (``torch.cuda.set_device(0)``; NCCL refuses two ranks on one GPU). Like NCCL it has no CPU backend, so
-  the contract holds as on real GPUs; but gloo's CUDA side does less than NCCL: on an H100 (torch 2.11) its
-  all_reduce, broadcast, reduce, all_gather(_into_tensor), reduce_scatter(_tensor) and all_to_all_single ran,
-  while send/recv failed ("Bad address") and ``DTensor.full_tensor()`` killed the ranks (SIGSEGV). A cell that
-  fails there for that reason needs one GPU per rank (bench/RESULTS.md, 2026-12-06).
+- one GPU per rank: an NCCL group, ``rank_device()`` = ``cuda:LOCAL_RANK``. NCCL has no CPU backend (a CPU
+  tensor in a collective raises "No backend type associated with device type cpu"), so models and batches
+  live on ``rank_device()`` and results go back as Python values or ``.cpu()`` tensors.
+- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``, each rank under ``contract.py``: a
+  tensor that would be a host tensor on a GPU machine raises ``ContractError`` in a collective or send/recv.
+- ``MGPU_SHARED_GPU=1`` and at least one GPU but fewer than ranks (tests on one lent GPU): a CUDA-only gloo
+  group, ``init_process_group("cuda:gloo")``, every rank on GPU 0 (NCCL refuses two ranks on one GPU). Like
+  NCCL it has no CPU backend; but on an H100 (torch 2.11) only its all_reduce, broadcast, reduce,
+  all_gather(_into_tensor), reduce_scatter(_tensor) and all_to_all_single ran, while send/recv failed ("Bad
+  address") and ``DTensor.full_tensor()`` killed the ranks (SIGSEGV): such a cell needs one GPU per rank
+  (bench/RESULTS.md, 2026-12-06).
 
-``cpu_backend=True`` adds a CPU backend beside NCCL: ``init_process_group("cuda:nccl,cpu:gloo")``, as
-torchtitan does, for what needs CPU collectives: ``dcp.async_save`` stages the state dict in CPU memory and
-refuses a group without one ("A CPU backend must be enabled for async save",
-torch/distributed/checkpoint/state_dict_saver.py). Object collectives (``all_gather_object``...) need none:
-on NCCL they go through ``torch.cuda.current_device()``. On gloo CPU ranks it changes nothing but tell the
-contract that ``dcp.async_save`` may run. It is off by default, so that a CPU tensor in a
-collective fails on GPUs as the contract says instead of taking a slow gloo detour. With it,
-``dist.get_backend()`` returns the whole string ("cuda:nccl,cpu:gloo", torch/distributed/distributed_c10d.py
-keeps what init was given), not "nccl": ask ``rank_device()`` for the device, not ``get_backend()``.
+``cpu_backend=True`` adds a CPU backend beside NCCL, ``init_process_group("cuda:nccl,cpu:gloo")`` as torchtitan
+does: ``dcp.async_save`` refuses a group without one ("A CPU backend must be enabled for async save",
+torch/distributed/checkpoint/state_dict_saver.py). Object collectives need none. Off by default, so that a
+CPU tensor in a collective fails on GPUs as the contract says instead of taking a slow gloo detour; with it
+``dist.get_backend()`` returns the whole string: ask ``rank_device()`` for the device.
 """
 import contextlib, datetime, faulthandler, io, linecache, multiprocessing as mp, os, pickle, signal  # noqa: E401
 import pkgutil
@@ -58,8 +49,6 @@ import torch.distributed as dist
 
 from . import contract
 from .launch_watch import DUMP_SIGNAL, RankError, RankTimeout, collect
-
-__all__ = ["run_ranks", "rank_device", "torchrun_main", "RankError", "RankTimeout", "describe"]
 
 _device = None  # the device of the rank this process runs; None in the caller
 _noted = False  # whether this process has said that it falls back from GPUs to gloo
@@ -182,13 +171,6 @@ def _interrupt_deferred():
 
 def _threads(method, world_size, threads):
     return threads or (1 if method == "fork" else max(1, _cores() // world_size))
-
-
-def rank_threads(world_size: int, backend: str = "auto") -> int:
-    """The threads each of ``world_size`` ranks gets from ``run_ranks`` by default on this machine (what a
-    CPU plan of those ranks assumes: some CPU kernels' scratch is per thread)."""
-    chosen, _ = _choose_backend(backend, world_size)
-    return _threads(_start_method(chosen), world_size, None)
 
 
 def describe(world_size=2, backend="auto", threads=None):

@@ -1,8 +1,5 @@
-"""Memory plots shared by the notebooks (stacked per-category bars, timelines) and the one byte formatter.
-
-Every figure is labelled in MiB (or GiB when large) and uses one colour per category, the same in every
-notebook, so a learner recognises "optimizer state" at a glance wherever it appears.
-"""
+"""Memory plots shared by the notebooks and the one byte formatter: one colour per category in every notebook,
+so a learner recognises "optimizer state" at a glance wherever it appears."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence

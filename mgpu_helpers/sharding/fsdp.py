@@ -203,8 +203,3 @@ def _demo(rank, world_size):
                      f"{'equal' if diff.item() < 1e-4 else 'DIFFER from'} one process (max |diff| {diff.item():.1e} over ranks); rank {rank} holds {got} bytes of model state, "
                      f"the formula {want} ({got / want:.3f}x)")
     return "\n".join(lines)
-
-
-__all__ = ["STAGE", "build", "measure", "sweep", "trains_like_one_process", "formula",
-           "plot_per_rank", "plot_peaks", "all_gather_flat"]
-
