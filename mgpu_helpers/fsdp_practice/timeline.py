@@ -1,17 +1,8 @@
 """Notebook 12 -- communication hidden behind compute: every rank's ``torch.profiler`` trace of one training
-step, merged into one figure, and the overlap measured as a fraction of communication time.
-
-What counts as what, read from the trace (never guessed from wall clocks alone):
-
-* **communication**: on a CPU, gloo runs each collective in its own worker thread, which the profiler
-  records as ``gloo:all_gather`` / ``gloo:all_reduce`` / ... ranges (gloo has no reduce-scatter of its own:
-  FSDP2's reduce-scatter shows as ``gloo:all_reduce``); on a GPU, the NCCL kernels (``nccl...``);
-* **compute**: the model's matrix multiplies and activations (``aten::mm``, ``aten::addmm``,
-  ``aten::gelu``, ``aten::gelu_backward``) on the main thread; on a GPU, every other kernel.
-
-``overlap`` = (time when communication and compute both run) / (time when communication runs). The times
-are real and vary from run to run (the notebook prints them under ``NBVAL_IGNORE_OUTPUT``); which
-collectives run, how many and how many bytes do not vary.
+step, merged into one figure; ``overlap`` = (time both run) / (time communication runs). Communication: on a
+CPU gloo's worker-thread ranges (``gloo:all_reduce``...; FSDP2's reduce-scatter shows as an all_reduce), on a
+GPU the NCCL kernels; compute: ``COMPUTE`` on the main thread, on a GPU every other kernel. Times vary from
+run to run; which collectives run, and how many, do not.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Notebook 09, part 1 -- pipeline parallelism: a model's layers split across ranks (exercise 9.1).
-
-Rank r keeps a contiguous share of the layers (its *stage*), receives activations from rank r-1 with
-``dist.recv``, sends its output to rank r+1 with ``dist.send``, and in backward passes gradients the other
-way. GPipe cuts the batch into m micro-batches and runs all their forwards, then all their backwards, so
-that stages work at the same time; the ramp-up and ramp-down leave each rank idle a fraction
-(p-1)/(m+p-1) of the step: the *bubble*. ``StepRecorder`` watches a
-rank's sends, receives and stage (a step clock carried along with every message, a timeout on every
-wait) so that a check can tell a right answer from a deadlock, and a timeline can be drawn.
+``StepRecorder`` watches a rank's sends, receives and stage (a step clock carried with every message, a
+timeout on every wait), so that a check can tell a right answer from a deadlock and a timeline can be drawn.
 """
 from __future__ import annotations
 
@@ -20,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..memory import make_batch
 from ..runtime.launch import rank_device
 
 P2P_TIMEOUT = 3.0  # seconds a recorded send/recv may wait: the checks' ranks exchange tiny tensors
@@ -32,13 +27,6 @@ def make_model(n_layers: int, width: int, seed: int = 0, device=None) -> nn.Sequ
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
     return model.to(device or rank_device())
-
-
-def make_batch(n: int, width: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, class targets) on ``device``, by default ``rank_device()``, drawn on the CPU as make_model."""
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(n, width, generator=g), torch.randint(0, width, (n,), generator=g)
-    return x.to(device or rank_device()), y.to(device or rank_device())
 
 
 def stage_bounds(n_layers: int, world_size: int) -> list[tuple[int, int]]:
@@ -58,8 +46,6 @@ def single_process_step(model: nn.Module, inputs, targets) -> float:
     loss.backward()
     return loss.item()
 
-
-# --- watching a rank: its sends/recvs (with a timeout and a step clock) and its stage ---------------
 
 class Stuck(RuntimeError):
     """A recorded send/recv waited longer than its timeout, or its peer went away."""
@@ -141,7 +127,7 @@ class StepRecorder:
 def step_timeline(rank: int, world_size: int, fn, n_layers: int, n_micro: int, width: int = 16,
                   batch: int = 0, seed: int = 0) -> dict:
     """In a rank: one step of ``fn`` (pipeline_step's signature) watched by a StepRecorder."""
-    model, (x, y) = make_model(n_layers, width, seed), make_batch(batch or 2 * n_micro, width, seed + 1)
+    model, (x, y) = make_model(n_layers, width, seed), make_batch(batch or 2 * n_micro, width, width, seed + 1)
     with StepRecorder(model, stage_bounds(n_layers, world_size)[rank][0]) as rec:
         fn(model, x, y, n_micro)
     return {"steps": rec.steps, "clock": rec.clock}
@@ -155,7 +141,7 @@ def wall_timeline(rank: int, world_size: int, fn, n_micro: int, n_layers: int = 
     On a GPU the hooks run when the CPU *enqueues* the kernels, so they record CUDA events, read after the
     step: the GPU's own busy intervals, placed on the CPU clock by an event recorded when the ranks start
     together (to within a kernel launch)."""
-    model, (x, y), best = make_model(n_layers, width), make_batch(batch, width), None
+    model, (x, y), best = make_model(n_layers, width), make_batch(batch, width, width), None
     start, end = stage_bounds(n_layers, world_size)[rank]
     first, last, timeline, began = model[start], model[end - 1], [], {}
     cuda = rank_device().type == "cuda"

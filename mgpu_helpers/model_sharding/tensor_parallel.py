@@ -1,13 +1,6 @@
-"""Notebook 09, part 2 -- tensor parallelism: one layer's weights split across ranks (exercise 9.2).
-
-The Megatron-LM MLP: fc1 is *column-parallel* (rank r keeps rows r·h/N … of W1 and b1, i.e. a slice of the
-hidden features), fc2 is *row-parallel* (rank r keeps the matching columns of W2), so that each rank's
-``relu(x W1_rᵀ + b1_r) W2_rᵀ`` is a partial sum of the output and ONE ``all_reduce`` completes it; fc2's bias
-is added once, after the sum. In backward the same happens mirrored: the gradient reaching x is a partial
-sum on each rank, so the operator that copied x into the parallel region all-reduces in backward. Megatron
-calls the two operators f (identity forward, all_reduce backward) and g (all_reduce forward, identity
-backward). ``torch_tensor_parallel`` does the split with ``torch.distributed.tensor.parallel``; the check of
-9.2 is in ``checks.model_sharding``.
+"""Notebook 09, part 2 -- tensor parallelism: one layer's weights split across ranks (exercise 9.2), the
+Megatron-LM MLP (fc1 column-parallel, fc2 row-parallel, one ``all_reduce`` per pass), and torch's own split
+(``torch_tensor_parallel``, ``torch.distributed.tensor.parallel``).
 """
 from __future__ import annotations
 

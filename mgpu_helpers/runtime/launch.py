@@ -95,19 +95,17 @@ def _note(note):
 
 
 def _start_method(backend, threads=None):
-    # Fork starts 2 ranks in 0.1 s, spawn in 2.3 s (2 cores, torch 2.13), and ranks see notebook globals. But forked
-    # children can't use CUDA once the parent asked for it, nor run backward once a CUDA build's autograd
-    # started per-GPU threads (H200): no fork with a GPU. GNU OpenMP hangs a forked child's first parallel
-    # op if the parent ran one: forked ranks get 1 thread. Otherwise ranks fork from a forkserver: a fresh
-    # interpreter (exec'd, whatever the caller did to CUDA) that imported torch once and never touches
-    # CUDA nor runs a parallel op, so its children can do both: 0.5 s against 5 s for spawn (H200).
+    # Fork starts 2 ranks in 0.1 s, spawn in 2.3 s (2 cores, torch 2.13). But forked children can't use CUDA
+    # once the parent asked for it, nor run backward once a CUDA build's autograd started per-GPU threads
+    # (H200), and GNU OpenMP hangs a forked child's first parallel op if the parent ran one: fork only
+    # without a GPU, 1 thread per rank. Otherwise a forkserver: a fresh interpreter that imported torch
+    # and never touches CUDA nor runs a parallel op: 0.5 s against 5 s for spawn (H200).
     if os.environ.get("MGPU_START_METHOD"):  # tests, debugging: fork, forkserver or spawn
         return os.environ["MGPU_START_METHOD"]
     if not sys.platform.startswith("linux"):
         return "spawn"  # macOS: fork and forkserver children may crash in system frameworks
-    # A CUDA build counts as "with a GPU" even where none is visible (CUDA_VISIBLE_DEVICES=""): on the H200
-    # host's Xeon, torch 2.11+cu130 with no GPU visible, forked ranks still hit "Unable to handle autograd's
-    # threading in combination with fork-based multiprocessing" once the caller had run a backward.
+    # A CUDA build counts as "with a GPU" even with none visible: forked ranks still hit "Unable to handle
+    # autograd's threading in combination with fork-based multiprocessing" once the caller ran a backward.
     fork_ok = (backend == "gloo" and not torch.backends.cuda.is_built() and not torch.cuda.is_initialized()
                and torch.cuda.device_count() == 0 and (threads or 1) == 1)
     return "fork" if fork_ok else "forkserver"
@@ -117,22 +115,19 @@ def _context(method):
     ctx = mp.get_context(method)
     if method == "forkserver":  # what the server imports once (no effect once it runs)
         main = getattr(sys.modules["__main__"].__spec__, "name", None)
-        # A child re-runs the caller's __main__ module by name (a kernel's: ipykernel_launcher, whose
-        # imports take 0.5 s): with its imports preloaded that costs nothing. Paths (scripts) re-run as
-        # spawn would; `python -m pkg` mains (pkg.__main__) are not re-run.
+        # A child re-runs the caller's __main__ module by name (a kernel's imports take 0.5 s): preloaded,
+        # that costs nothing. `python -m pkg` mains (pkg.__main__) are not re-run.
         extra = [main] if main and not main.endswith("__main__") else []
-        # Also what the caller imported of ours, and every module a rank of this course may import: the
-        # server starts once per kernel (at its first launch) and a module it lacks is imported again
-        # in every rank of every later launch -- torch._dynamo alone (DDP's first construction) costs
-        # 1.4 s per rank on a CPU build and more on a CUDA build: notebook 04 took 147 s on an H200
-        # with only the first notebook's modules preloaded, 13 s on 2 CPU cores. None touches CUDA.
+        # Also every module a rank of this course may import: the server starts once per kernel and a module
+        # it lacks is imported again in every rank of every launch -- torch._dynamo alone costs 1.4 s per
+        # rank (notebook 04: 147 s on an H200 with only the first notebook's modules preloaded). None
+        # touches CUDA.
         extra += sorted(m for m in sys.modules if m.startswith("mgpu_helpers.")) + _RANK_MODULES
         ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__] + extra)
     return ctx
 
 
-# Imported once by the forkserver (a missing one is skipped): torch's distributed parts the notebooks'
-# ranks use, and the course's helper modules -- all but the authoring, grading and JupyterLab tooling.
+# Imported once by the forkserver: torch's distributed parts the ranks use, and the course's modules but tooling.
 _PACKAGE = __package__.rpartition(".")[0]                       # mgpu_helpers
 _NOT_IN_RANKS = {"tools", "references"}                        # tooling, judges' references
 

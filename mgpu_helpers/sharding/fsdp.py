@@ -1,14 +1,6 @@
-"""Notebook 08 -- the library versions on one model: ``ZeroRedundancyOptimizer`` (ZeRO-1) and FSDP2
-``fully_shard`` (ZeRO-3), per-rank memory measured by category against :func:`model_state_bytes`, and
-the ways "FSDP did not save memory" happens (root-only wrapping, activations, too few ranks, miscounting).
-
-Every figure comes from ``MemoryTracker`` (``memory_allocated`` semantics; on a GPU the allocator) for one
-training step taken after a warm-up step, so that Adam's state exists and the step is a steady one.
-
-Run as a script (ZeroRedundancyOptimizer and FSDP2 against one process, bytes per rank against the formula)::
-
-    torchrun --nproc-per-node 2 -m mgpu_helpers.sharding
-    python -m mgpu_helpers.sharding                            # no torchrun: 2 ranks via run_ranks
+"""Notebook 08 -- torch's versions on one model: ``ZeroRedundancyOptimizer`` (ZeRO-1) and FSDP2 ``fully_shard``
+(ZeRO-3), per-rank memory (``MemoryTracker``, one step after a warm-up one: Adam's state exists) against
+:func:`model_state_bytes`, and the ways "FSDP did not save memory" happens. The script: ``sharding/__main__.py``.
 """
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device
 from ..runtime.plots import COLORS, LABELS, unit_for
 from ..runtime.tracker import MemoryTracker
-from .zero import Zero2, all_gather_flat, linears, model_state_bytes
+from .zero import Zero2, linears, model_state_bytes
 
 STAGE = {"DDP (DistributedDataParallel)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
          "FSDP2 per block + root": 3, "FSDP2 root only": 3}
