@@ -62,7 +62,7 @@ def segments(layers: int, k: int) -> list[tuple[int, int]]:
     return [(i, min(i + k, layers)) for i in range(0, layers, k)]
 
 
-def run_blocks(blocks, x):
+def no_checkpointing(blocks, x, k=None):
     for block in blocks:
         x = block(x)
     return x
@@ -82,10 +82,6 @@ def per_block(blocks, x, k=None, context_fn=None):
     for block in blocks:
         x = checkpoint(block, x, use_reentrant=False, **extra)
     return x
-
-
-def no_checkpointing(blocks, x, k=None):
-    return run_blocks(blocks, x)
 
 
 class OpLog(TorchDispatchMode):

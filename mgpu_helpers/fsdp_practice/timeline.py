@@ -6,6 +6,8 @@ run to run; which collectives run, and how many, do not.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -129,11 +131,8 @@ def summarize(traces) -> dict:
     out = []
     for tr in traces:
         comm = [(a, b) for a, b, _ in tr["comm"]]
-        names: dict[str, int] = {}
-        for *_, n in tr["comm"]:
-            names[n] = names.get(n, 0) + 1
         out.append({"comm_ms": _length(comm), "overlapped_ms": _intersection(tr["compute"], comm),
-                    "overlap": overlap(tr["compute"], comm), "collectives": names,
+                    "overlap": overlap(tr["compute"], comm), "collectives": dict(Counter(n for *_, n in tr["comm"])),
                     "step_ms": tr["phases"]["optimizer"][1]})  # the whole step: what a speed-up is judged by
     return out
 

@@ -89,13 +89,9 @@ def linears(model: nn.Module) -> list[nn.Linear]:
 
 
 def unique(params) -> list[torch.Tensor]:
-    """Each tensor once, in first-seen order (``module.parameters()`` does this; lists built by hand don't)."""
-    seen, out = set(), []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+    """Each tensor once, in first-seen order (``module.parameters()`` does this; lists built by hand don't).
+    A tensor hashes by identity, so a dict never compares two tensors' values."""
+    return list(dict.fromkeys(params))
 
 
 class Zero2:
