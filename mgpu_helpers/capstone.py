@@ -45,9 +45,8 @@ def cached_trace(size, batch_size, seq_len, precision="bf16-autocast", checkpoin
 
 def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocast", **grid) -> list[Plan]:
     """Every plan of the grid (:data:`CHECK_GRID`, entries replaced by keyword) for a decoder of ``size``
-    training the global batch ``batch`` = (sequences, length): on n ranks each rank's batch is sequences / n.
-    Left out: world sizes that do not divide the batch, micro-batches that do not divide a rank's batch,
-    and at world size 1 the stages above 0 (at one rank there is nothing to shard)."""
+    training the global batch ``batch`` = (sequences, length), but splits that do not divide and stages
+    above 0 on one rank."""
     g = {**CHECK_GRID, **grid}
     return list(_plans(size, tuple(batch), precision, *(tuple(g[k]) for k in CHECK_GRID)))
 

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
                                     create_selective_checkpoint_contexts)
 
+from .memory import make_batch
 from .runtime.tracker import MemoryTracker
 
 F32 = 4
@@ -48,11 +49,6 @@ class Stack(nn.Module):
         self.head = nn.Linear(d, classes)
 
 
-def make_data(batch: int, d: int, classes: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)  # its own generator: the global RNG stays untouched
-    return torch.randn(batch, d, generator=g), torch.randint(0, classes, (batch,), generator=g)
-
-
 def segments(layers: int, k: int) -> list[tuple[int, int]]:
     """[(start, stop), ...]: consecutive runs of k blocks, the last one shorter when k does not divide L."""
     if not isinstance(k, int) or isinstance(k, bool):
@@ -69,9 +65,8 @@ def no_checkpointing(blocks, x, k=None):
 
 
 def torch_segments(blocks, x, k: int):
-    """torch's own ``checkpoint_sequential`` with ceil(L/k) segments: it makes them floor(L/n) blocks long and
-    runs the last one without checkpointing (backward would recompute it at once anyway) -- so only where k
-    divides L are they segments of k. Its plan is :func:`sequential_plan`. The cells use it until 7.1 is done."""
+    """torch's own ``checkpoint_sequential`` with ceil(L/k) segments (plan: :func:`sequential_plan`, segments of
+    k only where k divides L), which the cells use until 7.1 is done."""
     return checkpoint_sequential(blocks, -(-len(blocks) // k), x, use_reentrant=False)
 
 
@@ -207,10 +202,9 @@ def time_step(model: Stack, x, y, forward, k=None, repeat=3) -> float:
 
 
 def sweep(layers=16, d=32, h=64, classes=8, batch=1024, ks=None, forward=None, repeat=3, progress=None):
-    """Peak (measured and predicted), matmuls recomputed in backward (op log) and step time for no
-    checkpointing and every k; ``forward``: the learner's ``checkpoint_segments`` (segments of k), else
-    torch's ``checkpoint_sequential`` (:func:`torch_segments`, predicted with its own plan)."""
-    model, (x, y) = Stack(layers, d, h, classes), make_data(batch, d, classes)
+    """Peak (measured and predicted), matmuls recomputed in backward and step time for no checkpointing and
+    every k; ``forward``: the learner's ``checkpoint_segments``, else :func:`torch_segments` (its own plan)."""
+    model, (x, y) = Stack(layers, d, h, classes), make_batch(batch, d, classes)
     rows = {}
     for k in [None] + list(ks or range(1, layers + 1)):
         fwd = no_checkpointing if k is None else (forward or torch_segments)
@@ -226,7 +220,7 @@ def sweep(layers=16, d=32, h=64, classes=8, batch=1024, ks=None, forward=None, r
 
 def selective_vs_full(layers=8, d=128, h=512, classes=8, batch=512, repeat=3):
     """Transformer-like MLP blocks, one checkpointed segment per block: none vs selective vs full."""
-    model, (x, y) = Stack(layers, d, h, classes, transformer=True), make_data(batch, d, classes)
+    model, (x, y) = Stack(layers, d, h, classes, transformer=True), make_batch(batch, d, classes)
     variants = {"no checkpointing": (no_checkpointing, None),
                 "selective (save matmuls)": (functools.partial(per_block, context_fn=selective_context), 1),
                 "full checkpointing": (per_block, 1)}

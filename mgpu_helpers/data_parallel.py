@@ -77,10 +77,9 @@ class SimDevice:
 
 def simulate_data_parallel(model, x, y, n, loss_inside=False, adam=False):
     """One DataParallel step over ``n`` simulated devices (device 0 holds ``model`` itself, as replicate
-    does); returns the loss, the gradients left in ``model`` and, per device, its peak bytes, the
-    breakdown at the peak and the peak of each phase. Devices run one after another, so the figures are
-    exact and repeatable; DataParallel would run them at once, which changes no device's own figure.
-    ``adam=True``: then an Adam step (its first) on device 0, the only place the optimizer exists."""
+    does): the loss, ``model``'s gradients and, per device, its peak, breakdown at the peak and phase peaks.
+    Devices run one after another (exact, repeatable figures; running at once changes no device's own).
+    ``adam=True``: then Adam's first step on device 0, the only place the optimizer exists."""
     xs, ys = x.chunk(n), y.chunk(n)
     replicas = [LossInside(model) if loss_inside else model]
     replicas += [copy.deepcopy(replicas[0]) for _ in xs[1:]]  # replicate: a full copy per extra device

@@ -43,8 +43,6 @@ def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return flat_grads(model)
 
 
-# --- the notebook's demonstrations: collectives drawn, all_reduce settled, the launch traps -----------
-
 @contextlib.contextmanager
 def settled_all_reduce():
     """Within the ``with``, ``dist.all_reduce`` returns only once the backend has let go of the tensor:
@@ -65,8 +63,6 @@ def settled_all_reduce():
     finally:
         dist.all_reduce = real
 
-
-# --- pictures of collectives ------------------------------------------------------------------------
 
 def draw_collectives(results: dict[str, tuple[list, list]]):
     """One row per collective: each rank's tensor before (left) and after (right), one box per element.
@@ -102,8 +98,6 @@ def draw_collectives(results: dict[str, tuple[list, list]]):
     return fig
 
 
-# --- what goes wrong when launching ranks -----------------------------------------------------------
-
 def _errors_of(code: str) -> list[str]:
     """Run ``code`` in a fresh interpreter whose ``__main__`` cannot be imported (like a notebook's);
     return the last line of each traceback it printed, then its exit code."""
@@ -135,8 +129,6 @@ def fork_after_cuda() -> list[str]:
         raise SystemExit(p.exitcode)
     """)
 
-
-# --- the script: torch DDP against one process on the full batch ------------------------------------
 
 def _demo(rank: int, world_size: int) -> str:
     widths, per_rank = [32, 64, 64, 10], 8

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .memory import make_optimizer, mlp
+from .memory import make_batch, make_optimizer, mlp
 from .runtime.tracker import MemoryTracker
 
 MiB = 2**20
@@ -197,10 +197,8 @@ def top_memory_ops(prof, k: int = 6) -> list[tuple[str, int]]:
 
 
 def scenario_inputs(case):
-    model = mlp(case["widths"], seed=case["seed"])
-    g = torch.Generator().manual_seed(case["seed"])
-    x = torch.randn(case["batch"], case["widths"][0], generator=g)
-    return model, (x, torch.randint(0, case["widths"][-1], (case["batch"],), generator=g))
+    w = case["widths"]
+    return mlp(w, seed=case["seed"]), make_batch(case["batch"], w[0], w[-1], case["seed"])
 
 
 @contextlib.contextmanager

@@ -74,13 +74,10 @@ def _ddp_step(model_kw=None, rows=8, bucket_cap_mb=0.25):
 
 
 def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
-    """This rank's profiled training step: ``{"compute": [(start, end) ms], "comm": [(start, end, name)],
-    "phases": {name: (start, end)}, "t0": ns, "forward_order": str}``; ``forward_order`` is the order in
-    which the main thread issued FSDP2's all-gathers ("G") and the forward's matmuls ("m"), and
-    ``reductions_before_last_backward_matmul`` (issued early, all) counts gradient reductions issued while
-    backward still had compute to do: both deterministic with times in ms from ``t0`` (the step's start, on the
-    machine's clock: ranks of one machine share it, so their traces line up). ``kind``: "fsdp" (built by
-    ``fsdp_practice.build(knobs)``) or "ddp" (DDP with 0.25 MB buckets)."""
+    """This rank's profiled training step (``kind`` "fsdp": ``build(knobs)``; "ddp": 0.25 MB buckets):
+    ``{"compute": [(start, end)], "comm": [(start, end, name)], "phases", "t0", "forward_order",
+    "reductions_before_last_backward_matmul": (early, all)}``, times in ms from ``t0`` (the step's start on the
+    machine's clock, shared by its ranks). The orders of issue are deterministic; times are not."""
     step = _ddp_step(model_kw, (knobs or {}).get("rows", 8)) if kind == "ddp" else build(knobs or {}, model_kw)[2]
     for _ in range(warmup):  # DDP rebuilds its buckets after the first step; FSDP2 makes its buffers
         step()

@@ -52,13 +52,10 @@ class Stuck(RuntimeError):
 
 
 class StepRecorder:
-    """``with StepRecorder(model, first_layer) as rec:`` inside a rank, around a pipeline step.
-
-    ``dist.send``/``dist.recv`` wait at most ``timeout`` s (else :class:`Stuck`, saying where), and carry
-    a step clock: one forward or backward of the stage on one micro-batch takes one step and starts when
-    both the rank and its input are ready (a Lamport clock). ``rec.steps`` lists (kind, start step) of this
-    rank; ``rec.batches`` the batch sizes its stage's forward saw. The clock counts the schedule, not
-    seconds: it is the same on every run and machine."""
+    """``with StepRecorder(model, first_layer) as rec:`` inside a rank, around a pipeline step: ``dist.send``/
+    ``recv`` wait at most ``timeout`` s (else :class:`Stuck`) and carry a Lamport clock (a stage's forward or
+    backward of a micro-batch takes one step, starting when the rank and its input are ready): ``rec.steps``
+    (kind, start step), ``rec.batches`` (sizes its forward saw). The same on every run and machine."""
 
     def __init__(self, model: nn.Sequential, first_layer: int, timeout: float = None):
         self.model, self.first, self.timeout = model, first_layer, timeout or P2P_TIMEOUT
@@ -136,11 +133,8 @@ def step_timeline(rank: int, world_size: int, fn, n_layers: int, n_micro: int, w
 def wall_timeline(rank: int, world_size: int, fn, n_micro: int, n_layers: int = 8, width: int = 384,
                   batch: int = 384, repeats: int = 3) -> list:
     """In a rank: the busy intervals (kind, micro-batch, t0, t1), in seconds, of one step of ``fn``
-    (pipeline_step's signature), best of ``repeats``. Hooks on this rank's stage time them: a forward from its
-    first block's start to its last block's end, a backward from its last block's start to its first's end.
-    On a GPU the hooks run when the CPU *enqueues* the kernels, so they record CUDA events, read after the
-    step: the GPU's own busy intervals, placed on the CPU clock by an event recorded when the ranks start
-    together (to within a kernel launch)."""
+    (pipeline_step's signature), best of ``repeats``, timed by hooks on this rank's stage. On a GPU the hooks
+    run when the CPU *enqueues* kernels, so they record CUDA events, placed on the CPU clock afterwards."""
     model, (x, y), best = make_model(n_layers, width), make_batch(batch, width, width), None
     start, end = stage_bounds(n_layers, world_size)[rank]
     first, last, timeline, began = model[start], model[end - 1], [], {}

@@ -20,14 +20,10 @@ def _kind(name: str) -> str:  # c10d names vary: reduce_scatter_, _reduce_scatte
 
 
 class CommLog(TorchDispatchMode):
-    """``with CommLog() as c:`` records each collective this rank makes: ``c.calls`` holds
-    ``(op, dtype, bytes in, bytes out)``, ``c.counts`` the calls by op, ``c.all_gathers`` and
-    ``c.reduce_scatters`` two of them. FSDP2's ``_allgather_base_``: in = this rank's shard, out = the whole
-    unit; ``_reduce_scatter_base_``: in = the whole gradient, out = this rank's shard.
-
-    ``c.order`` is the issue order on this thread: ``G`` for an all-gather, ``m`` for a matrix multiply
-    (``aten::mm`` / ``addmm``). It is what explicit prefetch changes (``G m m G m m`` -> ``G G m m G m m``),
-    the same on every run and every machine, where the time each takes is not."""
+    """``with CommLog() as c:`` records each collective this rank makes in ``c.calls``: ``(op, dtype, bytes
+    in, bytes out)`` (an all-gather: in = this rank's shard, out = the whole unit; a reduce-scatter the
+    reverse). ``c.order``: the issue order of all-gathers (``G``) and matrix multiplies (``m``), what explicit
+    prefetch changes (``G m m G m m`` -> ``G G m m G m m``), the same on every machine where times are not."""
 
     def __init__(self):
         super().__init__()

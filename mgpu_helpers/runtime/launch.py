@@ -271,12 +271,9 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
 
 
 def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None, cpu_backend=False):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
-
-    The process group is initialised before ``fn`` and destroyed after it. ``backend='auto'`` picks nccl
-    when there is a GPU per rank, else gloo on CPU under the device contract (the module docstring says
-    more, and what ``cpu_backend`` and MGPU_SHARED_GPU=1 change). Each rank gets ``threads`` torch threads (default:
-    1 for forked ranks, else cores // world_size). Raises RankError if a rank fails, TimeoutError after ``timeout`` s.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes in a process group; return their results
+    by rank. ``backend``, ``cpu_backend``: the module docstring. Each rank gets ``threads`` torch threads
+    (default: 1 for forked ranks, else cores // world_size). Raises RankError, or RankTimeout after ``timeout`` s.
     """
     # a learner's slip, said before any process starts (0 ranks divided by zero; -1 returned [] silently)
     if not callable(fn):

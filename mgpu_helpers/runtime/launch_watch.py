@@ -51,9 +51,7 @@ STARTUP_LIMIT = 300.0
 
 def collect(procs, conns, dumps, timeout):
     """Each rank's result, in rank order; raise RankError or RankTimeout (the caller kills what is left).
-
-    ``timeout`` counts from when every rank said it is about to run fn (its "go", after its imports), not
-    from the launch: a cold start under load is not the ranks' time. Until then STARTUP_LIMIT bounds it."""
+    ``timeout`` counts from every rank's "go" (after its imports): a cold start is not the ranks' time."""
     results, pending, failures, returned = [None] * len(procs), set(range(len(procs))), {}, []
     going = set()
     deadline = None if timeout is None else time.monotonic() + max(timeout, STARTUP_LIMIT)

@@ -6,8 +6,7 @@ from typing import Mapping, Sequence
 
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_state": "#55A868",
           "activations": "#C44E52", "other": "#8C8C8C"}
-LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
-          "activations": "activations", "other": "other"}
+LABELS = {c: c.replace("_", " ") for c in COLORS}
 
 
 def unit_for(max_bytes: float) -> tuple[float, str]:

@@ -70,11 +70,10 @@ def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
 
 
 def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatter_fn=None):
-    """This rank's memory for one steady training step of each of ``methods`` (in one launch), each rank
-    with its ``per_rank`` samples: ``{method: {"n_params", "state"`` (model-state bytes held after the step,
-    by category)``, "peak", "peak_breakdown", "naive_param_bytes"}}`` -- the last is
-    ``sum(p.numel() * p.element_size())``, which counts a DTensor's *global* size: the miscount that makes
-    FSDP2 seem to "save nothing"."""
+    """This rank's memory for one steady step of each of ``methods``, ``per_rank`` samples a rank: ``{method:
+    {"n_params", "state"`` (bytes held after the step, by category)``, "peak", "peak_breakdown",
+    "naive_param_bytes"}}``; the last counts a DTensor's *global* size, the miscount that makes FSDP2 seem
+    to "save nothing"."""
     if isinstance(methods, str):
         return measure(rank, world_size, [methods], widths, per_rank, seed, reduce_scatter_fn)[methods]
     return {m: _measure(rank, world_size, m, widths, per_rank, seed, reduce_scatter_fn) for m in methods}

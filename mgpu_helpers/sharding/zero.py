@@ -96,10 +96,8 @@ def unique(params) -> list[torch.Tensor]:
 
 class Zero2:
     """ZeRO-2 for ``model`` on this rank: every trainable parameter becomes a view into one flat fp32 buffer,
-    zero-padded to a multiple of the world size; this rank's optimizer holds only its slice ``[r*L, (r+1)*L)``
-    (``L = ceil(n / N)``) as one parameter, whose ``.grad`` is the slice of the averaged gradient that
-    ``reduce_scatter_fn(params)`` returns (and which frees the full ``.grad``s). After the step the updated
-    slices are all-gathered into the buffer, so every rank has the whole model again."""
+    padded to a multiple of the world size; this rank's optimizer holds only its slice as one parameter,
+    whose ``.grad`` is what ``reduce_scatter_fn(params)`` returns; after the step the slices are all-gathered."""
 
     def __init__(self, model: nn.Module, optimizer_cls, reduce_scatter_fn, **kwargs):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
