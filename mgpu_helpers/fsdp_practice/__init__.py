@@ -1,8 +1,9 @@
 """Notebook 12 -- FSDP2 in practice: each knob of ``fully_shard`` (reshard_after_forward, prefetch, mixed
 precision, CPU offload, foreach vs fused Adam, meta-device init) and what it costs per rank, in ``knobs``.
 Memory is counted two ways in one step: ``MemoryTracker`` splits it by category but misses the unsharded
-parameters FSDP2 frees with ``resize_(0)`` and re-grows, so the **peak** is the profiler's (``instruments``;
-on a GPU ``max_memory_allocated``) and the gap is its own row, never hidden. Collectives: ``CommLog``. Sweeps
+parameters FSDP2 frees with ``resize_(0)`` and re-grows, so the **peak** is the profiler's (``instruments``:
+it matched the tracker and the planner to 8 bytes where both see everything; on a GPU ``max_memory_allocated``)
+and the gap is its own row, never hidden. Collectives: ``CommLog``. Sweeps
 run one rank of N in this process (``runtime.fake_world``: real allocations, no data moved). Also
 ``timeline`` (overlap of communication and compute), ``init`` (meta-device init, activation offload) and
 ``plan`` (the planner on the same knobs). The script (every knob on 2 ranks, one table per rank)::
