@@ -14,9 +14,10 @@ through the timeline and the peak breakdown.
 
 Rounding: CUDA's caching allocator counts 512-byte blocks; ``round_to=None`` counts exact bytes on the CPU
 and blocks on CUDA, ``round_to=512`` on the CPU predicts a GPU. Not seen: kernels' own scratch (cuBLAS
-workspace) and allocator slack (bench/tracker_vs_cuda.py: within 14 KiB, fp32 peaks 2.3-2.6% low). On CUDA
-``current_bytes``/``peak_bytes`` read the allocator, less what was allocated at entry beyond the model and
-optimizer; the breakdowns' ``other`` absorbs the difference (``accounted_bytes``: the tensors alone).
+workspace; an fp32 ``sum`` over 2048 rows took 64 MiB on an H200) and allocator slack
+(bench/tracker_vs_cuda.py: within 14 KiB, fp32 peaks 2.3-2.6% low). On CUDA ``current_bytes``/``peak_bytes``
+read the allocator, less what was allocated at entry beyond the model and optimizer; the breakdowns'
+``other`` absorbs the difference (``accounted_bytes``: the tensors alone).
 Storages re-grown with ``UntypedStorage.resize_`` count from the ``with`` on (FSDP2 frees its unsharded
 parameters with ``resize_(0)`` and re-grows them).
 
