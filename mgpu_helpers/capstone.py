@@ -80,9 +80,8 @@ def settings_plan(settings: dict):
 
 
 def render(settings: dict, fig=None):
-    """Draw the per-rank peak of every ZeRO stage at the chosen world size as stacked bars by category,
-    the chosen stage outlined, with capacity lines; returns ``(fig, plan, line)``: the chosen settings'
-    plan and a one-line verdict (which capacities it fits)."""
+    """Per-rank peak of every ZeRO stage at the chosen world size by category, the chosen stage outlined, with
+    capacity lines: ``(fig, plan, line)``, the chosen settings' plan and a one-line verdict."""
     import matplotlib.pyplot as plt  # here, not at the top: importing the planner (mgpu-plan) needs no matplotlib
 
     from .runtime.plots import COLORS, LABELS

@@ -233,9 +233,8 @@ def selective_vs_full(layers=8, d=128, h=512, classes=8, batch=512, repeat=3):
 
 
 def plot_sweep(rows, layers, passed=None, optimum=None):
-    """Peak memory (measured, predicted) and step time against k, no checkpointing as a line; on the
-    memory panel the measured optimum, sqrt(L) and ``optimum`` (sqrt(L·s/a), the formula's) marked; on the
-    time panel what the op counts predict if matmuls were all the time."""
+    """Peak memory (measured, predicted; the optimum, sqrt(L) and ``optimum`` = sqrt(L·s/a) marked) and step
+    time (and what the op counts predict) against k, no checkpointing as a line."""
     import matplotlib.pyplot as plt
 
     ks = [k for k in rows if k is not None]

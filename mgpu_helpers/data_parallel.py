@@ -198,9 +198,8 @@ def gil_demo(n=2):
 
 
 def ddp_step(rank, world_size, spec=None, seed=0, adam=False):
-    """One DDP step on this rank's share of the batch (one process per device: no threads, no replicate,
-    no gather); returns the rank's peak bytes, breakdown and the gradients (on CPU). ``adam=True``: then
-    an Adam step (its first): every rank holds the whole optimizer state."""
+    """One DDP step on this rank's share of the batch: the rank's peak bytes, breakdown and gradients (on
+    CPU). ``adam=True``: then Adam's first step (every rank holds the whole optimizer state)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     dev = rank_device()
     model, x, y = make_problem(**(spec or DEMO), seed=seed)

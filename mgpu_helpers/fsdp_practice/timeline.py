@@ -135,9 +135,8 @@ def summarize(traces) -> dict:
 
 
 def plot(traces_by_label: dict, title="One training step on every rank: compute and communication"):
-    """One figure: for each label (e.g. "FSDP2 implicit", "FSDP2 prefetch 1", "DDP") and each rank, a
-    row of compute spans (blue) above a row of communication spans (orange); phases shaded. All ranks of a
-    label are aligned to the earliest rank's forward start."""
+    """One figure: per label (e.g. "FSDP2 implicit", "DDP") and rank, compute spans (blue) above
+    communication spans (orange), backward shaded, aligned to the label's earliest forward start."""
     import matplotlib.pyplot as plt
 
     rows = [(lab, r, tr) for lab, trs in traces_by_label.items() for r, tr in enumerate(trs)]

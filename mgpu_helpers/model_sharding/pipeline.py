@@ -21,9 +21,8 @@ P2P_TIMEOUT = 3.0  # seconds a recorded send/recv may wait: the checks' ranks ex
 
 
 def make_model(n_layers: int, width: int, seed: int = 0, device=None) -> nn.Sequential:
-    """``n_layers`` blocks Linear(width, width) → Tanh: every activation between blocks is (batch, width).
-    On ``device``, by default ``rank_device()``: a rank's GPU under NCCL, whose send/recv take no CPU tensor
-    (the CPU outside a rank). Drawn on the CPU first: the same weights on every machine."""
+    """``n_layers`` blocks Linear(width, width) → Tanh (every activation is (batch, width)), from ``seed``, on
+    ``device`` (default ``rank_device()``, as ``memory.mlp``)."""
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
     return model.to(device or rank_device())

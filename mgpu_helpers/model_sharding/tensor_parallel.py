@@ -27,8 +27,7 @@ class DenseMLP(nn.Module):
 
 
 def make_mlp(d: int, h: int, seed: int = 0, device=None) -> DenseMLP:
-    """On ``device``, by default ``rank_device()`` (the CPU outside a rank); drawn on the CPU first: the same
-    weights on every machine."""
+    """A DenseMLP from ``seed`` on ``device`` (default ``rank_device()``, as ``memory.mlp``)."""
     torch.manual_seed(seed)
     return DenseMLP(d, h).to(device or rank_device())
 
@@ -46,9 +45,8 @@ def parameter_bytes_formula(d: int, h: int, world_size: int, element_size: int =
 
 
 def torch_tensor_parallel(dense: DenseMLP, device_type: str | None = None):
-    """The same split with torch's DTensor tensor parallelism, on a 1-D mesh over every rank (of
-    ``device_type``, by default ``rank_device()``'s): fc1 ColwiseParallel, fc2 RowwiseParallel. Parallelizes
-    ``dense`` in place and returns it."""
+    """The same split with torch's DTensor tensor parallelism on a 1-D mesh over every rank: fc1
+    ColwiseParallel, fc2 RowwiseParallel; ``dense``, parallelized in place."""
     mesh = init_device_mesh(device_type or rank_device().type, (dist.get_world_size(),))
     return parallelize_module(dense, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
 

@@ -135,9 +135,8 @@ def sweep(world_sizes, methods, widths, per_rank=8, reduce_scatter_fn=None) -> d
 
 
 def formula(n_params: int, method: str, world_size: int) -> dict[str, int]:
-    """The ZeRO accounting (fp32 Adam) for ``method``, with the tracker's category names; "buckets" is DDP's
-    gradient buckets (stages 0 and 1 run under DDP: one more fp32 copy of the gradients), which the ZeRO
-    paper's accounting leaves out."""
+    """The ZeRO accounting (fp32 Adam) for ``method`` in the tracker's categories, plus DDP's gradient
+    "buckets" (stages 0 and 1 run under DDP: one more fp32 copy of the gradients, not in the paper's)."""
     f = model_state_bytes(n_params, zero_stage=STAGE[method], world_size=world_size, precision="fp32")
     return {"parameters": f["parameters"], "gradients": f["gradients"], "optimizer_state": f["optimizer"],
             "buckets": f["gradients"] if STAGE[method] <= 1 else 0}
