@@ -20,7 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mgpu_helpers.checkpointing import (Stack, make_data, no_checkpointing, op_count_ratio, recomputed_ops,
+from mgpu_helpers.memory import make_batch  # noqa: E402
+from mgpu_helpers.checkpointing import (Stack, no_checkpointing, op_count_ratio, recomputed_ops,
                                         selective_context)
 from mgpu_helpers.checks.references.checkpointing import checkpoint_every
 
@@ -56,7 +57,7 @@ def main():
     lines = [f"device: {torch.cuda.get_device_name() if dev == 'cuda' else f'cpu ({os.cpu_count()} cores)'}; "
              f"torch {torch.__version__}; {L} blocks, d={d}, h={h}, batch {batch}; median of {repeat} steps"]
 
-    model, (x, y) = Stack(L, d, h, 8), make_data(batch, d, 8)
+    model, (x, y) = Stack(L, d, h, 8), make_batch(batch, d, 8)
     counts = {k: recomputed_ops(model, x, y, checkpoint_every, k).get("addmm", 0) for k in range(1, L + 1)}
     model, x, y = model.to(dev), x.to(dev), y.to(dev)
     base = step_ms(model, x, y, no_checkpointing, None, repeat)
@@ -69,7 +70,7 @@ def main():
     variants = {"no checkpointing": (no_checkpointing, None),
                 "selective (save matmuls)": (functools.partial(checkpoint_every, context_fn=selective_context), 1),
                 "full checkpointing": (checkpoint_every, 1)}
-    model, (x, y) = Stack(L, d, h, 8, transformer=True), make_data(batch, d, 8)
+    model, (x, y) = Stack(L, d, h, 8, transformer=True), make_batch(batch, d, 8)
     redo = {n: recomputed_ops(model, x, y, f, k) for n, (f, k) in variants.items()}
     model, x, y = model.to(dev), x.to(dev), y.to(dev)
     lines.append("\n(2) transformer MLP blocks, one segment per block")

@@ -14,7 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from mgpu_helpers.runtime.launch import rank_device, run_ranks  # noqa: E402
-from mgpu_helpers.model_sharding import (StepRecorder, make_batch, make_mlp, make_model, param_bytes,  # noqa: E402
+from mgpu_helpers.memory import make_batch  # noqa: E402
+from mgpu_helpers.model_sharding import (StepRecorder, make_mlp, make_model, param_bytes,  # noqa: E402
                                          parameter_bytes_formula, single_process_step, torch_tensor_parallel)
 from mgpu_helpers.checks.references.pipeline import gpipe_step  # noqa: E402
 from mgpu_helpers.checks.references.tensor_parallel import TensorParallelMLP  # noqa: E402
@@ -25,7 +26,7 @@ D, H = 256, 1024
 def pipeline_world1(rank, world):
     dev = rank_device()
     model, base = make_model(6, 64).to(dev), make_model(6, 64).to(dev)
-    x, y = (t.to(dev) for t in make_batch(32, 64))
+    x, y = (t.to(dev) for t in make_batch(32, 64, 64))
     with StepRecorder(model, 0) as rec:
         loss = gpipe_step(model, x, y, 4)
     base_loss = single_process_step(base, x, y)

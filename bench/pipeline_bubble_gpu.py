@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from mgpu_helpers.runtime.launch import rank_device, run_ranks  # noqa: E402
-from mgpu_helpers.model_sharding.pipeline import make_batch, make_model, stage_bounds  # noqa: E402
+from mgpu_helpers.memory import make_batch  # noqa: E402
+from mgpu_helpers.model_sharding.pipeline import make_model, stage_bounds  # noqa: E402
 from mgpu_helpers.checks.references.pipeline import gpipe_step  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def _timed(dev, fn, repeats=5, warmup=2):
 def bubble(rank, world, m, n_layers, width, batch):
     dev = rank_device()
     model = make_model(n_layers, width).to(dev)
-    x, y = (t.to(dev) for t in make_batch(batch, width))
+    x, y = (t.to(dev) for t in make_batch(batch, width, width))
     a, b = stage_bounds(n_layers, world)[rank]
     stage = model[a:b]
 

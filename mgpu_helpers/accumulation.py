@@ -1,12 +1,7 @@
-"""Notebook 05 -- gradient accumulation: k micro-batches give one big batch's gradients, and the
-gradient all-reduce (DDP) or reduce-scatter (FSDP2) can wait for the last micro-step.
+"""Notebook 05 -- gradient accumulation: k micro-batches give one big batch's gradients, and the gradient
+all-reduce (DDP) or reduce-scatter (FSDP2) can wait for the last micro-step (checks in ``checks.accumulation``).
 
-Counting collectives: ``AllReduceCount`` (DDP comm hook) and ``runtime.comm_log.CommLog`` (c10d ops, e.g. FSDP2's).
-``no_sync_context(model)`` skips gradient sync for DDP and FSDP2 and refuses anything else;
-``peak_vs_effective_batch`` measures memory. The checks of 5.1 and 5.2 are in ``checks.accumulation``.
-
-Run DDP ``no_sync`` accumulation on 2 ranks (all-reduces counted, gradients against one process) as a script;
-it judges with the checks, so it lives with them (a lesson module never imports its checks)::
+The script (DDP ``no_sync`` on 2 ranks against one process) judges with the checks, so it lives with them::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.checks accumulation
 """
@@ -26,15 +21,11 @@ from .memory import mlp
 from .runtime.tracker import MemoryTracker
 
 
-# --- data and gradients ------------------------------------------------------------------------------
-
 def flat_grads(model: nn.Module) -> torch.Tensor:
     """Every parameter's gradient in one CPU vector (full tensors for FSDP2's DTensors; zeros where None)."""
     grads = (torch.zeros_like(p) if p.grad is None else p.grad.detach() for p in model.parameters())
     return torch.cat([(g.full_tensor() if hasattr(g, "full_tensor") else g).flatten().cpu() for g in grads])
 
-
-# --- counting collectives ----------------------------------------------------------------------------
 
 class AllReduceCount:
     """``ddp_model``'s comm hook: DDP's default all-reduce of each bucket, counted in ``calls``. (DDP's own
@@ -57,8 +48,6 @@ class AllReduceCount:
         return default_hooks.allreduce_hook(state.group, bucket)  # what DDP does without a hook
 
 
-# --- skipping the sync: DDP and FSDP2 ----------------------------------------------------------------
-
 @contextlib.contextmanager
 def no_sync_context(model: nn.Module):
     """Backward inside accumulates locally; the first backward outside syncs it all. Put forward AND backward
@@ -78,8 +67,6 @@ def no_sync_context(model: nn.Module):
         raise TypeError(f"no_sync_context: {type(model).__name__} is neither DistributedDataParallel nor an "
                         "FSDP2 module (fully_shard); there is no gradient sync to skip. Pass the wrapped model.")
 
-
-# --- memory: plain big batches vs accumulation -------------------------------------------------------
 
 def peak_vs_effective_batch(effective=(16, 32, 64, 128, 256), micro=16, tokens=16, widths=(32, 128, 128, 16),
                             seed=0) -> dict[str, list[int]]:

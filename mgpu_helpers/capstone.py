@@ -1,24 +1,10 @@
 """Notebook 11's face on the planner: exercise 11.1's grid of plans and the memory calculator.
 
-**Exercise 11.1** (the cheapest plan that fits a card): :func:`candidate_plans` is every plan of
-:data:`CHECK_GRID` for a decoder at one fixed *global* batch -- each world size splits it between its ranks,
-so every plan trains the same step and "fewest ranks" compares like with like. Each (model, per-rank batch,
-precision, checkpointing, micro-batches) is traced once (:func:`cached_trace`) and sharded per (world size,
-ZeRO stage); check 11.1 draws its capacities from the plans' device totals (``Plan.device_bytes``).
-
-**The calculator**, the planner behind ipywidgets controls::
-
-    calculator()          # in a notebook cell: controls, then the plot, updating on every change
-
-The drawing is a plain function, :func:`render` (settings in, figure and plan out), so it is tested
-without a browser (tests/test_widgets.py); :func:`calculator` only wires widgets to it. Each
-(model size, precision, checkpointing, micro-batches) is traced once (a few seconds the first time,
-5-10 s for "7B"/"13B"); world size and ZeRO stage are derived from that trace in milliseconds, so moving
-those sliders never re-traces.
-
-In the browser: the world-size control is an ``IntSlider`` with description "world size" (its
-``.widget-slider`` has a ``<label>`` with that text); the figure is an ``<img>`` inside the Output
-below the controls, replaced on every change.
+:func:`candidate_plans` is every plan of :data:`CHECK_GRID` at one fixed *global* batch (each world size splits
+it between its ranks, so "fewest ranks" compares like with like). :func:`calculator` wires ipywidgets to
+:func:`render` (settings in, figure and plan out: tested without a browser, tests/test_widgets.py). Each
+(model, rank's batch, precision, checkpointing, micro-batches) is traced once (:func:`cached_trace`, seconds;
+5-10 s for "7B"/"13B"); world size and ZeRO stage derive from the trace in milliseconds, never re-tracing.
 """
 from __future__ import annotations
 
@@ -36,8 +22,6 @@ DEFAULTS = dict(size="1B", precision="bf16-autocast", zero_stage=0, world_size=1
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MICRO_BATCHES = (1, 2, 4)
 
-
-# --- exercise 11.1: the cheapest plan that fits ----------------------------------------------------
 
 # The check's model: two of Llama-2-7B's blocks (0.67B parameters). A fake trace costs by the ops, not the
 # bytes, so it traces as fast as a toy, and its tensors are large beside what every device holds anyway (the
@@ -61,9 +45,8 @@ def cached_trace(size, batch_size, seq_len, precision="bf16-autocast", checkpoin
 
 def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocast", **grid) -> list[Plan]:
     """Every plan of the grid (:data:`CHECK_GRID`, entries replaced by keyword) for a decoder of ``size``
-    training the global batch ``batch`` = (sequences, length): on n ranks each rank's batch is sequences / n.
-    Left out: world sizes that do not divide the batch, micro-batches that do not divide a rank's batch,
-    and at world size 1 the stages above 0 (at one rank there is nothing to shard)."""
+    training the global batch ``batch`` = (sequences, length), but splits that do not divide and stages
+    above 0 on one rank."""
     g = {**CHECK_GRID, **grid}
     return list(_plans(size, tuple(batch), precision, *(tuple(g[k]) for k in CHECK_GRID)))
 
@@ -83,13 +66,6 @@ def _plans(size, batch, precision, world_sizes, stages, ckpts, micro):
     return tuple(out)
 
 
-def _summary(p):
-    return None if p is None else {k: p.config[k] for k in ("world_size", "zero_stage", "checkpointing",
-                                                            "micro_batches")}
-
-
-# --- the calculator ----------------------------------------------------------------------------------
-
 def settings_plan(settings: dict):
     """The planner's figures for one set of calculator settings (keys of :data:`DEFAULTS`)."""
     s = {**DEFAULTS, **settings}
@@ -104,9 +80,8 @@ def settings_plan(settings: dict):
 
 
 def render(settings: dict, fig=None):
-    """Draw the per-rank peak of every ZeRO stage at the chosen world size as stacked bars by category,
-    the chosen stage outlined, with capacity lines; returns ``(fig, plan, line)``: the chosen settings'
-    plan and a one-line verdict (which capacities it fits)."""
+    """Per-rank peak of every ZeRO stage at the chosen world size by category, the chosen stage outlined, with
+    capacity lines: ``(fig, plan, line)``, the chosen settings' plan and a one-line verdict."""
     import matplotlib.pyplot as plt  # here, not at the top: importing the planner (mgpu-plan) needs no matplotlib
 
     from .runtime.plots import COLORS, LABELS

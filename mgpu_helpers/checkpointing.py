@@ -1,18 +1,8 @@
-"""Notebook 07 -- activation checkpointing: keep a few tensors, recompute the rest in backward.
-
-A stack of L residual blocks, split into **segments of k consecutive blocks** (blocks 0..k-1, k..2k-1, ...;
-the last segment is shorter when k does not divide L), each segment run under
-``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: forward keeps only each segment's input
-(one residual tensor, ``s`` bytes); backward recomputes one segment at a time, so at most k blocks'
-activations (``a`` bytes each) are alive at once. Activation memory ~ (L/k)·s + k·a, smallest near
-k = sqrt(L·s/a): the sqrt(L) rule (Chen et al. 2016, "Training deep nets with sublinear memory cost").
-
-``predict_peak`` gives the exact peak of one forward + backward of :class:`Stack` for any plan of
-checkpointed segments and plain blocks, byte for byte what :class:`MemoryTracker` measures on a CPU
-(tests/test_checkpointing.py proves it over random shapes). ``torch_segments`` is torch's own
-``checkpoint_sequential``, which the cells use until exercise 7.1 is written; ``selective_context`` is torch's
-selective checkpointing with a "save the matmuls, recompute the pointwise ops" policy. The check of 7.1 is in
-``checks.checkpointing``. Nothing here is distributed: every figure is one process's.
+"""Notebook 07 -- activation checkpointing: L residual blocks in segments of k, each under
+``checkpoint(..., use_reentrant=False)``, keep (L/k)·s + k·a bytes of activations, least near k = sqrt(L·s/a)
+(Chen et al. 2016). ``predict_peak`` gives the exact peak of one step of :class:`Stack` for any plan, byte for
+byte what :class:`MemoryTracker` measures on a CPU (tests/test_checkpointing.py, over random shapes);
+``selective_context`` saves the matmuls and recomputes the rest. The check of 7.1 is in ``checks.checkpointing``.
 """
 from __future__ import annotations
 
@@ -22,11 +12,11 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
                                     create_selective_checkpoint_contexts)
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from .memory import make_batch
 from .runtime.tracker import MemoryTracker
 
 F32 = 4
@@ -59,13 +49,6 @@ class Stack(nn.Module):
         self.head = nn.Linear(d, classes)
 
 
-def make_data(batch: int, d: int, classes: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)  # its own generator: the global RNG stays untouched
-    return torch.randn(batch, d, generator=g), torch.randint(0, classes, (batch,), generator=g)
-
-
-# --- the plan: which blocks are checkpointed together ---------------------------------------------------
-
 def segments(layers: int, k: int) -> list[tuple[int, int]]:
     """[(start, stop), ...]: consecutive runs of k blocks, the last one shorter when k does not divide L."""
     if not isinstance(k, int) or isinstance(k, bool):
@@ -75,16 +58,15 @@ def segments(layers: int, k: int) -> list[tuple[int, int]]:
     return [(i, min(i + k, layers)) for i in range(0, layers, k)]
 
 
-def run_blocks(blocks, x):
+def no_checkpointing(blocks, x, k=None):
     for block in blocks:
         x = block(x)
     return x
 
 
 def torch_segments(blocks, x, k: int):
-    """torch's own ``checkpoint_sequential`` with ceil(L/k) segments: it makes them floor(L/n) blocks long and
-    runs the last one without checkpointing (backward would recompute it at once anyway) -- so only where k
-    divides L are they segments of k. Its plan is :func:`sequential_plan`. The cells use it until 7.1 is done."""
+    """torch's own ``checkpoint_sequential`` with ceil(L/k) segments (plan: :func:`sequential_plan`, segments of
+    k only where k divides L), which the cells use until 7.1 is done."""
     return checkpoint_sequential(blocks, -(-len(blocks) // k), x, use_reentrant=False)
 
 
@@ -95,10 +77,6 @@ def per_block(blocks, x, k=None, context_fn=None):
     for block in blocks:
         x = checkpoint(block, x, use_reentrant=False, **extra)
     return x
-
-
-def no_checkpointing(blocks, x, k=None):
-    return run_blocks(blocks, x)
 
 
 class OpLog(TorchDispatchMode):
@@ -116,8 +94,6 @@ class OpLog(TorchDispatchMode):
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
 
-
-# --- selective checkpointing: save what is expensive to recompute ----------------------------------------
 
 # aten ops as the policy sees them: nn.Linear reaches it as addmm (or mm without a bias), never as
 # aten.linear, which decomposes before dispatch (``policy_ops`` shows what a block sends it).
@@ -160,8 +136,6 @@ def recomputed_ops(model: Stack, x, y, forward, k=None) -> dict[str, int]:
             counts[op] = counts.get(op, 0) + 1
     return counts
 
-
-# --- prediction: the exact peak of one forward + backward of Stack ----------------------------------------
 
 def sequential_plan(layers: int, k: int) -> list[tuple[int, bool]]:
     """The plan :func:`torch_segments` runs: n = ceil(L/k) segments of floor(L/n) blocks, the last unchecked."""
@@ -228,10 +202,9 @@ def time_step(model: Stack, x, y, forward, k=None, repeat=3) -> float:
 
 
 def sweep(layers=16, d=32, h=64, classes=8, batch=1024, ks=None, forward=None, repeat=3, progress=None):
-    """Peak (measured and predicted), matmuls recomputed in backward (op log) and step time for no
-    checkpointing and every k; ``forward``: the learner's ``checkpoint_segments`` (segments of k), else
-    torch's ``checkpoint_sequential`` (:func:`torch_segments`, predicted with its own plan)."""
-    model, (x, y) = Stack(layers, d, h, classes), make_data(batch, d, classes)
+    """Peak (measured and predicted), matmuls recomputed in backward and step time for no checkpointing and
+    every k; ``forward``: the learner's ``checkpoint_segments``, else :func:`torch_segments` (its own plan)."""
+    model, (x, y) = Stack(layers, d, h, classes), make_batch(batch, d, classes)
     rows = {}
     for k in [None] + list(ks or range(1, layers + 1)):
         fwd = no_checkpointing if k is None else (forward or torch_segments)
@@ -247,7 +220,7 @@ def sweep(layers=16, d=32, h=64, classes=8, batch=1024, ks=None, forward=None, r
 
 def selective_vs_full(layers=8, d=128, h=512, classes=8, batch=512, repeat=3):
     """Transformer-like MLP blocks, one checkpointed segment per block: none vs selective vs full."""
-    model, (x, y) = Stack(layers, d, h, classes, transformer=True), make_data(batch, d, classes)
+    model, (x, y) = Stack(layers, d, h, classes, transformer=True), make_batch(batch, d, classes)
     variants = {"no checkpointing": (no_checkpointing, None),
                 "selective (save matmuls)": (functools.partial(per_block, context_fn=selective_context), 1),
                 "full checkpointing": (per_block, 1)}
@@ -259,10 +232,9 @@ def selective_vs_full(layers=8, d=128, h=512, classes=8, batch=512, repeat=3):
     return out
 
 
-def plot_sweep(rows, layers, ax_mem=None, passed=None, optimum=None):
-    """Peak memory (measured, predicted) and step time against k, no checkpointing as a line; on the
-    memory panel the measured optimum, sqrt(L) and ``optimum`` (sqrt(L·s/a), the formula's) marked; on the
-    time panel what the op counts predict if matmuls were all the time."""
+def plot_sweep(rows, layers, passed=None, optimum=None):
+    """Peak memory (measured, predicted; the optimum, sqrt(L) and ``optimum`` = sqrt(L·s/a) marked) and step
+    time (and what the op counts predict) against k, no checkpointing as a line."""
     import matplotlib.pyplot as plt
 
     ks = [k for k in rows if k is not None]
@@ -298,6 +270,3 @@ def op_count_ratio(recomputed: int, layers: int) -> float:
     """Step time relative to no checkpointing if the blocks' matmuls were all the time: forward runs 2L
     of them, backward twice as many (input and weight gradients), and checkpointing adds ``recomputed``."""
     return (6 * layers + recomputed) / (6 * layers)
-
-
-# --- exercise 7.1 --------------------------------------------------------------------------------------

@@ -1,11 +1,6 @@
-"""Notebook 10 -- data loading: DataLoader workers, pinned memory, prefetching, and per-rank shards.
-
-``SlowDataset`` sleeps in ``__getitem__`` (a stand-in for decoding/augmentation) and returns the worker's
-pid with each item, so epochs show which processes served them; ``batch_makers`` shows which worker made
-each batch; ``throughput`` separates worker start-up from the steady rate. ``shard_reference`` is what
-``torch.utils.data.DistributedSampler`` yields on one rank (check 10.1, in ``checks.data_loading``, compares with the sampler itself).
-
-Run each rank's DistributedSampler shard over a real process group as a script::
+"""Notebook 10 -- data loading: DataLoader workers, pinned memory, prefetching, and per-rank shards (check 10.1
+in ``checks.data_loading``). ``SlowDataset`` sleeps in ``__getitem__`` (a stand-in for decoding) and returns
+the worker's pid with each item. The script prints each rank's DistributedSampler shard::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.data_loading
 """
@@ -85,24 +80,9 @@ def batch_makers(num_workers: int, batches: int = 8, batch_size: int = 4) -> lis
         return [int(b[0]) for b, _ in zip(loader, range(batches))]
 
 
-def private_bytes(pid: int) -> int:
-    """USS: the pages only this process holds (Private_Clean + Private_Dirty in smaps_rollup). A forked
-    worker's RSS counts every page it shares with its parent; USS is what it adds to the host."""
-    total = 0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def worker_memory(num_workers: int, persistent: bool = False, **kw):
-    """Start a loader's workers (one batch taken), then measure each worker's RSS and USS."""
+    """Start a loader's workers (one batch taken), then measure each worker's RSS and USS (the pages only it
+    holds: a forked worker's RSS counts every page it shares with its parent; USS is what it adds)."""
     import psutil
 
     # Count only the processes this loader started: the kernel may already have other children
@@ -112,8 +92,8 @@ def worker_memory(num_workers: int, persistent: bool = False, **kw):
                         persistent_workers=persistent, **kw)
     it = iter(loader)
     next(it)
-    pids = [p.pid for p in psutil.Process().children() if p.pid not in before]
-    out = {"processes": len(pids), "rss": [rss_bytes(p) for p in pids], "uss": [private_bytes(p) for p in pids]}
+    mems = [p.memory_full_info() for p in psutil.Process().children() if p.pid not in before]
+    out = {"processes": len(mems), "rss": [m.rss for m in mems], "uss": [m.uss for m in mems]}
     del it
     return out
 

@@ -1,19 +1,8 @@
-"""Notebook 03 -- how ``nn.DataParallel`` works, what it costs on device 0, and why DDP replaced it.
-
-``nn.DataParallel`` is one process with one Python thread per GPU. Each forward it
-1. *scatters* the batch along dim 0 like ``torch.chunk`` (ceil(B/n) rows per chunk: maybe < n chunks),
-2. *replicates* the module onto every device it uses -- a fresh copy of every parameter, every step,
-3. runs the replicas in threads (*parallel_apply*; the GIL serialises their Python),
-4. *gathers* the outputs onto device 0, where the loss is computed.
-Backward flows from that one loss through every replica, and the replicas' gradients are summed
-(``ReduceAddCoalesced``) into the original module's ``.grad`` on device 0.
-
-On a CPU-only machine ``nn.DataParallel`` silently calls the module, and ``replicate``/``scatter``/
-``gather``/``parallel_apply`` refuse CPU tensors, so exercise 3.1 writes the mechanism over CPU replicas,
-and :func:`simulate_data_parallel` runs it with one thread per simulated device, each thread under its
-own :class:`MemoryTracker` (a TorchDispatchMode, hence thread-local), to measure what each device holds.
-
-The check of 3.1 is in ``checks.data_parallel``. As a script -- DDP, the replacement, one process per device -- on 2 ranks:
+"""Notebook 03 -- how ``nn.DataParallel`` works (scatter, replicate, parallel_apply, gather on device 0), what
+it costs on device 0, and why DDP replaced it. On a CPU ``nn.DataParallel`` just calls the module and its
+parts refuse CPU tensors, so exercise 3.1 (checked in ``checks.data_parallel``) writes the mechanism over CPU
+replicas, and :func:`simulate_data_parallel` runs it with one thread per simulated device, each under its
+own :class:`MemoryTracker` (a dispatch mode, hence thread-local). As a script -- DDP, one process per device:
 ``torchrun --nproc-per-node 2 -m mgpu_helpers.data_parallel``
 """
 from __future__ import annotations
@@ -27,6 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .memory import make_optimizer
+from .runtime.launch import rank_device, script_args, torchrun_main
+from .runtime.plots import stacked_bars
+from .runtime.tracker import MemoryTracker
 
 
 # The notebook's demo problem: a small "language-model head" whose logits (tokens x vocab) outweigh
@@ -54,8 +46,6 @@ def single_device_grads(model, x, y, per_chunk=None):
     return loss.detach(), [p.grad for p in m.parameters()]
 
 
-# --- what each device holds: simulated devices, one thread and one tracker each -----------------------
-
 class LossInside(nn.Module):
     """The fix: the replicas compute their share of the loss, so only n numbers are gathered on device 0.
     Each returns sum-of-losses / total rows (not its chunk's mean), so the shares add up to the mean."""
@@ -72,7 +62,6 @@ class SimDevice:
     """A thread standing in for GPU ``index``: what its tasks allocate is counted by its own tracker."""
 
     def __init__(self, index, model, optimizer=None):
-        from .runtime.tracker import MemoryTracker
         self.index, self.model = index, model
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"device{index}")
         self.tracker = MemoryTracker(model, optimizer, device="cpu")
@@ -88,10 +77,9 @@ class SimDevice:
 
 def simulate_data_parallel(model, x, y, n, loss_inside=False, adam=False):
     """One DataParallel step over ``n`` simulated devices (device 0 holds ``model`` itself, as replicate
-    does); returns the loss, the gradients left in ``model`` and, per device, its peak bytes, the
-    breakdown at the peak and the peak of each phase. Devices run one after another, so the figures are
-    exact and repeatable; DataParallel would run them at once, which changes no device's own figure.
-    ``adam=True``: then an Adam step (its first) on device 0, the only place the optimizer exists."""
+    does): the loss, ``model``'s gradients and, per device, its peak, breakdown at the peak and phase peaks.
+    Devices run one after another (exact, repeatable figures; running at once changes no device's own).
+    ``adam=True``: then Adam's first step on device 0, the only place the optimizer exists."""
     xs, ys = x.chunk(n), y.chunk(n)
     replicas = [LossInside(model) if loss_inside else model]
     replicas += [copy.deepcopy(replicas[0]) for _ in xs[1:]]  # replicate: a full copy per extra device
@@ -147,13 +135,10 @@ def device_table(devices, name="device", cols=("parameters", "gradients", "activ
 
 def device_bars(devices, title="", ax=None, name="device"):
     """Stacked bars, one per device (or rank), of the breakdown at each one's peak."""
-    from .runtime.plots import stacked_bars
     ax = stacked_bars({f"{name} {i}": d["breakdown"] for i, d in enumerate(devices)}, title=title, ax=ax)
     ax.legend(loc="upper right", fontsize=8, frameon=False)  # device 0's tall bar sits on the left
     return ax
 
-
-# --- real GPUs (>= 2): nn.DataParallel itself, read from the CUDA allocator ---------------------------
 
 def real_data_parallel_memory(n_gpus, loss_inside=False, spec=DEMO, seed=0):
     """Peak ``torch.cuda.max_memory_allocated(i)`` per GPU above what GPU i held before a DataParallel
@@ -174,8 +159,6 @@ def real_data_parallel_memory(n_gpus, loss_inside=False, spec=DEMO, seed=0):
         peaks = [torch.cuda.max_memory_allocated(i) - before[i] for i in range(n_gpus)]
     return {"loss": loss.detach().cpu(), "grads": [p.grad.cpu() for p in model.parameters()], "peaks": peaks}
 
-
-# --- why DDP replaced it --------------------------------------------------------------------------------
 
 def _best_of(fn, repeat=5):
     return min(timeit.repeat(fn, number=1, repeat=repeat))  # the least disturbed of `repeat` timings
@@ -215,13 +198,9 @@ def gil_demo(n=2):
 
 
 def ddp_step(rank, world_size, spec=None, seed=0, adam=False):
-    """One DDP step on this rank's share of the batch (one process per device: no threads, no replicate,
-    no gather); returns the rank's peak bytes, breakdown and the gradients (on CPU). ``adam=True``: then
-    an Adam step (its first): every rank holds the whole optimizer state."""
+    """One DDP step on this rank's share of the batch: the rank's peak bytes, breakdown and gradients (on
+    CPU). ``adam=True``: then Adam's first step (every rank holds the whole optimizer state)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from .runtime.launch import rank_device
-    from .runtime.tracker import MemoryTracker
     dev = rank_device()
     model, x, y = make_problem(**(spec or DEMO), seed=seed)
     model = model.to(dev)
@@ -251,6 +230,5 @@ def _torchrun_demo(rank, world_size):
 
 
 if __name__ == "__main__":
-    from .runtime.launch import script_args, torchrun_main
     script_args(__doc__)
     torchrun_main(_torchrun_demo)

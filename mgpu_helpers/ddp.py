@@ -1,12 +1,7 @@
-"""Notebook 04 -- DistributedDataParallel from the collectives up.
-
-Data parallelism keeps a full replica of the model on every rank, gives each rank its own shard of the
-global batch and averages the gradients with ``all_reduce`` after backward, so that every rank takes
-the same optimizer step as one process on the whole batch would. The learner writes that average
-(exercise 4.1), then the bucketed version DDP really uses (4.2): fewer, larger collectives. Their checks
-are in ``checks.ddp``. The notebook's demonstrations are here too: collectives drawn, a gloo
-all_reduce that waits for its worker thread, and the launch traps (``mp.spawn`` from a notebook, fork
-after CUDA).
+"""Notebook 04 -- DistributedDataParallel from the collectives up: the learner averages gradients with
+``all_reduce`` (exercise 4.1), then in buckets as DDP does (4.2; checks in ``checks.ddp``). Here: the batch's
+shards, collectives drawn, a gloo all_reduce that waits for its worker thread, and the launch traps
+(``mp.spawn`` from a notebook, fork after CUDA). Models and batches: ``memory.mlp`` and ``memory.make_batch``.
 
 Run as a script (torch DDP on 2 ranks against a single process on the full batch)::
 
@@ -31,27 +26,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .accumulation import flat_grads
+from .memory import make_batch, mlp
 from .runtime.launch import rank_device, run_ranks, script_args, torchrun_main
-
-# --- models and data: the same on every rank, from a seed ------------------------------------------
-
-def make_model(widths: list[int], seed: int = 0, bias: bool = True, device=None) -> nn.Sequential:
-    """Linear → ReLU → … → Linear, initialised from ``seed`` (so every rank builds the same replica), on
-    ``device``, by default ``rank_device()``: a rank's GPU under NCCL, whose collectives take no CPU tensor
-    (the CPU outside a rank). Drawn on the CPU first: the same weights on every machine."""
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-        layers += ([nn.ReLU()] if i else []) + [nn.Linear(a, b, bias=bias)]
-    return nn.Sequential(*layers).to(device or rank_device())
-
-
-def make_batch(n: int, d_in: int, classes: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch: ``n`` inputs and class labels, on ``device`` (default ``rank_device()``), drawn on
-    the CPU as make_model."""
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g)
-    return x.to(device or rank_device()), y.to(device or rank_device())
 
 
 def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -60,19 +37,11 @@ def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return t[rank * per:(rank + 1) * per]
 
 
-def flat_grads(model: nn.Module) -> torch.Tensor:
-    """Every parameter's gradient in one vector (zeros where a gradient is missing)."""
-    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).detach().reshape(-1)
-                      for p in model.parameters()])
-
-
 def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()  # mean over the batch, as every rank of DDP computes it
     return flat_grads(model)
 
-
-# --- the notebook's demonstrations: collectives drawn, all_reduce settled, the launch traps -----------
 
 @contextlib.contextmanager
 def settled_all_reduce():
@@ -94,8 +63,6 @@ def settled_all_reduce():
     finally:
         dist.all_reduce = real
 
-
-# --- pictures of collectives ------------------------------------------------------------------------
 
 def draw_collectives(results: dict[str, tuple[list, list]]):
     """One row per collective: each rank's tensor before (left) and after (right), one box per element.
@@ -131,8 +98,6 @@ def draw_collectives(results: dict[str, tuple[list, list]]):
     return fig
 
 
-# --- what goes wrong when launching ranks -----------------------------------------------------------
-
 def _errors_of(code: str) -> list[str]:
     """Run ``code`` in a fresh interpreter whose ``__main__`` cannot be imported (like a notebook's);
     return the last line of each traceback it printed, then its exit code."""
@@ -165,15 +130,13 @@ def fork_after_cuda() -> list[str]:
     """)
 
 
-# --- the script: torch DDP against one process on the full batch ------------------------------------
-
 def _demo(rank: int, world_size: int) -> str:
     widths, per_rank = [32, 64, 64, 10], 8
     x, y = make_batch(per_rank * world_size, widths[0], widths[-1])
     dev = rank_device()
-    model = DDP(make_model(widths), device_ids=[dev.index] if dev.type == "cuda" else None)
+    model = DDP(mlp(widths), device_ids=[dev.index] if dev.type == "cuda" else None)
     got = _grads(model, shard(x, rank, world_size), shard(y, rank, world_size))
-    full = _grads(make_model(widths), x, y)  # every rank can compute the single-process reference
+    full = _grads(mlp(widths), x, y)  # every rank can compute the single-process reference
     same = torch.tensor([float(torch.allclose(got, full, rtol=1e-4, atol=1e-6))], device=dev)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)  # true only if it holds on every rank
     return (f"DDP on {world_size} ranks ({dist.get_backend()}): averaged gradients of "

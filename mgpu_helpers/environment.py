@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 
 import torch
 import torch.distributed as dist
@@ -62,4 +61,3 @@ if __name__ == "__main__":
         torchrun_main(hello)
     else:
         print_environment()
-        sys.exit(0)

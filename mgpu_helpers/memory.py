@@ -1,25 +1,7 @@
-"""Notebook 01 -- where training memory goes.
-
-Parameters, gradients, optimizer state and activations, counted two ways: by formula (what the
-learner writes in exercises 1.1 and 1.2) and by measurement (:class:`~mgpu_helpers.runtime.tracker.MemoryTracker`, which has the
-semantics of ``torch.cuda.memory_allocated`` on any device).
-
-Precisions used throughout the course (the ZeRO paper's accounting, Rajbhandari et al. 2020):
-
-=========  ===================  ==========  ===============================  ====================
-precision  weights used in      gradients   optimizer state                  Adam bytes/param
-           forward/backward
-=========  ===================  ==========  ===============================  ====================
-fp32       fp32 (4)             fp32 (4)    states in fp32 (4 each)          4+4+8    = 16
-bf16       bf16 (2)             bf16 (2)    states in bf16 (2 each)          2+2+4    = 8
-mixed      bf16 (2)             bf16 (2)    fp32 master (4) + states (4 each) 2+2+4+8 = 16
-=========  ===================  ==========  ===============================  ====================
-
-torch.autocast training is the fp32 row (fp32 weights and gradients, no master copy; its bf16 weight
-copies are activations). "mixed" with fp32 gradients (Megatron-LM's bf16 setting) is 2+4+4+8 = 18
-bytes/param, and 20 when 16-bit gradients are kept beside an fp32 copy (its fp16 setting): the numbers
-learners meet in different sources differ by what they count, not by mistake. The checks of 1.1 and 1.2
-are in ``checks.memory``.
+"""Notebook 01 -- where training memory goes: parameters, gradients, optimizer state and activations, counted
+by formula (exercises 1.1 and 1.2, checked in ``checks.memory``) and by ``runtime.tracker.MemoryTracker``.
+Also the builders every later face shares: ``mlp``, ``make_batch``, ``make_optimizer``, ``nbytes``.
+(The bytes per parameter of each precision: ``sharding.zero.model_state_bytes``.)
 """
 from __future__ import annotations
 
@@ -33,13 +15,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0, tie: tuple[int, int] | None = None,
-        freeze: tuple[int, ...] = (), device=None) -> nn.Sequential:
-    """Linear → ReLU → … → Linear with the given layer widths (no ReLU after the last Linear), from ``seed``,
-    on ``device`` (default ``rank_device()``: in a rank its GPU under NCCL, else the CPU; drawn on the CPU
-    first, so the weights are the same everywhere). ``tie=(i, j)``: Linear j's weight *is* Linear i's (one
-    tensor reached from two modules; their shapes must agree). ``freeze``: Linears whose weight is frozen."""
+        freeze: tuple[int, ...] = (), device=None, bias: bool = True) -> nn.Sequential:
+    """Linear → ReLU → … → Linear with the given layer widths, from ``seed`` (every rank builds the same
+    replica), on ``device`` (default ``rank_device()``: in a rank its GPU under NCCL, else the CPU; drawn on
+    the CPU first, so the weights are the same everywhere). ``tie=(i, j)``: Linear j's weight *is* Linear i's
+    (their shapes must agree). ``freeze``: Linears whose weight is frozen."""
     torch.manual_seed(seed)
-    lins = [nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:])]
+    lins = [nn.Linear(a, b, bias=bias) for a, b in zip(widths[:-1], widths[1:])]
     if tie is not None:
         lins[tie[1]].weight = lins[tie[0]].weight
     for i in freeze:
@@ -50,8 +32,7 @@ def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0, ti
 
 def make_batch(n: int, d_in: int, classes: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` inputs and class labels from ``seed``, drawn on the CPU by a generator of their own (the global
-    RNG stays untouched; the values are the same on every device), then moved to ``device`` (default
-    ``rank_device()``, as ``mlp``)."""
+    RNG stays untouched), then moved to ``device`` (default ``rank_device()``, as ``mlp``)."""
     g, device = torch.Generator().manual_seed(seed), device or rank_device()
     return torch.randn(n, d_in, generator=g).to(device), torch.randint(0, classes, (n,), generator=g).to(device)
 
@@ -77,3 +58,4 @@ def nbytes(tensors) -> int:
             seen.add(t.untyped_storage().data_ptr())
             total += t.untyped_storage().nbytes()
     return total
+

@@ -1,12 +1,7 @@
-"""Notebook 02 -- measuring memory: allocated vs reserved vs peak, snapshots, the profiler, and checks.
-
-On a GPU the allocator's counters are read live (:func:`allocator_demo`) and a snapshot of one training
-step is recorded (:func:`record_step_snapshot`). A CPU cannot run those, so the notebook shows figures
-stored under ``solutions/assets/02_gpu_*`` by ``PYTHONPATH=. python3 bench/profiling_gpu.py``, which runs
-these same functions on a GPU: ``02_gpu_figures.json`` (the numbers), ``02_gpu_snapshot.pickle``
-(``torch.cuda.memory._dump_snapshot``: open it at https://pytorch.org/memory_viz) and
-``02_gpu_snapshot.png`` (drawn by :func:`plot_snapshot` from that pickle). The checks of 2.1 and 2.2 are
-in ``checks.profiling``.
+"""Notebook 02 -- measuring memory: allocated vs reserved vs peak, snapshots, the profiler (checks of 2.1 and
+2.2 in ``checks.profiling``). :func:`allocator_demo` and :func:`record_step_snapshot` need a GPU: on a CPU
+the notebook shows what ``PYTHONPATH=. python3 bench/profiling_gpu.py`` stored from them under
+``solutions/assets/02_gpu_*`` (the snapshot pickle opens at https://pytorch.org/memory_viz).
 """
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .memory import make_optimizer, mlp
+from .memory import make_batch, make_optimizer, mlp
 from .runtime.tracker import MemoryTracker
 
 MiB = 2**20
@@ -49,8 +44,6 @@ def stored_figures() -> dict:
 def stored_snapshot() -> dict:  # our own file (bench/profiling_gpu.py): plain dicts and lists
     return pickle.loads(asset(SNAPSHOT).read_bytes())
 
-
-# --- the caching allocator, live on a GPU ---------------------------------------------------------
 
 def _counters(dev) -> dict:
     free, total = torch.cuda.mem_get_info(dev)
@@ -120,8 +113,6 @@ def explain_allocator(rows: dict) -> None:
     print(f"not PyTorch's: device used - reserved = {mib(last['device_used'] - last['reserved'])} "
           f"(the CUDA context, and any other process on the GPU)")
 
-
-# --- memory snapshots ------------------------------------------------------------------------------
 
 def train_step(model, opt, x, y, mark=lambda phase: None) -> None:
     """One training step in three phases; ``mark(phase)`` is called as each begins."""
@@ -205,13 +196,9 @@ def top_memory_ops(prof, k: int = 6) -> list[tuple[str, int]]:
     return sorted(rows, key=lambda r: (-r[1], r[0]))[:k]
 
 
-# --- exercise 2.1's scenario (its check runs it, its reference measures it) --------------------------------
-
 def scenario_inputs(case):
-    model = mlp(case["widths"], seed=case["seed"])
-    g = torch.Generator().manual_seed(case["seed"])
-    x = torch.randn(case["batch"], case["widths"][0], generator=g)
-    return model, (x, torch.randint(0, case["widths"][-1], (case["batch"],), generator=g))
+    w = case["widths"]
+    return mlp(w, seed=case["seed"]), make_batch(case["batch"], w[0], w[-1], case["seed"])
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from mgpu_helpers.tools.authoring import verdict
-from mgpu_helpers.checkpointing import (OpLog, Stack, make_data, measure_step, no_checkpointing, plan_for,
+from mgpu_helpers.memory import make_batch
+from mgpu_helpers.checkpointing import (OpLog, Stack, measure_step, no_checkpointing, plan_for,
                                         predict_peak, segments, selective_context, selective_vs_full,
                                         sequential_plan, torch_segments)
 from mgpu_helpers.checks.checkpointing import _case, _mistake_plans, check_7_1
@@ -40,7 +41,7 @@ def _grads(model):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
 def test_checkpoint_every_gradients_equal_the_plain_step(k):
-    x, y = make_data(64, 8, 3)
+    x, y = make_batch(64, 8, 3)
     plain, ckpt = Stack(7, 8, 16, 3, seed=4), Stack(7, 8, 16, 3, seed=4)
     F.cross_entropy(plain.head(no_checkpointing(plain.blocks, x)), y).backward()
     F.cross_entropy(ckpt.head(checkpoint_every(ckpt.blocks, x, k)), y).backward()
@@ -53,7 +54,7 @@ def test_predict_peak_is_exact_on_the_checks_cases_and_mistake_plans():
         L = rng.randint(2, 12)
         c = _case(rng, L, rng.randint(1, L))
         model = Stack(L, c["d"], c["h"], c["classes"], seed=c["seed"])
-        x, y = make_data(c["batch"], c["d"], c["classes"], seed=c["seed"])
+        x, y = make_batch(c["batch"], c["d"], c["classes"], seed=c["seed"])
         shape = (c["d"], c["h"], c["classes"], c["batch"])
         plans = {"right": plan_for(L, c["k"]), **_mistake_plans(L, c["k"])}
         for name, plan in plans.items():
@@ -110,9 +111,9 @@ def test_grading_split_round_trips_through_torch_save(tmp_path):
 
 
 def test_recomputed_matmuls_counted_from_the_op_log():
-    from mgpu_helpers.checkpointing import MATMULS, Stack, make_data, no_checkpointing, recomputed_ops, segments
+    from mgpu_helpers.checkpointing import MATMULS, Stack, no_checkpointing, recomputed_ops, segments
     L = 5
-    model, (x, y) = Stack(L, 4, 8, 3), make_data(16, 4, 3)
+    model, (x, y) = Stack(L, 4, 8, 3), make_batch(16, 4, 3)
     assert recomputed_ops(model, x, y, no_checkpointing) == {}
     for k in range(1, L + 1):  # each segment again but its last layer: 2L - (number of segments)
         assert recomputed_ops(model, x, y, checkpoint_every, k)["addmm"] == 2 * L - len(segments(L, k))
@@ -128,7 +129,7 @@ def test_the_policy_sees_addmm_not_linear():
 def test_torch_segments_is_predicted_exactly():
     """The cells' stand-in until 7.1 is done: torch's checkpoint_sequential, its own plan, exact bytes."""
     L, d, h, classes, batch = 9, 16, 32, 4, 256
-    model, (x, y) = Stack(L, d, h, classes), make_data(batch, d, classes)
+    model, (x, y) = Stack(L, d, h, classes), make_batch(batch, d, classes)
     for k in range(1, L + 1):
         measured, _ = measure_step(model, x, y, torch_segments, k)
         assert measured == predict_peak(sequential_plan(L, k), d, h, classes, batch), k

@@ -19,7 +19,8 @@ for _m in pkgutil.iter_modules(mgpu_helpers.checks.__path__):  # every lesson's 
     if _m.name not in ("base", "references", "__main__"):
         importlib.import_module(f"mgpu_helpers.checks.{_m.name}")
 from mgpu_helpers.checks.references.pipeline import gpipe_step
-from mgpu_helpers.model_sharding import StepRecorder, make_batch, make_model, stage_bounds
+from mgpu_helpers.memory import make_batch
+from mgpu_helpers.model_sharding import StepRecorder, make_model, stage_bounds
 from mgpu_helpers.runtime.launch import RankError, rank_device, run_ranks
 
 
@@ -78,7 +79,7 @@ def old_pipeline(rank, world_size):  # notebook 09 before: model and batch made 
 
 
 def new_pipeline(rank, world_size):
-    model, (x, y) = make_model(4, 8), make_batch(4, 8)
+    model, (x, y) = make_model(4, 8), make_batch(4, 8, 8)
     with StepRecorder(model, stage_bounds(4, world_size)[rank][0]) as rec:
         gpipe_step(model, x, y, 2)
     return rec.clock

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from mgpu_helpers import ddp as lesson
 from mgpu_helpers.checks import ddp
+from mgpu_helpers.memory import make_batch
 from mgpu_helpers.tools.authoring import exec_cell, exercise_source
 from mgpu_helpers.runtime.launch import run_ranks
 
@@ -52,9 +53,9 @@ def test_cases_test_what_they_claim(seed):
 
 
 def test_shards_partition_the_batch():
-    x, y = lesson.make_batch(12, 5, 3)
+    x, y = make_batch(12, 5, 3)
     assert torch.equal(torch.cat([lesson.shard(x, r, 3) for r in range(3)]), x)
-    assert torch.equal(lesson.make_batch(12, 5, 3)[1], y)          # deterministic from the seed
+    assert torch.equal(make_batch(12, 5, 3)[1], y)          # deterministic from the seed
 
 
 def _ddp_rank(rank, world_size, case):

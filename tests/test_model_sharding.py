@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 from testkit import run_torchrun
 from mgpu_helpers.runtime.launch import run_ranks
-from mgpu_helpers.model_sharding import (StepRecorder, Stuck, as_intervals, bubble_fraction, make_batch, make_mlp,
+from mgpu_helpers.memory import make_batch
+from mgpu_helpers.model_sharding import (StepRecorder, Stuck, as_intervals, bubble_fraction, make_mlp,
                                          make_model, param_bytes, parameter_bytes_formula, single_process_step,
                                          stage_bounds, step_timeline, torch_tensor_parallel)
 from mgpu_helpers.checks.model_sharding import check_9_1, check_9_2
@@ -23,7 +24,7 @@ def test_stage_bounds_uneven_and_bad_input():
 
 
 def _gpipe(rank, world, n_layers, n_micro):
-    model, (x, y) = make_model(n_layers, 8), make_batch(12, 8)
+    model, (x, y) = make_model(n_layers, 8), make_batch(12, 8, 8)
     with StepRecorder(model, stage_bounds(n_layers, world)[rank][0]) as rec:
         loss = gpipe_step(model, x, y, n_micro)
     base = make_model(n_layers, 8)
@@ -46,7 +47,7 @@ def test_gpipe_equals_one_process_and_counts_the_bubble(world, n_layers, n_micro
 
 def test_gpipe_refuses_an_indivisible_batch():
     def work(rank, world):
-        model, (x, y) = make_model(2, 4), make_batch(5, 4)
+        model, (x, y) = make_model(2, 4), make_batch(5, 4, 4)
         with pytest.raises(ValueError, match="n_micro=2"):
             gpipe_step(model, x, y, 2)
     run_ranks(work, 1)
@@ -57,7 +58,7 @@ def _deadlock(model, x, y, n_micro):
 
 
 def _watched(rank, world):
-    model, (x, y) = make_model(2, 4), make_batch(4, 4)
+    model, (x, y) = make_model(2, 4), make_batch(4, 4, 4)
     try:
         with StepRecorder(model, rank, timeout=0.5):
             _deadlock(model, x, y, 2)

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointError
 
-from ..checkpointing import (Stack, make_data, no_checkpointing, plan_for, predict_peak, segments)
+from ..checkpointing import (Stack, no_checkpointing, plan_for, predict_peak, segments)
+from ..memory import make_batch
 from ..runtime.tracker import MemoryTracker
 from .base import REGISTRY, Check, describe_value, expect, expect_close, expect_equal, expect_type
 
@@ -77,7 +78,7 @@ class CheckpointEvery(Check):
     def run(self, fn, case):
         model = Stack(case["layers"], case["d"], case["h"], case["classes"], seed=case["seed"],
                       dropout=case.get("dropout", 0.0))
-        x, y = make_data(case["batch"], case["d"], case["classes"], seed=case["seed"])
+        x, y = make_batch(case["batch"], case["d"], case["classes"], seed=case["seed"])
         if case.get("bad"):
             try:
                 fn(model.blocks, x, case["k"])
@@ -129,7 +130,7 @@ class CheckpointEvery(Check):
                    "Hint: checkpoint(function, *its inputs, use_reentrant=False), with everything the function "
                    "uses passed as an argument."))
         model = Stack(L, case["d"], case["h"], case["classes"], seed=case["seed"], dropout=case.get("dropout", 0.0))
-        x, y = make_data(case["batch"], case["d"], case["classes"], seed=case["seed"])
+        x, y = make_batch(case["batch"], case["d"], case["classes"], seed=case["seed"])
         torch.manual_seed(case["seed"])
         F.cross_entropy(model.head(no_checkpointing(model.blocks, x)), y).backward()
         names = [n for n, _ in model.named_parameters()]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..ddp import make_batch, make_model
+from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device, run_ranks
 from .base import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
                    expect_equal, expect_type, plain, run_learner_ranks)
@@ -28,7 +28,7 @@ class _SkipsUnused(nn.Sequential):
 
 
 def _model(case) -> nn.Module:
-    layers = list(make_model(case["widths"], case["seed"], case["bias"]).named_children())
+    layers = list(mlp(case["widths"], seed=case["seed"], bias=case["bias"]).named_children())
     if case.get("unused"):  # between two layers, so a bucket has to skip it
         layers.insert(2, ("unused", nn.Linear(3, 2, bias=case["bias"])))
     return _SkipsUnused(OrderedDict(layers)).to(rank_device())

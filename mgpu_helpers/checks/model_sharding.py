@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..model_sharding.pipeline import StepRecorder, Stuck, make_batch, make_model, single_process_step, stage_bounds
+from ..memory import make_batch
+from ..model_sharding.pipeline import StepRecorder, Stuck, make_model, single_process_step, stage_bounds
 from ..runtime.launch import rank_device
 from ..model_sharding.tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
 from .base import REGISTRY, CheckFailure, expect, expect_close, expect_equal, expect_type, run_learner_ranks
@@ -41,7 +42,7 @@ def _plain(value):  # a returned loss, as plain data the grader can ship
 
 def _pipe_rank(rank, world, fn, case):
     model = make_model(case["n_layers"], case["width"], case["seed"])
-    x, y = make_batch(case["batch"], case["width"], case["seed"] + 1)
+    x, y = make_batch(case["batch"], case["width"], case["width"], case["seed"] + 1)
     try:
         with StepRecorder(model, stage_bounds(case["n_layers"], world)[rank][0]) as rec:
             loss, stuck = fn(model, x, y, case["n_micro"]), None
@@ -124,7 +125,7 @@ class PipelineStep(RemembersVerdict):
         if any(r["stuck"] for r in result):
             _deadlock(result)
         model = make_model(n, case["width"], case["seed"])
-        x, y = make_batch(b, case["width"], case["seed"] + 1)
+        x, y = make_batch(b, case["width"], case["width"], case["seed"] + 1)
         loss = single_process_step(model, x, y)
         ref = [q.grad for q in model.parameters()]
         owned = [[i for i in range(n) if res["grads"][2 * i] is not None] for res in result]
@@ -318,7 +319,7 @@ def script(rank, world):
     dev = rank_device()
     n_layers, n_micro, width, batch, d, h = world + 1, 4, 32, 16, 32, 240
     model = make_model(n_layers, width).to(dev)
-    x, y = (t.to(dev) for t in make_batch(batch, width))
+    x, y = (t.to(dev) for t in make_batch(batch, width, width))
     loss = gpipe_step(model, x, y, n_micro)
     base = make_model(n_layers, width).to(dev)
     base_loss = single_process_step(base, x, y)

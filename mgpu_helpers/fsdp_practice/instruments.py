@@ -1,11 +1,6 @@
-"""Notebook 12 -- the measuring instruments: each rank's live bytes from ``torch.profiler`` (every allocation
-of the CPU allocator; on CUDA the allocator's own counters) and its state by the tensors themselves.
-
-``profiled_peak`` has ``memory_allocated`` semantics: bytes alive at entry (given) plus every allocation and
-free inside, in time order, with the peak per ``record_function("## phase ##")`` range. It sees what a
-tracker that learns storages when they are made misses: FSDP2's unsharded parameters, freed with
-``resize_(0)`` after use and re-grown at the next all-gather.
-"""
+"""Notebook 12 -- the measuring instruments: each rank's live bytes from the allocator (``profiled_peak``: it
+sees FSDP2's unsharded parameters, re-grown after ``resize_(0)``, which the tracker misses) and its state
+by the tensors themselves (``state_bytes``)."""
 from __future__ import annotations
 
 import contextlib
@@ -27,11 +22,10 @@ def state_bytes(model, opt=None) -> dict[str, int]:
 
 @contextlib.contextmanager
 def profiled_peak(baseline: int = 0):
-    """``with profiled_peak(b) as r: ...`` then ``r["peak"]``, ``r["end"]``: live bytes as
-    ``memory_allocated`` would say, counting ``baseline`` bytes alive at entry plus every allocation and
-    free inside (on the CPU :class:`~mgpu_helpers.runtime.alloc_reference.AllocationReference`; on CUDA the
-    allocator itself), and ``r["phases"]``: the peak inside each ``record_function("## name ##")`` range,
-    ``r["compute"]``: per phase, the most held when a matrix multiply starts (CPU only)."""
+    """``with profiled_peak(b) as r: ...`` then ``r["peak"]``, ``r["end"]``: live bytes with ``memory_allocated``
+    semantics, ``baseline`` alive at entry plus every allocation and free inside (on the CPU
+    ``AllocationReference``; on CUDA the allocator); ``r["phases"]``: the peak in each ``record_function("## name
+    ##")`` range; ``r["compute"]``: per phase, the most held when a matrix multiply starts (CPU only)."""
     r = {"peak": baseline, "end": baseline, "phases": {}, "compute": {}}
     # Collect earlier garbage now (FSDP2 modules sit in reference cycles): freed inside the window, a
     # tensor the profiler saw allocated in an earlier window would count as a free, at gc's whim. And no
@@ -65,6 +59,3 @@ def profiled_peak(baseline: int = 0):
                     r["phases"][name[3:-3]] = max(r["phases"].get(name[3:-3], 0), baseline + max(inside))
                 if at_mm := [ref.live_at(t, inclusive=True) for t in mms if a <= t <= b]:
                     r["compute"][name[3:-3]] = max(r["compute"].get(name[3:-3], 0), baseline + max(at_mm))
-
-
-__all__ = ["state_bytes", "profiled_peak"]

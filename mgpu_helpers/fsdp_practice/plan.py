@@ -1,11 +1,6 @@
-"""Notebook 12 -- the planner (notebook 11, ``planner.plan``) on this notebook's knobs, against the measurement.
-
-The planner runs FSDP2 itself on fake tensors in a fake process group and counts every storage, FSDP2's
-re-grown unsharded parameters included; the measurement here counts every allocation of a real step
-(``fsdp_practice.measure``, the profiler). Knobs map one to one, except prefetch: the planner's
-``prefetch=1`` is FSDP2's default order (this notebook's ``prefetch=0``) and ``k > 1`` sets k units
-explicitly both ways (this notebook's ``prefetch=k``). ``reshard_after_forward`` True/False/an int: the
-planner, as ``shard``, gives an int to the blocks and leaves the root at FSDP2's default.
+"""Notebook 12 -- the planner (``planner.plan``, notebook 11) on this notebook's knobs, against the measurement.
+Knobs map one to one but prefetch: the planner's ``prefetch=1`` is FSDP2's default order (this notebook's
+``prefetch=0``); ``k > 1`` sets k units explicitly both ways.
 """
 from __future__ import annotations
 
@@ -34,6 +29,3 @@ def plan_knobs(world_size: int, knobs: dict, model_kw=None):
                 precision=PRECISION[k["precision"]], zero_stage=3, world_size=world_size, device="cpu",
                 reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"] or 1,
                 offload=k["offload"])
-
-
-__all__ = ["plan_knobs"]

@@ -1,19 +1,12 @@
 """Notebook 12 -- communication hidden behind compute: every rank's ``torch.profiler`` trace of one training
-step, merged into one figure, and the overlap measured as a fraction of communication time.
-
-What counts as what, read from the trace (never guessed from wall clocks alone):
-
-* **communication**: on a CPU, gloo runs each collective in its own worker thread, which the profiler
-  records as ``gloo:all_gather`` / ``gloo:all_reduce`` / ... ranges (gloo has no reduce-scatter of its own:
-  FSDP2's reduce-scatter shows as ``gloo:all_reduce``); on a GPU, the NCCL kernels (``nccl...``);
-* **compute**: the model's matrix multiplies and activations (``aten::mm``, ``aten::addmm``,
-  ``aten::gelu``, ``aten::gelu_backward``) on the main thread; on a GPU, every other kernel.
-
-``overlap`` = (time when communication and compute both run) / (time when communication runs). The times
-are real and vary from run to run (the notebook prints them under ``NBVAL_IGNORE_OUTPUT``); which
-collectives run, how many and how many bytes do not vary.
+step, merged into one figure; ``overlap`` = (time both run) / (time communication runs). Communication: on a
+CPU gloo's worker-thread ranges (``gloo:all_reduce``...; FSDP2's reduce-scatter shows as an all_reduce), on a
+GPU the NCCL kernels; compute: ``COMPUTE`` on the main thread, on a GPU every other kernel. Times vary from
+run to run; which collectives run, and how many, do not.
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -81,13 +74,10 @@ def _ddp_step(model_kw=None, rows=8, bucket_cap_mb=0.25):
 
 
 def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
-    """This rank's profiled training step: ``{"compute": [(start, end) ms], "comm": [(start, end, name)],
-    "phases": {name: (start, end)}, "t0": ns, "forward_order": str}``; ``forward_order`` is the order in
-    which the main thread issued FSDP2's all-gathers ("G") and the forward's matmuls ("m"), and
-    ``reductions_before_last_backward_matmul`` (issued early, all) counts gradient reductions issued while
-    backward still had compute to do: both deterministic with times in ms from ``t0`` (the step's start, on the
-    machine's clock: ranks of one machine share it, so their traces line up). ``kind``: "fsdp" (built by
-    ``fsdp_practice.build(knobs)``) or "ddp" (DDP with 0.25 MB buckets)."""
+    """This rank's profiled training step (``kind`` "fsdp": ``build(knobs)``; "ddp": 0.25 MB buckets):
+    ``{"compute": [(start, end)], "comm": [(start, end, name)], "phases", "t0", "forward_order",
+    "reductions_before_last_backward_matmul": (early, all)}``, times in ms from ``t0`` (the step's start on the
+    machine's clock, shared by its ranks). The orders of issue are deterministic; times are not."""
     step = _ddp_step(model_kw, (knobs or {}).get("rows", 8)) if kind == "ddp" else build(knobs or {}, model_kw)[2]
     for _ in range(warmup):  # DDP rebuilds its buckets after the first step; FSDP2 makes its buffers
         step()
@@ -138,19 +128,15 @@ def summarize(traces) -> dict:
     out = []
     for tr in traces:
         comm = [(a, b) for a, b, _ in tr["comm"]]
-        names: dict[str, int] = {}
-        for *_, n in tr["comm"]:
-            names[n] = names.get(n, 0) + 1
         out.append({"comm_ms": _length(comm), "overlapped_ms": _intersection(tr["compute"], comm),
-                    "overlap": overlap(tr["compute"], comm), "collectives": names,
+                    "overlap": overlap(tr["compute"], comm), "collectives": dict(Counter(n for *_, n in tr["comm"])),
                     "step_ms": tr["phases"]["optimizer"][1]})  # the whole step: what a speed-up is judged by
     return out
 
 
 def plot(traces_by_label: dict, title="One training step on every rank: compute and communication"):
-    """One figure: for each label (e.g. "FSDP2 implicit", "FSDP2 prefetch 1", "DDP") and each rank, a
-    row of compute spans (blue) above a row of communication spans (orange); phases shaded. All ranks of a
-    label are aligned to the earliest rank's forward start."""
+    """One figure: per label (e.g. "FSDP2 implicit", "DDP") and rank, compute spans (blue) above
+    communication spans (orange), backward shaded, aligned to the label's earliest forward start."""
     import matplotlib.pyplot as plt
 
     rows = [(lab, r, tr) for lab, trs in traces_by_label.items() for r, tr in enumerate(trs)]
@@ -170,6 +156,3 @@ def plot(traces_by_label: dict, title="One training step on every rank: compute 
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.grid(axis="x", alpha=0.3)
     return fig
-
-
-__all__ = ["trace", "summarize", "overlap", "plot", "COMPUTE"]

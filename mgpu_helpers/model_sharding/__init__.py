@@ -1,9 +1,6 @@
-"""Notebook 09 -- model sharding: pipeline parallelism (layers across ranks, exercise 9.1) and tensor
-parallelism (one layer's weights across ranks, exercise 9.2). The machinery is in ``pipeline.py`` and
-``tensor_parallel.py``, gathered here for the notebook; the checks are in ``checks.model_sharding``.
-
-The script (a GPipe step and a tensor-parallel MLP over every rank, compared with one process) judges
-with the checks' references, so it lives with the checks (a lesson module never imports its checks)::
+"""Notebook 09 -- model sharding: pipeline parallelism (``pipeline.py``, exercise 9.1) and tensor parallelism
+(``tensor_parallel.py``, 9.2); checks in ``checks.model_sharding``. The script (a GPipe step and a
+tensor-parallel MLP against one process) judges with the checks' references, so it lives with them::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 \\
@@ -12,12 +9,7 @@ with the checks' references, so it lives with the checks (a lesson module never 
 """
 from __future__ import annotations
 
-from .pipeline import (StepRecorder, Stuck, as_intervals, bubble_fraction, make_batch, make_model,  # noqa: F401
+from .pipeline import (StepRecorder, Stuck, as_intervals, bubble_fraction, make_model,  # noqa: F401
                        plot_timeline, single_process_step, stage_bounds, step_timeline, wall_timeline)
 from .tensor_parallel import (AllReduceCounter, DenseMLP, make_mlp, param_bytes,  # noqa: F401
                               parameter_bytes_formula, torch_tensor_parallel)
-
-__all__ = ["StepRecorder", "Stuck", "as_intervals", "bubble_fraction", "make_batch", "make_model", "plot_timeline",
-           "single_process_step", "stage_bounds", "step_timeline", "wall_timeline", "AllReduceCounter", "DenseMLP",
-           "make_mlp", "parameter_bytes_formula", "torch_tensor_parallel", "param_bytes"]
-

@@ -1,12 +1,6 @@
 """Notebook 09, part 1 -- pipeline parallelism: a model's layers split across ranks (exercise 9.1).
-
-Rank r keeps a contiguous share of the layers (its *stage*), receives activations from rank r-1 with
-``dist.recv``, sends its output to rank r+1 with ``dist.send``, and in backward passes gradients the other
-way. GPipe cuts the batch into m micro-batches and runs all their forwards, then all their backwards, so
-that stages work at the same time; the ramp-up and ramp-down leave each rank idle a fraction
-(p-1)/(m+p-1) of the step: the *bubble*. ``StepRecorder`` watches a
-rank's sends, receives and stage (a step clock carried along with every message, a timeout on every
-wait) so that a check can tell a right answer from a deadlock, and a timeline can be drawn.
+``StepRecorder`` watches a rank's sends, receives and stage (a step clock carried with every message, a
+timeout on every wait), so that a check can tell a right answer from a deadlock and a timeline can be drawn.
 """
 from __future__ import annotations
 
@@ -20,25 +14,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..memory import make_batch
 from ..runtime.launch import rank_device
 
 P2P_TIMEOUT = 3.0  # seconds a recorded send/recv may wait: the checks' ranks exchange tiny tensors
 
 
 def make_model(n_layers: int, width: int, seed: int = 0, device=None) -> nn.Sequential:
-    """``n_layers`` blocks Linear(width, width) → Tanh: every activation between blocks is (batch, width).
-    On ``device``, by default ``rank_device()``: a rank's GPU under NCCL, whose send/recv take no CPU tensor
-    (the CPU outside a rank). Drawn on the CPU first: the same weights on every machine."""
+    """``n_layers`` blocks Linear(width, width) → Tanh (every activation is (batch, width)), from ``seed``, on
+    ``device`` (default ``rank_device()``, as ``memory.mlp``)."""
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
     return model.to(device or rank_device())
-
-
-def make_batch(n: int, width: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, class targets) on ``device``, by default ``rank_device()``, drawn on the CPU as make_model."""
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(n, width, generator=g), torch.randint(0, width, (n,), generator=g)
-    return x.to(device or rank_device()), y.to(device or rank_device())
 
 
 def stage_bounds(n_layers: int, world_size: int) -> list[tuple[int, int]]:
@@ -59,20 +46,15 @@ def single_process_step(model: nn.Module, inputs, targets) -> float:
     return loss.item()
 
 
-# --- watching a rank: its sends/recvs (with a timeout and a step clock) and its stage ---------------
-
 class Stuck(RuntimeError):
     """A recorded send/recv waited longer than its timeout, or its peer went away."""
 
 
 class StepRecorder:
-    """``with StepRecorder(model, first_layer) as rec:`` inside a rank, around a pipeline step.
-
-    ``dist.send``/``dist.recv`` wait at most ``timeout`` s (else :class:`Stuck`, saying where), and carry
-    a step clock: one forward or backward of the stage on one micro-batch takes one step and starts when
-    both the rank and its input are ready (a Lamport clock). ``rec.steps`` lists (kind, start step) of this
-    rank; ``rec.batches`` the batch sizes its stage's forward saw. The clock counts the schedule, not
-    seconds: it is the same on every run and machine."""
+    """``with StepRecorder(model, first_layer) as rec:`` inside a rank, around a pipeline step: ``dist.send``/
+    ``recv`` wait at most ``timeout`` s (else :class:`Stuck`) and carry a Lamport clock (a stage's forward or
+    backward of a micro-batch takes one step, starting when the rank and its input are ready): ``rec.steps``
+    (kind, start step), ``rec.batches`` (sizes its forward saw). The same on every run and machine."""
 
     def __init__(self, model: nn.Sequential, first_layer: int, timeout: float = None):
         self.model, self.first, self.timeout = model, first_layer, timeout or P2P_TIMEOUT
@@ -141,7 +123,7 @@ class StepRecorder:
 def step_timeline(rank: int, world_size: int, fn, n_layers: int, n_micro: int, width: int = 16,
                   batch: int = 0, seed: int = 0) -> dict:
     """In a rank: one step of ``fn`` (pipeline_step's signature) watched by a StepRecorder."""
-    model, (x, y) = make_model(n_layers, width, seed), make_batch(batch or 2 * n_micro, width, seed + 1)
+    model, (x, y) = make_model(n_layers, width, seed), make_batch(batch or 2 * n_micro, width, width, seed + 1)
     with StepRecorder(model, stage_bounds(n_layers, world_size)[rank][0]) as rec:
         fn(model, x, y, n_micro)
     return {"steps": rec.steps, "clock": rec.clock}
@@ -150,12 +132,9 @@ def step_timeline(rank: int, world_size: int, fn, n_layers: int, n_micro: int, w
 def wall_timeline(rank: int, world_size: int, fn, n_micro: int, n_layers: int = 8, width: int = 384,
                   batch: int = 384, repeats: int = 3) -> list:
     """In a rank: the busy intervals (kind, micro-batch, t0, t1), in seconds, of one step of ``fn``
-    (pipeline_step's signature), best of ``repeats``. Hooks on this rank's stage time them: a forward from its
-    first block's start to its last block's end, a backward from its last block's start to its first's end.
-    On a GPU the hooks run when the CPU *enqueues* the kernels, so they record CUDA events, read after the
-    step: the GPU's own busy intervals, placed on the CPU clock by an event recorded when the ranks start
-    together (to within a kernel launch)."""
-    model, (x, y), best = make_model(n_layers, width), make_batch(batch, width), None
+    (pipeline_step's signature), best of ``repeats``, timed by hooks on this rank's stage. On a GPU the hooks
+    run when the CPU *enqueues* kernels, so they record CUDA events, placed on the CPU clock afterwards."""
+    model, (x, y), best = make_model(n_layers, width), make_batch(batch, width, width), None
     start, end = stage_bounds(n_layers, world_size)[rank]
     first, last, timeline, began = model[start], model[end - 1], [], {}
     cuda = rank_device().type == "cuda"

@@ -1,13 +1,6 @@
-"""Notebook 09, part 2 -- tensor parallelism: one layer's weights split across ranks (exercise 9.2).
-
-The Megatron-LM MLP: fc1 is *column-parallel* (rank r keeps rows r·h/N … of W1 and b1, i.e. a slice of the
-hidden features), fc2 is *row-parallel* (rank r keeps the matching columns of W2), so that each rank's
-``relu(x W1_rᵀ + b1_r) W2_rᵀ`` is a partial sum of the output and ONE ``all_reduce`` completes it; fc2's bias
-is added once, after the sum. In backward the same happens mirrored: the gradient reaching x is a partial
-sum on each rank, so the operator that copied x into the parallel region all-reduces in backward. Megatron
-calls the two operators f (identity forward, all_reduce backward) and g (all_reduce forward, identity
-backward). ``torch_tensor_parallel`` does the split with ``torch.distributed.tensor.parallel``; the check of
-9.2 is in ``checks.model_sharding``.
+"""Notebook 09, part 2 -- tensor parallelism: one layer's weights split across ranks (exercise 9.2), the
+Megatron-LM MLP (fc1 column-parallel, fc2 row-parallel, one ``all_reduce`` per pass), and torch's own split
+(``torch_tensor_parallel``, ``torch.distributed.tensor.parallel``).
 """
 from __future__ import annotations
 
@@ -34,8 +27,7 @@ class DenseMLP(nn.Module):
 
 
 def make_mlp(d: int, h: int, seed: int = 0, device=None) -> DenseMLP:
-    """On ``device``, by default ``rank_device()`` (the CPU outside a rank); drawn on the CPU first: the same
-    weights on every machine."""
+    """A DenseMLP from ``seed`` on ``device`` (default ``rank_device()``, as ``memory.mlp``)."""
     torch.manual_seed(seed)
     return DenseMLP(d, h).to(device or rank_device())
 
@@ -53,9 +45,8 @@ def parameter_bytes_formula(d: int, h: int, world_size: int, element_size: int =
 
 
 def torch_tensor_parallel(dense: DenseMLP, device_type: str | None = None):
-    """The same split with torch's DTensor tensor parallelism, on a 1-D mesh over every rank (of
-    ``device_type``, by default ``rank_device()``'s): fc1 ColwiseParallel, fc2 RowwiseParallel. Parallelizes
-    ``dense`` in place and returns it."""
+    """The same split with torch's DTensor tensor parallelism on a 1-D mesh over every rank: fc1
+    ColwiseParallel, fc2 RowwiseParallel; ``dense``, parallelized in place."""
     mesh = init_device_mesh(device_type or rank_device().type, (dist.get_world_size(),))
     return parallelize_module(dense, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
 

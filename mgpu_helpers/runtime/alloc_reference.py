@@ -1,26 +1,15 @@
 """What the CPU allocator saw: the profiler's allocation events, summed in time order.
 
     with AllocationReference() as ref:           # start it before the model is built
-        model = build(); opt = make_opt(model)
         with record_function("step0"):           # any op or record_function range
             loss = model(x).sum(); loss.backward(); opt.step()
     ref.peak_bytes, ref.peak_in("step0"), ref.final_bytes
 
-The course's CPU figures are the accounting of tensors (``MemoryTracker``, the planner): the same on every
-CPU. The allocator holds more than the tensors: what C++ allocates behind no tensor of Python's (oneDNN's
-scratch inside a convolution or a bf16 matmul, by instruction set and thread count; gloo's copy of a
-reduce-scatter's input). This reference shows that difference where a lesson needs it (notebook 11's ranks;
-notebook 12's peaks, ``fsdp_practice.instruments.profiled_peak``, where FSDP2's ``resize_`` hides storages
-from the tracker).
-``torch.profiler.profile(activities=[CPU], profile_memory=True)`` records each allocation and free of
-c10's CPU allocator made on the thread that runs it, with its size; their running sum from the entry on is
-``memory_allocated``'s figure without its 512-byte rounding. It misses what other threads allocate (a
-kernel's worker threads, gloo's) and frees of blocks made before the entry: a lower bound of what the
-allocator held, and a figure that depends on the machine. On a GPU, ``torch.cuda``'s counters are the
-allocator's own (notebook 02).
-
-Figures exist once the ``with`` has exited (the profiler hands its events over when it stops). Nothing is
-changed in torch's state but for the profiler's lifetime.
+The course's CPU figures count tensors (``MemoryTracker``, the planner): the same on every CPU. The allocator
+also holds what C++ allocates behind no tensor (oneDNN's scratch, gloo's copies); this reference shows that
+where a lesson needs it (notebook 04's staged bytes, 11's ranks, 12's peaks, where FSDP2's ``resize_`` hides
+storages from the tracker). It sees only this thread's allocations and frees of blocks made after entry: a
+lower bound, and a figure that depends on the machine. Figures exist once the ``with`` has exited.
 """
 from __future__ import annotations
 
@@ -30,8 +19,6 @@ import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-
-__all__ = ["AllocationReference", "quiet_fd2"]
 
 
 @contextlib.contextmanager
@@ -53,11 +40,8 @@ def quiet_fd2():
 
 
 class AllocationReference:
-    """Live bytes of the CPU allocator from entry on, as the profiler's ``[memory]`` events record them.
-
-    After the ``with``: ``peak_bytes``, ``final_bytes``, ``peak_in(label)``, ``timeline`` ((t_ns, live bytes)
-    after each event, in time order) and ``ranges`` ({name: [(start_ns, end_ns), ...]} of every op and
-    ``record_function`` range)."""
+    """Live bytes of the CPU allocator from entry on. ``timeline``: (t_ns, live bytes) after each event;
+    ``ranges``: {name: [(start_ns, end_ns), ...]} of every op and ``record_function`` range."""
 
     def __init__(self):
         self._prof, self._done, self._times, self.timeline, self.ranges = None, False, [], [], {}

@@ -1,8 +1,6 @@
-"""``CommLog``: the collectives this rank makes, as the dispatcher sees them.
-
-Collectives called from Python (FSDP2's all-gathers and reduce-scatters, ``dist.*``, DTensor's) pass the
-dispatcher as ``c10d`` / ``_c10d_functional`` ops, where a dispatch mode sees them. DDP's built-in
-all-reduce runs in C++ and is not seen: count it with a comm hook (``accumulation.AllReduceCount``)."""
+"""``CommLog``: the collectives this rank makes, as the dispatcher sees them (``c10d`` / ``_c10d_functional``
+ops: FSDP2's, ``dist.*``, DTensor's). DDP's built-in all-reduce runs in C++, unseen: count it with a comm hook
+(``accumulation.AllReduceCount``)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -22,14 +20,10 @@ def _kind(name: str) -> str:  # c10d names vary: reduce_scatter_, _reduce_scatte
 
 
 class CommLog(TorchDispatchMode):
-    """``with CommLog() as c:`` records each collective this rank makes: ``c.calls`` holds
-    ``(op, dtype, bytes in, bytes out)``, ``c.counts`` the calls by op, ``c.all_gathers`` and
-    ``c.reduce_scatters`` two of them. FSDP2's ``_allgather_base_``: in = this rank's shard, out = the whole
-    unit; ``_reduce_scatter_base_``: in = the whole gradient, out = this rank's shard.
-
-    ``c.order`` is the issue order on this thread: ``G`` for an all-gather, ``m`` for a matrix multiply
-    (``aten::mm`` / ``addmm``). It is what explicit prefetch changes (``G m m G m m`` -> ``G G m m G m m``),
-    the same on every run and every machine, where the time each takes is not."""
+    """``with CommLog() as c:`` records each collective this rank makes in ``c.calls``: ``(op, dtype, bytes
+    in, bytes out)`` (an all-gather: in = this rank's shard, out = the whole unit; a reduce-scatter the
+    reverse). ``c.order``: the issue order of all-gathers (``G``) and matrix multiplies (``m``), what explicit
+    prefetch changes (``G m m G m m`` -> ``G G m m G m m``), the same on every machine where times are not."""
 
     def __init__(self):
         super().__init__()

@@ -1,45 +1,33 @@
 """The device contract, proved on a CPU-only machine: a rank's tensors that meet a collective or a send/recv
 live on ``rank_device()``.
 
-On GPUs each rank of ``run_ranks`` is an NCCL rank with one GPU, and an NCCL-only group has no CPU backend:
-``dist.all_reduce(torch.arange(4))`` raises "No backend type associated with device type cpu". On a
-CPU-only machine the ranks run gloo, where every tensor is a CPU tensor and the same call works. So that code
-which works here also works on GPUs, every gloo CPU rank (``enable``, called by the launcher) tells the
-tensors that would be *host* tensors on a GPU machine from those that would be on the GPU, and its
-collectives and send/recv refuse host tensors with :class:`ContractError`, which names the tensor (shape,
-dtype, where it was made) and the call.
+An NCCL-only group has no CPU backend: ``dist.all_reduce(torch.arange(4))`` raises "No backend type associated
+with device type cpu"; on gloo CPU ranks the same call works. So that code which works here also works on
+GPUs, every gloo CPU rank (``enable``, called by the launcher) judges which tensors would be *host* tensors on
+a GPU machine, and its collectives and send/recv refuse them with :class:`ContractError`, naming the tensor
+(shape, dtype, where it was made) and the call. A ``TorchFunctionMode`` sees every torch call of the rank:
 
-How a tensor is judged, by a ``TorchFunctionMode`` that sees every torch call of the rank's thread:
-
-- **host**: handed to the rank by the caller (``run_ranks(fn, n, x)``: the notebook's tensors are on the
-  CPU); made by a factory (``torch.tensor``, ``arange``, ``zeros``, ``randn``, ``from_numpy``,
-  ``nn.Linear``'s parameters...) with no device or a device given as a string (``"cpu"``); ``.cpu()`` and
-  ``.to("cpu")`` (a fresh alias, so the original keeps its judgement); the result of an op whose tensor
-  inputs are all host; an ``nn.Parameter`` of host data.
+- **host**: handed to the rank by the caller (``run_ranks(fn, n, x)``); made by a factory (``torch.tensor``,
+  ``zeros``, ``from_numpy``, ``nn.Linear``'s parameters...) with no device or a string device (``"cpu"``);
+  ``.cpu()`` and ``.to("cpu")`` (a fresh alias: the original keeps its judgement); an op whose tensor inputs
+  are all host; an ``nn.Parameter`` of host data.
 - **device**: made with a ``torch.device`` object (``device=rank_device()``, ``device=x.device``); moved with
-  ``.to(rank_device())`` / ``Module.to(rank_device())`` (on the CPU that returns the same tensor, which is
-  then device); an op with any device input; any tensor the mode never saw (made in C++: autograd's
-  gradients, a backend's buffers).
+  ``.to(rank_device())`` (on the CPU the same tensor, which is then device); an op with any device input;
+  any tensor the mode never saw (made in C++: autograd's gradients, a backend's buffers).
 - an in-place op (``x.add_()``, ``out=``, ``dist.recv`` into a buffer) keeps its tensor's judgement.
 
 ``dcp.async_save`` refuses to run unless the launch asked for a CPU backend (``run_ranks(...,
-cpu_backend=True)``), as torch does on an NCCL-only group.
+cpu_backend=True)``), as torch does on an NCCL-only group. Collectives called from torch's own code (FSDP2,
+DTensor, DDP's Python parts) are not judged: torch places their buffers itself.
 
-Collectives and p2p called from torch's own code (FSDP2, DTensor, DDP's Python parts, object collectives)
-are not judged: torch places their buffers on the mesh's or group's device itself.
+Blind spots (it may pass code that fails on GPUs, never the reverse): tensors made in other threads (a mode is
+per thread); a host tensor moved with ``.to(rank_device())`` turns device *in place*, so the original passes;
+``device=torch.device("cpu")`` spelt out counts as device; collectives made in C++ (DDP's reducer) and through
+``torch.ops._c10d_functional``; a collective taken into a variable before the rank started; host parameters
+only ever computed with, never sent.
 
-What it cannot see (it may pass code that fails on GPUs, never the reverse by design): tensors made in
-other threads (autograd hooks run in C++ threads; a mode is per thread); a host tensor moved with
-``.to(rank_device())`` turns device *in place*, so the original, used later, passes; a factory given
-``device=torch.device("cpu")`` spelt out counts as device (it cannot be told from ``rank_device()``);
-collectives made in C++ (DDP's reducer) and through ``torch.ops._c10d_functional``; a collective taken
-into a variable before the rank started (``f = dist.all_reduce`` in a notebook, then forked ranks call ``f``); a model whose host
-parameters are only ever computed with (not sent) and would fail on a GPU for a device mismatch.
-
-Off with ``MGPU_CONTRACT=0`` (to see how code behaves on plain gloo). Cost: one Python call per torch op
-the rank makes, 2 to 8 microseconds on the course's 2-core CI machine (quiet to loaded): a training step of an
-8-layer MLP of width 64 (batch 32, Adam, 313 torch calls) took 0.99 ms without and 1.59 ms with it on a
-quiet machine; at width 512 (21 ms a step) the difference was within the noise.
+Off with ``MGPU_CONTRACT=0``. Cost: one Python call per torch op, 2 to 8 microseconds on a 2-core machine (an
+8-layer MLP of width 64: 0.99 ms a step without, 1.59 ms with; at width 512, within the noise).
 """
 import os
 import sys
@@ -297,8 +285,3 @@ def mark_host(value, origin: str, _depth: int = 0):
     elif isinstance(value, dict):
         for v in value.values():
             mark_host(v, origin, _depth + 1)
-
-
-def is_host(t: torch.Tensor) -> bool:
-    """Whether the contract judges ``t`` a host tensor (False outside a gloo rank)."""
-    return _host(t) is not None

@@ -1,14 +1,6 @@
-"""Cells that use a learner's answer, before it is written.
-
-A notebook cell that runs the learner's function (a plot of ``activation_bytes``, a memory table of
-``average_gradients``) would crash while the exercise is still its stub. ``unsolved(fn, ...)`` says in one
-line what to finish first and returns True, so the cell skips that part (or uses torch's own machinery)::
-
-    if not unsolved(activation_bytes):
-        ...
-
-A stub is recognised by what release writes into it: ``raise NotImplementedError("Exercise N.M: ...")``.
-A wrong answer is not a stub: it runs, and its own error (or the check's) says what is wrong.
+"""Cells that use a learner's answer before it is written: ``if not unsolved(activation_bytes): ...`` skips the
+part that would crash on the stub, saying which exercise to finish. A stub is what release writes:
+``raise NotImplementedError("Exercise N.M: ...")``; a wrong answer is no stub (its own error says what is wrong).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Run ``fn(rank, world_size, *args)`` on N processes from a notebook cell, or as a torchrun script.
 
-    import torch, torch.distributed as dist
-    from mgpu_helpers.runtime.launch import run_ranks, rank_device
     def work(rank, world_size):
         t = torch.ones(2, device=rank_device()) * (rank + 1)
         dist.all_reduce(t)                      # the process group is already set up
@@ -11,35 +9,28 @@
 As a script, ``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2 -m my.module`` (try
 ``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.runtime.launch``). ``describe(2)`` says how 2 ranks
 would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving
-``timeout`` s raises ``TimeoutError`` (``RankTimeout``) saying where each hung rank was; every way out
-(Ctrl-C too) kills and joins every child. launch_watch.py watches the running ranks.
+``timeout`` s raises ``RankTimeout`` (a TimeoutError) saying where each hung rank was; every way out (Ctrl-C
+too) kills and joins every child. launch_watch.py watches the running ranks.
 
 **Backends and the device contract.** ``backend="auto"`` gives each rank, by what the machine has:
 
-- one GPU per rank: an NCCL group, ``rank_device()`` = ``cuda:LOCAL_RANK``. An NCCL-only group has no CPU
-  backend: a collective or send/recv on a CPU tensor raises "No backend type associated with device type
-  cpu". So a rank's tensors that meet a collective live on ``rank_device()``: models are built there, batches
-  are made there, results go back as Python values or ``.cpu()`` tensors.
-- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``. Gloo would take CPU tensors anywhere,
-  so each such rank runs under ``contract.py``: a tensor that would be a host tensor on a GPU machine and
-  reaches a collective or send/recv raises ``ContractError`` naming it. Code that runs here runs on GPUs.
-- ``MGPU_SHARED_GPU=1`` and at least one GPU but fewer than ranks (tests: several ranks on the one lent
-  GPU): a CUDA-only gloo group, ``init_process_group("cuda:gloo")``, every rank on GPU 0
-  (``torch.cuda.set_device(0)``; NCCL refuses two ranks on one GPU). Like NCCL it has no CPU backend, so
-  the contract holds as on real GPUs; but gloo's CUDA side does less than NCCL: on an H100 (torch 2.11) its
-  all_reduce, broadcast, reduce, all_gather(_into_tensor), reduce_scatter(_tensor) and all_to_all_single ran,
-  while send/recv failed ("Bad address") and ``DTensor.full_tensor()`` killed the ranks (SIGSEGV). A cell that
-  fails there for that reason needs one GPU per rank (bench/RESULTS.md, 2026-12-06).
+- one GPU per rank: an NCCL group, ``rank_device()`` = ``cuda:LOCAL_RANK``. NCCL has no CPU backend (a CPU
+  tensor in a collective raises "No backend type associated with device type cpu"), so models and batches
+  live on ``rank_device()`` and results go back as Python values or ``.cpu()`` tensors.
+- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``, each rank under ``contract.py``: a
+  tensor that would be a host tensor on a GPU machine raises ``ContractError`` in a collective or send/recv.
+- ``MGPU_SHARED_GPU=1`` and at least one GPU but fewer than ranks (tests on one lent GPU): a CUDA-only gloo
+  group, ``init_process_group("cuda:gloo")``, every rank on GPU 0 (NCCL refuses two ranks on one GPU). Like
+  NCCL it has no CPU backend; but on an H100 (torch 2.11) only its all_reduce, broadcast, reduce,
+  all_gather(_into_tensor), reduce_scatter(_tensor) and all_to_all_single ran, while send/recv failed ("Bad
+  address") and ``DTensor.full_tensor()`` killed the ranks (SIGSEGV): such a cell needs one GPU per rank
+  (bench/RESULTS.md, 2026-12-06).
 
-``cpu_backend=True`` adds a CPU backend beside NCCL: ``init_process_group("cuda:nccl,cpu:gloo")``, as
-torchtitan does, for what needs CPU collectives: ``dcp.async_save`` stages the state dict in CPU memory and
-refuses a group without one ("A CPU backend must be enabled for async save",
-torch/distributed/checkpoint/state_dict_saver.py). Object collectives (``all_gather_object``...) need none:
-on NCCL they go through ``torch.cuda.current_device()``. On gloo CPU ranks it changes nothing but tell the
-contract that ``dcp.async_save`` may run. It is off by default, so that a CPU tensor in a
-collective fails on GPUs as the contract says instead of taking a slow gloo detour. With it,
-``dist.get_backend()`` returns the whole string ("cuda:nccl,cpu:gloo", torch/distributed/distributed_c10d.py
-keeps what init was given), not "nccl": ask ``rank_device()`` for the device, not ``get_backend()``.
+``cpu_backend=True`` adds a CPU backend beside NCCL, ``init_process_group("cuda:nccl,cpu:gloo")`` as torchtitan
+does: ``dcp.async_save`` refuses a group without one ("A CPU backend must be enabled for async save",
+torch/distributed/checkpoint/state_dict_saver.py). Object collectives need none. Off by default, so that a
+CPU tensor in a collective fails on GPUs as the contract says instead of taking a slow gloo detour; with it
+``dist.get_backend()`` returns the whole string: ask ``rank_device()`` for the device.
 """
 import contextlib, datetime, faulthandler, io, linecache, multiprocessing as mp, os, pickle, signal  # noqa: E401
 import pkgutil
@@ -58,8 +49,6 @@ import torch.distributed as dist
 
 from . import contract
 from .launch_watch import DUMP_SIGNAL, RankError, RankTimeout, collect
-
-__all__ = ["run_ranks", "rank_device", "torchrun_main", "RankError", "RankTimeout", "describe"]
 
 _device = None  # the device of the rank this process runs; None in the caller
 _noted = False  # whether this process has said that it falls back from GPUs to gloo
@@ -106,19 +95,17 @@ def _note(note):
 
 
 def _start_method(backend, threads=None):
-    # Fork starts 2 ranks in 0.1 s, spawn in 2.3 s (2 cores, torch 2.13), and ranks see notebook globals. But forked
-    # children can't use CUDA once the parent asked for it, nor run backward once a CUDA build's autograd
-    # started per-GPU threads (H200): no fork with a GPU. GNU OpenMP hangs a forked child's first parallel
-    # op if the parent ran one: forked ranks get 1 thread. Otherwise ranks fork from a forkserver: a fresh
-    # interpreter (exec'd, whatever the caller did to CUDA) that imported torch once and never touches
-    # CUDA nor runs a parallel op, so its children can do both: 0.5 s against 5 s for spawn (H200).
+    # Fork starts 2 ranks in 0.1 s, spawn in 2.3 s (2 cores, torch 2.13). But forked children can't use CUDA
+    # once the parent asked for it, nor run backward once a CUDA build's autograd started per-GPU threads
+    # (H200), and GNU OpenMP hangs a forked child's first parallel op if the parent ran one: fork only
+    # without a GPU, 1 thread per rank. Otherwise a forkserver: a fresh interpreter that imported torch
+    # and never touches CUDA nor runs a parallel op: 0.5 s against 5 s for spawn (H200).
     if os.environ.get("MGPU_START_METHOD"):  # tests, debugging: fork, forkserver or spawn
         return os.environ["MGPU_START_METHOD"]
     if not sys.platform.startswith("linux"):
         return "spawn"  # macOS: fork and forkserver children may crash in system frameworks
-    # A CUDA build counts as "with a GPU" even where none is visible (CUDA_VISIBLE_DEVICES=""): on the H200
-    # host's Xeon, torch 2.11+cu130 with no GPU visible, forked ranks still hit "Unable to handle autograd's
-    # threading in combination with fork-based multiprocessing" once the caller had run a backward.
+    # A CUDA build counts as "with a GPU" even with none visible: forked ranks still hit "Unable to handle
+    # autograd's threading in combination with fork-based multiprocessing" once the caller ran a backward.
     fork_ok = (backend == "gloo" and not torch.backends.cuda.is_built() and not torch.cuda.is_initialized()
                and torch.cuda.device_count() == 0 and (threads or 1) == 1)
     return "fork" if fork_ok else "forkserver"
@@ -128,22 +115,19 @@ def _context(method):
     ctx = mp.get_context(method)
     if method == "forkserver":  # what the server imports once (no effect once it runs)
         main = getattr(sys.modules["__main__"].__spec__, "name", None)
-        # A child re-runs the caller's __main__ module by name (a kernel's: ipykernel_launcher, whose
-        # imports take 0.5 s): with its imports preloaded that costs nothing. Paths (scripts) re-run as
-        # spawn would; `python -m pkg` mains (pkg.__main__) are not re-run.
+        # A child re-runs the caller's __main__ module by name (a kernel's imports take 0.5 s): preloaded,
+        # that costs nothing. `python -m pkg` mains (pkg.__main__) are not re-run.
         extra = [main] if main and not main.endswith("__main__") else []
-        # Also what the caller imported of ours, and every module a rank of this course may import: the
-        # server starts once per kernel (at its first launch) and a module it lacks is imported again
-        # in every rank of every later launch -- torch._dynamo alone (DDP's first construction) costs
-        # 1.4 s per rank on a CPU build and more on a CUDA build: notebook 04 took 147 s on an H200
-        # with only the first notebook's modules preloaded, 13 s on 2 CPU cores. None touches CUDA.
+        # Also every module a rank of this course may import: the server starts once per kernel and a module
+        # it lacks is imported again in every rank of every launch -- torch._dynamo alone costs 1.4 s per
+        # rank (notebook 04: 147 s on an H200 with only the first notebook's modules preloaded). None
+        # touches CUDA.
         extra += sorted(m for m in sys.modules if m.startswith("mgpu_helpers.")) + _RANK_MODULES
         ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__] + extra)
     return ctx
 
 
-# Imported once by the forkserver (a missing one is skipped): torch's distributed parts the notebooks'
-# ranks use, and the course's helper modules -- all but the authoring, grading and JupyterLab tooling.
+# Imported once by the forkserver: torch's distributed parts the ranks use, and the course's modules but tooling.
 _PACKAGE = __package__.rpartition(".")[0]                       # mgpu_helpers
 _NOT_IN_RANKS = {"tools", "references"}                        # tooling, judges' references
 
@@ -182,13 +166,6 @@ def _interrupt_deferred():
 
 def _threads(method, world_size, threads):
     return threads or (1 if method == "fork" else max(1, _cores() // world_size))
-
-
-def rank_threads(world_size: int, backend: str = "auto") -> int:
-    """The threads each of ``world_size`` ranks gets from ``run_ranks`` by default on this machine (what a
-    CPU plan of those ranks assumes: some CPU kernels' scratch is per thread)."""
-    chosen, _ = _choose_backend(backend, world_size)
-    return _threads(_start_method(chosen), world_size, None)
 
 
 def describe(world_size=2, backend="auto", threads=None):
@@ -294,12 +271,9 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
 
 
 def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None, cpu_backend=False):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank.
-
-    The process group is initialised before ``fn`` and destroyed after it. ``backend='auto'`` picks nccl
-    when there is a GPU per rank, else gloo on CPU under the device contract (the module docstring says
-    more, and what ``cpu_backend`` and MGPU_SHARED_GPU=1 change). Each rank gets ``threads`` torch threads (default:
-    1 for forked ranks, else cores // world_size). Raises RankError if a rank fails, TimeoutError after ``timeout`` s.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes in a process group; return their results
+    by rank. ``backend``, ``cpu_backend``: the module docstring. Each rank gets ``threads`` torch threads
+    (default: 1 for forked ranks, else cores // world_size). Raises RankError, or RankTimeout after ``timeout`` s.
     """
     # a learner's slip, said before any process starts (0 ranks divided by zero; -1 returned [] silently)
     if not callable(fn):

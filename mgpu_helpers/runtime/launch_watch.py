@@ -1,15 +1,11 @@
 """The caller's side of ``run_ranks`` (launch.py): collect results, blame the right rank, say where a hang is.
 
-- **Blame the cause, not its consequences.** When rank 1 dies, rank 0's collective fails with "Connection
-  closed by peer", and that error can reach the caller a few ms *before* rank 1's exit is visible here.
-  So failures are not judged in arrival order: each rank sends its exception through its pipe before it
-  exits, stamped with CLOCK_MONOTONIC (system-wide on Linux); a peer's disconnection is a consequence,
-  blamed only when no cause shows up. Deaths without a Python exception are causes.
-- **The same failure, the same first line.** Ranks raising the same error are named by the lowest rank;
-  what varies between runs (which peers failed after it) goes on the lines below.
-- **A hang says where.** Before hung ranks are killed, each dumps its Python stack: ``faulthandler``,
-  registered in the rank for ``DUMP_SIGNAL``, writes it from C, so it works while the rank waits inside a
-  gloo/NCCL collective, where no Python signal handler would run.
+- **Blame the cause.** When rank 1 dies, rank 0's "Connection closed by peer" can arrive here *before* rank
+  1's exit shows. So each rank sends its exception before it exits, stamped with CLOCK_MONOTONIC, and a
+  peer's disconnection is blamed only when no cause shows up (a death without an exception is a cause).
+- **The same failure, the same first line**: the lowest rank is named; which peers failed after it goes below.
+- **A hang says where.** Before hung ranks are killed each dumps its Python stack with ``faulthandler``
+  (registered for ``DUMP_SIGNAL``), which writes from C: it works while the rank waits inside a collective.
 """
 import linecache
 import os
@@ -55,9 +51,7 @@ STARTUP_LIMIT = 300.0
 
 def collect(procs, conns, dumps, timeout):
     """Each rank's result, in rank order; raise RankError or RankTimeout (the caller kills what is left).
-
-    ``timeout`` counts from when every rank said it is about to run fn (its "go", after its imports), not
-    from the launch: a cold start under load is not the ranks' time. Until then STARTUP_LIMIT bounds it."""
+    ``timeout`` counts from every rank's "go" (after its imports): a cold start is not the ranks' time."""
     results, pending, failures, returned = [None] * len(procs), set(range(len(procs))), {}, []
     going = set()
     deadline = None if timeout is None else time.monotonic() + max(timeout, STARTUP_LIMIT)

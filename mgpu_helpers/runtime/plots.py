@@ -1,16 +1,12 @@
-"""Memory plots shared by the notebooks (stacked per-category bars, timelines) and the one byte formatter.
-
-Every figure is labelled in MiB (or GiB when large) and uses one colour per category, the same in every
-notebook, so a learner recognises "optimizer state" at a glance wherever it appears.
-"""
+"""Memory plots shared by the notebooks and the one byte formatter: one colour per category in every notebook,
+so a learner recognises "optimizer state" at a glance wherever it appears."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_state": "#55A868",
           "activations": "#C44E52", "other": "#8C8C8C"}
-LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
-          "activations": "activations", "other": "other"}
+LABELS = {c: c.replace("_", " ") for c in COLORS}
 
 
 def unit_for(max_bytes: float) -> tuple[float, str]:

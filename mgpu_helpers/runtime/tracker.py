@@ -1,48 +1,32 @@
-"""Device-agnostic memory accounting with the semantics of ``torch.cuda.memory_allocated()``.
-
-On any device, the figures ``memory_allocated``/``max_memory_allocated``/``reset_peak_memory_stats`` would
-give on a GPU for the same code, split into ``CATEGORIES``::
+"""Device-agnostic memory accounting with the semantics of ``torch.cuda.memory_allocated()``::
 
     with MemoryTracker(model, opt) as mt:            # device=None: the model's device, else "cpu"
         loss = model(x).sum(); mt.mark("backward"); loss.backward(); mt.mark("step"); opt.step()
     mt.peak_bytes, mt.peak_breakdown(), mt.phase_peaks(), mt.timeline
 
-Counted: each distinct live storage on the tracked device (views share their base's storage: once) made
-inside the ``with``, plus the parameters, buffers and ``.grad`` of ``model`` and the state of ``optimizer``
-that existed at entry; nothing else from before entry. Figures freeze when the ``with`` exits.
-Categories, by role (first that applies): parameters (and buffers); gradients (``.grad`` of a parameter);
-optimizer_state (``optimizer.state`` tensors, Adam's ``step`` counters included); activations (made in a
-forward of ``model`` or a submodule -- checkpoint recomputation too -- and still alive: what autograd
-saved, autocast's bf16 weight copies, the output); other (the rest: inputs and loss made in the ``with``,
-backward and optimizer temporaries such as foreach Adam's sqrt buffer). A role is often known only after
-the tensor was made (AccumulateGrad adopts a backward temporary as ``.grad``; Adam makes its state inside
-``step``), so late re-labelling is carried back through the timeline and the peak breakdown.
+Counted: each distinct live storage on the tracked device made inside the ``with`` (views once), plus the
+parameters, buffers and ``.grad`` of ``model`` and the state of ``optimizer`` at entry. Categories, by role
+(first that applies): parameters (and buffers); gradients; optimizer_state (Adam's ``step`` too);
+activations (made in a forward of ``model`` -- recomputation too -- and still alive); other (inputs, loss,
+backward and optimizer temporaries). A role often shows only after the tensor was made (AccumulateGrad
+adopts a temporary as ``.grad``; Adam makes its state inside ``step``), so a late label is carried back
+through the timeline and the peak breakdown.
 
-Rounding: ``memory_allocated`` counts CUDA caching-allocator blocks, 512-byte multiples. ``round_to=None``
-counts exact bytes on the CPU and 512-byte blocks on CUDA; ``round_to=512`` on the CPU predicts a GPU. Not
-seen: kernels' own scratch (cuBLAS workspace; an fp32 ``sum`` over 2048 rows took a 64 MiB staging buffer
-on an H200) and allocator slack. bench/tracker_vs_cuda.py: within 14 KiB, but fp32 peaks 2.3-2.6% low.
-On CUDA, ``current_bytes``/``peak_bytes`` read the allocator, minus what was allocated at entry beyond the
-model and optimizer (a batch, cuBLAS workspace; entry resets the peak stats); the breakdowns are the
-accounting with ``other`` absorbing the difference (``accounted_bytes``/``accounted_peak_bytes``: alone).
-On the CPU the figures are the accounting of tensors, in one process and inside ranks alike: what C++ allocates
-behind no tensor (oneDNN's scratch, gloo's copies) is the allocator's business, taught and measured on GPUs
-(``runtime.alloc_reference`` shows the CPU allocator's own record where a lesson needs it).
-Storages re-grown with ``UntypedStorage.resize_`` count from the ``with`` on, wherever they were made
-(FSDP2 frees its unsharded parameters with ``resize_(0)`` after each use and re-grows them before the next).
+Rounding: CUDA's caching allocator counts 512-byte blocks; ``round_to=None`` counts exact bytes on the CPU
+and blocks on CUDA, ``round_to=512`` on the CPU predicts a GPU. Not seen: kernels' own scratch (cuBLAS
+workspace; an fp32 ``sum`` over 2048 rows took 64 MiB on an H200) and allocator slack
+(bench/tracker_vs_cuda.py: within 14 KiB, fp32 peaks 2.3-2.6% low). On CUDA ``current_bytes``/``peak_bytes``
+read the allocator, less what was allocated at entry beyond the model and optimizer; the breakdowns'
+``other`` absorbs the difference (``accounted_bytes``: the tensors alone).
+Storages re-grown with ``UntypedStorage.resize_`` count from the ``with`` on (FSDP2 frees its unsharded
+parameters with ``resize_(0)`` and re-grows them).
 
-What torch has: ``torch.distributed._tools.mem_tracker.MemTracker``, a TorchDispatchMode keeping a weakref
-per ``UntypedStorage``, patching ``UntypedStorage.resize_`` (unseen by dispatch; FSDP2 frees with it),
-letting DTensor decompose to local tensors, skipping fake-mode ops, labelling storages Parameter, Buffer,
-Gradient, Activation, Temp, Optstate, Other, with per-module snapshots. We keep that design but count in
-a small mode of our own because MemTracker (1) labels a tensor by *when* it was made: at Adam's first-step
-peak foreach's sqrt temporary (4 bytes/param) shows as optimizer state, inputs and loss as activations --
-the split we teach would be wrong; (2) starts counting a tensor from before entry once an in-place op
-touches it, which ``memory_allocated`` semantics forbid; (3) raises NotImplementedError on a second
-forward (iterations, accumulation) unless ``reset_mod_stats`` is called between; (4) has no timeline,
-phases, peak reset, or 512-byte rounding off CUDA; (5) costs ~1.4 s to import. It serves for per-module
-figures: ``MemoryTracker(..., per_module=True)`` runs it alongside, resetting its module stats before each
-top-level forward, then ``mt.module_tracker.display_modulewise_snapshots(depth=2, units="MiB")``.
+Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``, whose design this follows (a weakref per
+storage, ``resize_`` patched, DTensor decomposed, fake-mode ops skipped)? It labels a tensor by *when* it was
+made (foreach Adam's sqrt temporary shows as optimizer state, inputs as activations); it counts a tensor
+made before entry once an in-place op touches it; it raises on a second forward unless reset; it has no
+timeline, phases, peak reset or rounding off CUDA; and it takes ~1.4 s to import. ``per_module=True`` runs
+it alongside for per-module figures: ``mt.module_tracker.display_modulewise_snapshots(depth=2, units="MiB")``.
 """
 from __future__ import annotations
 
@@ -55,8 +39,6 @@ from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrapper_subclass,
                                           is_traceable_wrapper_subclass_type)
 from torch.utils._pytree import tree_leaves
-
-__all__ = ["MemoryTracker", "CATEGORIES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 _RANK = {c: i for i, c in enumerate(CATEGORIES)}  # a storage only moves to a category ranked before its own
@@ -79,11 +61,8 @@ class _Rec:
 class MemoryTracker(TorchDispatchMode):
     """Count the bytes of live tensors, as ``torch.cuda.memory_allocated()`` would, on any device (module docs).
 
-    Figures: ``current_bytes`` (memory_allocated), ``peak_bytes`` (max_memory_allocated since entry or since
-    ``reset_peak()``), ``breakdown()`` / ``peak_breakdown()`` (now / at the peak, by CATEGORIES),
-    ``mark(label)`` starts a phase, ``phase_peaks()`` the peak within each, ``timeline`` the total after every
-    allocation and free. ``device``: the model's by default, else the CPU; ``round_to``: 512-byte blocks on
-    CUDA, exact bytes on the CPU unless given; ``per_module=True`` also runs torch's ``MemTracker``."""
+    ``current_bytes``, ``peak_bytes`` (since entry or ``reset_peak()``), ``breakdown()`` / ``peak_breakdown()``
+    (by CATEGORIES), ``mark(label)`` starts a phase, ``phase_peaks()``, ``timeline`` (after every change)."""
 
     def __init__(self, model=None, optimizer=None, device=None, round_to=None, per_module=False):
         super().__init__()

@@ -1,14 +1,6 @@
-"""Notebook 08 -- the library versions on one model: ``ZeroRedundancyOptimizer`` (ZeRO-1) and FSDP2
-``fully_shard`` (ZeRO-3), per-rank memory measured by category against :func:`model_state_bytes`, and
-the ways "FSDP did not save memory" happens (root-only wrapping, activations, too few ranks, miscounting).
-
-Every figure comes from ``MemoryTracker`` (``memory_allocated`` semantics; on a GPU the allocator) for one
-training step taken after a warm-up step, so that Adam's state exists and the step is a steady one.
-
-Run as a script (ZeroRedundancyOptimizer and FSDP2 against one process, bytes per rank against the formula)::
-
-    torchrun --nproc-per-node 2 -m mgpu_helpers.sharding
-    python -m mgpu_helpers.sharding                            # no torchrun: 2 ranks via run_ranks
+"""Notebook 08 -- torch's versions on one model: ``ZeroRedundancyOptimizer`` (ZeRO-1) and FSDP2 ``fully_shard``
+(ZeRO-3), per-rank memory (``MemoryTracker``, one step after a warm-up one: Adam's state exists) against
+:func:`model_state_bytes`, and the ways "FSDP did not save memory" happens. The script: ``sharding/__main__.py``.
 """
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device
 from ..runtime.plots import COLORS, LABELS, unit_for
 from ..runtime.tracker import MemoryTracker
-from .zero import Zero2, all_gather_flat, linears, model_state_bytes
+from .zero import Zero2, linears, model_state_bytes
 
 STAGE = {"DDP (DistributedDataParallel)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
          "FSDP2 per block + root": 3, "FSDP2 root only": 3}
@@ -78,11 +70,10 @@ def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
 
 
 def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatter_fn=None):
-    """This rank's memory for one steady training step of each of ``methods`` (in one launch), each rank
-    with its ``per_rank`` samples: ``{method: {"n_params", "state"`` (model-state bytes held after the step,
-    by category)``, "peak", "peak_breakdown", "naive_param_bytes"}}`` -- the last is
-    ``sum(p.numel() * p.element_size())``, which counts a DTensor's *global* size: the miscount that makes
-    FSDP2 seem to "save nothing"."""
+    """This rank's memory for one steady step of each of ``methods``, ``per_rank`` samples a rank: ``{method:
+    {"n_params", "state"`` (bytes held after the step, by category)``, "peak", "peak_breakdown",
+    "naive_param_bytes"}}``; the last counts a DTensor's *global* size, the miscount that makes FSDP2 seem
+    to "save nothing"."""
     if isinstance(methods, str):
         return measure(rank, world_size, [methods], widths, per_rank, seed, reduce_scatter_fn)[methods]
     return {m: _measure(rank, world_size, m, widths, per_rank, seed, reduce_scatter_fn) for m in methods}
@@ -144,9 +135,8 @@ def sweep(world_sizes, methods, widths, per_rank=8, reduce_scatter_fn=None) -> d
 
 
 def formula(n_params: int, method: str, world_size: int) -> dict[str, int]:
-    """The ZeRO accounting (fp32 Adam) for ``method``, with the tracker's category names; "buckets" is DDP's
-    gradient buckets (stages 0 and 1 run under DDP: one more fp32 copy of the gradients), which the ZeRO
-    paper's accounting leaves out."""
+    """The ZeRO accounting (fp32 Adam) for ``method`` in the tracker's categories, plus DDP's gradient
+    "buckets" (stages 0 and 1 run under DDP: one more fp32 copy of the gradients, not in the paper's)."""
     f = model_state_bytes(n_params, zero_stage=STAGE[method], world_size=world_size, precision="fp32")
     return {"parameters": f["parameters"], "gradients": f["gradients"], "optimizer_state": f["optimizer"],
             "buckets": f["gradients"] if STAGE[method] <= 1 else 0}
@@ -203,8 +193,3 @@ def _demo(rank, world_size):
                      f"{'equal' if diff.item() < 1e-4 else 'DIFFER from'} one process (max |diff| {diff.item():.1e} over ranks); rank {rank} holds {got} bytes of model state, "
                      f"the formula {want} ({got / want:.3f}x)")
     return "\n".join(lines)
-
-
-__all__ = ["STAGE", "build", "measure", "sweep", "trains_like_one_process", "formula",
-           "plot_per_rank", "plot_peaks", "all_gather_flat"]
-

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch.utils.checkpoint import checkpoint
 
-from ...checkpointing import run_blocks, segments
+from ...checkpointing import no_checkpointing, segments
 
 
 def checkpoint_every(blocks, x, k: int, context_fn=None):
@@ -12,7 +12,7 @@ def checkpoint_every(blocks, x, k: int, context_fn=None):
     for start, stop in segments(len(blocks), k):
         extra = {} if context_fn is None else {"context_fn": context_fn}
         # The segment's input is passed as an argument: it is what checkpoint keeps and recomputes from.
-        x = checkpoint(run_blocks, blocks[start:stop], x, use_reentrant=False, **extra)
+        x = checkpoint(no_checkpointing, blocks[start:stop], x, use_reentrant=False, **extra)
     return x
 
 
@@ -21,6 +21,6 @@ def run_plan(blocks, x, plan):
     start = 0
     for n, ck in plan:
         seg = blocks[start:start + n]
-        x = checkpoint(run_blocks, seg, x, use_reentrant=False) if ck else run_blocks(seg, x)
+        x = checkpoint(no_checkpointing, seg, x, use_reentrant=False) if ck else no_checkpointing(seg, x)
         start += n
     return x
