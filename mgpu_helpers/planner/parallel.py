@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DEBUG = False
 STEPS = 3  # as planner.validation: the first makes Adam's state and FSDP2's storages; the third is counted
 
 
@@ -243,16 +244,12 @@ def apply_layout(model: Llama, layout: Layout, mesh):
         from .trace import apply_checkpointing
         apply_checkpointing(model)
     if layout.dp > 1:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.fsdp import fully_shard
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
         dp_mesh = mesh[dims]
-        # FSDP2 x TP joins the dp and tp meshes, reading the mesh's (real) rank tensor: outside a fake mode
-        # (the plan's run); the parameters stay fake, as planner.fsdp does for an int reshard_after_forward
-        with unset_fake_temporarily():
-            for block in model.layers:
-                fully_shard(block, mesh=dp_mesh)
-            fully_shard(model, mesh=dp_mesh)
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
     return model
 
 
@@ -377,12 +374,15 @@ def _rank_batch(cfg, layout, global_batch, seq, rank, device):
 def _measure_rank(rank, world, cfg, layout, global_batch, seq):
     from ..runtime.launch import rank_device
     from ..runtime.tracker import MemoryTracker
+    _forget_meshes()  # forked from a process that may have planned: its DTensor caches hold other meshes
     torch.manual_seed(0)
     device = rank_device()
     tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rank, device)
     mesh = make_mesh(layout, device.type)  # its rank tensors before the count, as the plan makes it
-    mt = rank_step(cfg, layout, rank, tokens, targets, MemoryTracker(device=device), mesh=mesh, device=device)
-    return mt.peak_bytes
+    tracker = MemoryTracker(device=device)
+    tracker.events = [] if DEBUG else None
+    mt = rank_step(cfg, layout, rank, tokens, targets, tracker, mesh=mesh, device=device)
+    return (mt.peak_bytes, [(d, ph) for _, d, _, ph, _ in mt.events]) if DEBUG else mt.peak_bytes
 
 
 def measure_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -> list[int]:
@@ -417,6 +417,24 @@ def _forget_meshes():
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own
 
 
+@contextlib.contextmanager
+def _real_mesh_ops():
+    """FSDP2 x TP joins the dp and tp meshes (``DeviceMesh._concatenate``), reading the mesh's real rank
+    tensor: that one call runs outside the fake mode; everything FSDP2 makes stays fake (and counted)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    concat = DeviceMesh._concatenate
+
+    def real(meshes):
+        with unset_fake_temporarily():
+            return concat(meshes)
+    DeviceMesh._concatenate = staticmethod(real)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concat)
+
+
 def plan_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -> list[int]:
     """Each rank's planned peak: :func:`rank_step` on fake tensors in a fake process group of the layout's
     world, once per distinct rank (:func:`distinct_ranks`), under the planner's fake-storage tracker."""
@@ -428,7 +446,7 @@ def plan_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -
     for rep, ranks in distinct_ranks(cfg, layout).items():
         tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rep, "cpu")
         _forget_meshes()
-        with fake_world(layout.world, rep):
+        with fake_world(layout.world, rep), _real_mesh_ops():
             mesh = make_mesh(layout, "cpu")
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 x, y = mode.from_tensor(tokens), mode.from_tensor(targets)
