@@ -35,8 +35,7 @@ plan on a small model. Context parallel and expert parallel are not planned yet.
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -99,6 +98,8 @@ class Layout:
         if self.pp > 1:
             parts.append(f"{self.schedule}{'x' + str(self.virtual_stages) if self.virtual_stages > 1 else ''}"
                          f"/m{self.microbatches}")
+        elif self.microbatches > 1:
+            parts.append(f"accum{self.microbatches}")
         parts.append(f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"fsdp{self.dp_shard}")
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
@@ -459,4 +460,4 @@ def plan_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -
 
 __all__ = ["Layout", "LlamaConfig", "LLAMA3", "SCHEDULES", "check_layout", "plan_layout", "measure_layout",
            "rank_step", "pipeline_step", "schedule_order", "stage_layers", "apply_layout", "apply_tp", "Llama",
-           "distinct_ranks", "replace", "math"]
+           "distinct_ranks"]

@@ -79,6 +79,15 @@ def parse_args(argv):
     ap.add_argument("--jobs", type=int, default=0,
                     help="processes tracing at once (default: one per CPU core for models of >= 1B parameters, "
                          "at most one per trace; 1: trace in this process)")
+    lay = ap.add_argument_group("layouts (tools/plan_layouts.py: any of these searches TP x PP x HSDP layouts "
+                                "of a Llama-shaped CONFIG at a fixed --global-batch)")
+    for flag, what in (("--tp", "tensor-parallel degrees"), ("--pp", "pipeline stages"),
+                       ("--cp", "context-parallel degrees (only 1 yet)"), ("--dp-replicate", "HSDP replicas"),
+                       ("--dp-shard", "FSDP2 shard groups to keep (default: whatever fills the GPUs)"),
+                       ("--microbatches", "pipeline micro-batches (default: pp, 2pp, 4pp)"),
+                       ("--global-batch", "samples per step over all GPUs")):
+        lay.add_argument(flag, help=f"{what}, comma-separated")
+    lay.add_argument("--schedule", help="gpipe, 1f1b, interleaved (comma-separated; default 1f1b)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--plot", metavar="FILE", help="save a bar chart of the device totals")
     return ap.parse_args(argv)
@@ -350,6 +359,15 @@ def save_plot(r, path):
 
 def main(argv=None):
     a = parse_args(argv)
+    from mgpu_helpers.tools import plan_layouts
+    if plan_layouts.wanted(a):
+        try:
+            r = plan_layouts.run(a)
+        except (PlanInputError, ValueError) as e:
+            print(f"mgpu-plan: error: {e}", file=sys.stderr)
+            return 2
+        print(plan_layouts.to_json(r) if a.json else plan_layouts.render(r))
+        return 0 if any(row["fits"] for row in r["rows"]) else 1
     try:
         r = run(a)
     except (PlanInputError, ValueError) as e:  # ValueError: the planner's and planner.budget's own checks
