@@ -176,7 +176,7 @@ def search(cfg: LlamaConfig, *, capacity: int, seq: int, **grid) -> list[dict]:
         worst = max(ranks, key=lambda r: r.peak)
         micro = gb // (L.dp * L.microbatches)
         comm = max(comm_bytes(cfg, L, s, micro, seq) for s in range(L.pp))
-        rows.append(dict(layout=L.describe(), gpus=L.world, tokens=gb * seq, peak=worst.peak,
+        rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard, tokens=gb * seq, peak=worst.peak,
                          worst_stage=worst.stage, stage_peaks=[r.peak for r in ranks], comm=comm,
                          fits=worst.peak <= capacity, parts=worst))
     rows.sort(key=lambda r: (r["gpus"], -r["tokens"], not r["fits"], r["comm"], r["peak"]))

@@ -63,8 +63,7 @@ def run(a) -> dict:
     rows = search(cfg, capacity=capacity - db.budget(0, world_size=2).total, seq=seq, **grid)
     shard = _ints(a.dp_shard, "--dp-shard")
     if shard:
-        rows = [r for r in rows if r["parts"] and any(f"fsdp{s}" in r["layout"] or f"x{s}" in r["layout"]
-                                                      for s in shard)]
+        rows = [r for r in rows if r["dp_shard"] in shard]
     if not rows:
         raise PlanInputError(f"no layout of {grid['gpus']} GPUs splits --global-batch {a.global_batch} evenly over "
                              "its data-parallel ranks x micro-batches with these --tp/--pp: change one of them")
