@@ -25,9 +25,11 @@ forward, as many in backward (and again in the recomputed forward); FSDP2's bf16
 backward and fp32 reduce-scatter of the stage; HSDP's all-reduce of the shard's gradients over
 ``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary.
 
-The arithmetic is held against the traced plan on a small model (tests/test_planner_search.py); the traced
-plan is held against the tracker on real ranks (tests/test_planner_parallel.py). Context parallel and
-expert parallel are not planned yet.
+tests/test_planner_search.py holds the in-flight counts to the schedules the ranks run
+(``parallel.schedule_order``) and the stage parameters to the model's; the activation terms are Megatron-style
+accounting for a GPU's flash attention, not yet held against a traced plan (the CPU's SDPA saves the
+attention matrix, so a CPU trace is not their reference). Context parallel and expert parallel are not
+planned yet.
 """
 from __future__ import annotations
 
