@@ -8,7 +8,7 @@ import time
 from mgpu_helpers.planner.parallel import LLAMA3
 from mgpu_helpers.planner.search import search
 
-GRID = dict(gpus=(8, 16, 64, 128, 512), tp=(1, 2, 4, 8), pp=(1, 2, 4, 8), dp_replicate=(1, 2),
+GRID = dict(gpus=(8, 16, 64, 128, 512), tp=(1, 2, 4, 8), pp=(1, 2, 4, 8), cp=(1, 2), dp_replicate=(1, 2),
             schedules=("gpipe", "1f1b", "interleaved"), checkpointing=(False, True), global_batch=(512,))
 
 

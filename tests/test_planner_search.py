@@ -78,9 +78,19 @@ def test_cli_prints_the_fitting_layouts(capsys):
     (["--pp", "100"], "--pp 100: more stages than the model's 80 layers"),
     (["--global-batch", "3", "--gpus", "64"], "splits --global-batch 3 evenly"),
     (["--schedule", "zb"], "--schedule 'zb'"),
-    (["--cp", "2"], "context parallel is not planned yet"),
+    (["--cp", "3", "--seq", "8192"], "--cp 3: --seq 8192 must be divisible by 2 x cp x tp = 6"),
 ])
 def test_cli_impossible_combinations_are_one_line(capsys, argv, msg):
     base = ["llama3-70b", "--gpus", "8", "--global-batch", "64", "--gpu-memory", "80GB"]
     code, out, err = run(capsys, *base, *argv)
     assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_context_parallel_shares_the_tokens_and_the_state():
+    cfg = LLAMA3["llama3-405b"]
+    one = plan_ranks(cfg, Layout(tp=8, pp=8, microbatches=16, dp_shard=4), 64, 32768)
+    cp = plan_ranks(cfg, Layout(tp=8, pp=8, microbatches=16, dp_shard=2, cp=2), 64, 32768)
+    # same GPUs and global batch, half the data-parallel ranks with two samples each, cut in two by cp: the same state and activations per rank,
+    # plus ring attention's neighbour K/V chunk
+    assert cp[0].state == one[0].state and cp[0].activations == one[0].activations
+    assert cp[-1].transient > one[-1].transient

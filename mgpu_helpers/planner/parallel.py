@@ -31,8 +31,8 @@ search's arithmetic only (``planner.search``), not run here.
 **Scale** (70B/405B, 50+ layouts): a full trace per layout would take minutes, so ``planner.search``
 composes the per-rank peak by arithmetic over the same layout: the stage's sharded state (TP local shapes, then
 FSDP2's ``dp_shard`` chunks), the schedule's in-flight micro-batches times a block's saved activations,
-plus the largest transient (its terms: ``planner.search``). Context parallel and expert parallel are not
-planned yet.
+plus the largest transient (its terms: ``planner.search``). Context parallel is planned by
+arithmetic only (``planner.search``); expert parallel is not planned yet.
 """
 from __future__ import annotations
 

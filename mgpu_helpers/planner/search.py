@@ -19,17 +19,22 @@ final norm, head and loss):
 - **transient**: the largest thing alive only inside one op: the last stage's fp32 logits and their
   gradient over ``vocab / tp``, or one block's recomputed activations under checkpointing.
 
+**Context parallel** (``--cp``, arithmetic only: no run holds it yet): each rank keeps ``seq / cp`` tokens
+of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp`` mesh), and
+ring attention adds one neighbour's K and V chunk as a transient.
+
 Communication per rank per step (bytes on the wire, ring algorithms: a collective of ``n`` ranks moves
 ``(n - 1) / n`` of its buffer): TP+SP's two all-gathers and two reduce-scatters of ``T d`` bf16 per block
 forward, as many in backward (and again in the recomputed forward); FSDP2's bf16 all-gather forward and
 backward and fp32 reduce-scatter of the stage; HSDP's all-reduce of the shard's gradients over
-``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary.
+``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary; CP's K/V ring
+(``cp - 1`` hops of the K and V chunk per block and micro-batch, forward, backward with dK/dV).
 
 tests/test_planner_search.py holds the in-flight counts to the schedules the ranks run
 (``parallel.schedule_order``) and the stage parameters to the model's; the activation terms are Megatron-style
 accounting for a GPU's flash attention, not yet held against a traced plan (the CPU's SDPA saves the
-attention matrix, so a CPU trace is not their reference). Context parallel and expert parallel are not
-planned yet.
+attention matrix, so a CPU trace is not their reference). Context parallel is planned by
+arithmetic only (``planner.search``); expert parallel is not planned yet.
 """
 from __future__ import annotations
 
@@ -98,9 +103,10 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     tokens = micro * seq // layout.cp
     n = stage_layers(cfg.layers, layout.pp)[stage]
     params = stage_params(cfg, layout, stage)
-    state = -(-params // layout.dp_shard) * (P32 + P32 + 2 * P32)
+    shards = layout.dp_shard * layout.cp  # torchtitan shards parameters over dp_shard x cp ("dp_shard_cp")
+    state = -(-params // shards) * (P32 + P32 + 2 * P32)
     gathered = 0
-    if layout.dp_shard > 1:
+    if shards > 1:
         blk = block_params(cfg, layout.tp)
         gathered = 2 * BF16 * blk + P32 * blk
     a = block_activations(cfg, layout.tp, tokens, layout.checkpointing)
@@ -115,6 +121,8 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         transient = 2 * P32 * tokens * cfg.vocab // layout.tp  # fp32 logits and their gradient
     if layout.checkpointing:
         transient = max(transient, block_activations(cfg, layout.tp, tokens, False))
+    if layout.cp > 1:  # ring attention: the next rank's K and V chunk arrives while this one's is used
+        transient += 2 * BF16 * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp
     return RankPlan(stage, state, gathered, activations, transient)
 
 
@@ -129,10 +137,15 @@ def comm_bytes(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: in
         passes = 3 if layout.checkpointing else 2
         total += m * n * passes * per_pass
     params = stage_params(cfg, layout, stage)
-    if layout.dp_shard > 1:
-        total += ring(layout.dp_shard) * params * (2 * BF16 + P32)
+    shards = layout.dp_shard * layout.cp
+    if shards > 1:
+        total += ring(shards) * params * (2 * BF16 + P32)
     if layout.dp_replicate > 1:
-        total += 2 * ring(layout.dp_replicate) * P32 * params / layout.dp_shard
+        total += 2 * ring(layout.dp_replicate) * P32 * params / shards
+    if layout.cp > 1:  # ring attention: K and V chunks passed cp - 1 times forward, K, V, dK, dV in backward
+        kv = BF16 * tokens * 2 * cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp
+        passes = 4 if layout.checkpointing else 3
+        total += m * n * (layout.cp - 1) * kv * passes
     if layout.pp > 1:
         total += m * BF16 * tokens * cfg.d / layout.tp * ((stage < layout.pp - 1) + (stage > 0))
     return int(total)
@@ -196,5 +209,7 @@ def check_grid(cfg: LlamaConfig, *, tp, pp, cp, seq, **_):
     for p in pp:
         if p > cfg.layers:
             raise ValueError(f"--pp {p}: more stages than the model's {cfg.layers} layers")
-    if any(c > 1 for c in cp):
-        raise ValueError("--cp: context parallel is not planned yet (only --cp 1)")
+    for c in cp:
+        if seq % (2 * c * max(tp)) and c > 1:
+            raise ValueError(f"--cp {c}: --seq {seq} must be divisible by 2 x cp x tp = {2 * c * max(tp)} "
+                             "(context parallel's load-balanced chunks, sequence parallel's shards)")

@@ -82,7 +82,7 @@ def parse_args(argv):
     lay = ap.add_argument_group("layouts (tools/plan_layouts.py: any of these searches TP x PP x HSDP layouts "
                                 "of a Llama-shaped CONFIG at a fixed --global-batch)")
     for flag, what in (("--tp", "tensor-parallel degrees"), ("--pp", "pipeline stages"),
-                       ("--cp", "context-parallel degrees (only 1 yet)"), ("--dp-replicate", "HSDP replicas"),
+                       ("--cp", "context-parallel degrees (arithmetic only)"), ("--dp-replicate", "HSDP replicas"),
                        ("--dp-shard", "FSDP2 shard groups to keep (default: whatever fills the GPUs)"),
                        ("--microbatches", "pipeline micro-batches (default: pp, 2pp, 4pp)"),
                        ("--global-batch", "samples per step over all GPUs")):
