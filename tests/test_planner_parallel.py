@@ -19,13 +19,11 @@ EXACT = [  # layouts whose plan equals the tracker to the byte on every rank
     Layout(dp_replicate=2, dp_shard=2),                       # HSDP on a 2-D mesh
     Layout(dp_replicate=2),                                   # HSDP, one shard group: replicated
 ]
-# With tensor parallelism the plan is ABOVE the tracker (the safe side) on the stage that holds the head:
-# +4.4% (tp2), +20.4% (tp4), +4.2% (tp2 x fsdp2 on a 2-D mesh), and with pp2 x tp2 the first stage (embedding
-# + sequence-parallel blocks) equals the tracker to the byte while the last (norm, colwise head into
-# loss_parallel) is +5.3%. So the gap is in the head's Shard(-1) logits and loss_parallel's cross-entropy
-# under the fake process group; which of their allocations gloo does not make is not found yet.
-TP = [Layout(tp=2), Layout(tp=4), Layout(tp=2, dp_shard=2), Layout(pp=2, tp=2, microbatches=2)]
-TP_OVER = 0.25
+TP = [  # tensor parallel (+ sequence parallel, loss_parallel head), alone and on 2-D meshes
+    Layout(tp=2), Layout(tp=4),
+    Layout(tp=2, dp_shard=2),                                 # FSDP2 x TP on a 2-D mesh
+    Layout(pp=2, tp=2, microbatches=2),                       # PP x TP
+]
 
 
 def _show(layout, measured, planned):
@@ -33,20 +31,11 @@ def _show(layout, measured, planned):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", EXACT, ids=lambda l: l.describe().replace(" ", "-"))
+@pytest.mark.parametrize("layout", EXACT + TP, ids=lambda l: l.describe().replace(" ", "-"))
 def test_every_rank_equals_its_tracker(layout):
     measured = measure_layout(CFG, layout, BATCH, SEQ)
     planned = plan_layout(CFG, layout, BATCH, SEQ)
     assert planned == measured, _show(layout, measured, planned)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", TP, ids=lambda l: l.describe().replace(" ", "-"))
-def test_tensor_parallel_is_planned_above_the_tracker(layout):
-    measured = measure_layout(CFG, layout, BATCH, SEQ)
-    planned = plan_layout(CFG, layout, BATCH, SEQ)
-    print(_show(layout, measured, planned))
-    assert all(m <= p <= (1 + TP_OVER) * m for m, p in zip(measured, planned)), _show(layout, measured, planned)
 
 
 def test_the_stages_differ_as_the_schedule_says():

@@ -15,10 +15,9 @@ in a fake process group under the planner's fake-storage tracker (:func:`plan_la
 that differs -- its pipeline stage (the first holds the embedding, the last the norm, head and loss;
 stages split layers as ``torch.tensor_split``, so unequal) and, where FSDP2's ``torch.chunk`` shards are
 uneven, its dp_shard coordinate. Tensor-parallel and replicate ranks are symmetric: one trace serves them.
-On the CPU the plan equals the tracker to the byte for pipeline stages (GPipe, 1F1B), FSDP2 and HSDP at
-2 and 4 ranks, and for the tensor-parallel stage without the head; a stage holding the tensor-parallel
-head and ``loss_parallel`` is planned above the tracker (+4% at tp 2, +20% at tp 4: the safe side, cause
-not found yet; tests/test_planner_parallel.py).
+On the CPU the plan equals the tracker to the byte on every rank at 2 and 4 ranks: pipeline stages (GPipe,
+1F1B), TP, FSDP2, HSDP, FSDP2 x TP and PP x TP (tests/test_planner_parallel.py) -- once DTensor's sharding
+propagation is kept out of the count as on real ranks (:func:`_as_on_real_ranks`).
 
 **The schedule's in-flight micro-batches** come from running it, not from a rule: GPipe keeps all ``m``
 forwards' activations before the first backward; 1F1B runs ``min(m, pp - stage - 1)`` warm-up forwards
@@ -418,21 +417,29 @@ def _forget_meshes():
 
 
 @contextlib.contextmanager
-def _real_mesh_ops():
-    """FSDP2 x TP joins the dp and tp meshes (``DeviceMesh._concatenate``), reading the mesh's real rank
-    tensor: that one call runs outside the fake mode; everything FSDP2 makes stays fake (and counted)."""
+def _as_on_real_ranks():
+    """What DTensor does differently when a fake mode is already active, undone for the plan's run:
+    (1) FSDP2 x TP joins the dp and tp meshes (``DeviceMesh._concatenate``), reading the mesh's real rank
+    tensor: that one call runs outside the fake mode (everything FSDP2 makes stays fake, and counted);
+    (2) DTensor's sharding propagation runs each op on global-shape fake tensors in the active fake mode if
+    there is one, else in a fresh one (torch/distributed/tensor/_sharding_prop.py, ``detect_fake_mode() or
+    FakeTensorMode()``): on real ranks a fresh one, which the tracker ignores. Under the plan's mode those
+    global-shape temporaries were counted (+4% to +20% on a tensor-parallel rank); a fresh mode here too."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
-    concat = DeviceMesh._concatenate
+    from torch.distributed.tensor import _sharding_prop
+    concat, detect = DeviceMesh._concatenate, _sharding_prop.detect_fake_mode
 
     def real(meshes):
         with unset_fake_temporarily():
             return concat(meshes)
     DeviceMesh._concatenate = staticmethod(real)
+    _sharding_prop.detect_fake_mode = lambda *args: None
     try:
         yield
     finally:
         DeviceMesh._concatenate = staticmethod(concat)
+        _sharding_prop.detect_fake_mode = detect
 
 
 def plan_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -> list[int]:
@@ -446,7 +453,7 @@ def plan_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -
     for rep, ranks in distinct_ranks(cfg, layout).items():
         tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rep, "cpu")
         _forget_meshes()
-        with fake_world(layout.world, rep), _real_mesh_ops():
+        with fake_world(layout.world, rep), _as_on_real_ranks():
             mesh = make_mesh(layout, "cpu")
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 x, y = mode.from_tensor(tokens), mode.from_tensor(targets)
