@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from mgpu_helpers.planner.parallel import LLAMA3, Layout, Llama, LlamaConfig, schedule_order, stage_layers
+from mgpu_helpers.planner.parallel import (LLAMA3, Layout, Llama, LlamaConfig, plan_layout, schedule_order,
+                                           stage_layers)
 from mgpu_helpers.planner.search import in_flight, plan_ranks, search, stage_params
 from mgpu_helpers.tools.plan_cli import main
 
@@ -94,3 +95,21 @@ def test_context_parallel_shares_the_tokens_and_the_state():
     # plus ring attention's neighbour K/V chunk
     assert cp[0].state == one[0].state and cp[0].activations == one[0].activations
     assert cp[-1].transient > one[-1].transient
+
+
+MID = LlamaConfig(vocab=4096, d=256, layers=4, heads=4, kv_heads=4, ffn=688)
+TRACED = [Layout(), Layout(dp_shard=2), Layout(tp=2), Layout(pp=2, microbatches=4, schedule="gpipe"),
+          Layout(pp=4, microbatches=4), Layout(tp=2, checkpointing=True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", TRACED, ids=lambda l: l.describe().replace(" ", "-"))
+def test_arithmetic_is_near_the_traced_plan(layout):
+    # the search's terms in fp32 against the traced run of the same layout (equal to the tracker on real
+    # ranks): measured -13% .. +5% per rank; the bar is -15% .. +10% (a schedule counted as 1F1B or a shard
+    # left out lands far outside it)
+    traced = plan_layout(MID, layout, 8, 128)
+    stages = plan_ranks(MID, layout, 8, 128, c=4)
+    for r, t in enumerate(traced):
+        a = stages[layout.coords(r)[0]].peak
+        assert -0.15 <= a / t - 1 <= 0.10, f"{layout.describe()} rank {r}: arithmetic {a:,} traced {t:,}"
