@@ -15,7 +15,9 @@ final norm, head and loss):
   ``T d / tp``, the all-gathered norm outputs ``T d``, q/k/v, attention output, the SwiGLU's four
   ``T ffn / tp`` tensors; with checkpointing only the block's input), times the stage's layers, times the
   micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``, interleaved (torch's
-  ``ScheduleInterleaved1F1B``: ``2 (pp - s - 1) + (v - 1) pp + 1`` chunks of ``layers / v``, at most ``m v``);
+  ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)`` capped at ``m v``
+  (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first steady forward, in
+  chunks of ``layers / v``);
 - **transient**: the largest thing alive only inside one op: the last stage's fp32 logits and their
   gradient over ``vocab / tp``, or one block's recomputed activations under checkpointing.
 
@@ -98,7 +100,7 @@ def in_flight(layout: Layout, stage: int) -> float:
         return m
     if layout.schedule == "1f1b":
         return min(m, pp - stage)
-    chunks = min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+    chunks = min(m * v, (v - 1) * pp + 2 * (pp - stage - 1) + 1)
     return chunks / v
 
 
@@ -150,7 +152,8 @@ def comm_bytes(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: in
         passes = 4 if layout.checkpointing else 3
         total += m * n * (layout.cp - 1) * kv * passes
     if layout.pp > 1:
-        total += m * BF16 * tokens * cfg.d / layout.tp * ((stage < layout.pp - 1) + (stage > 0))
+        hops = (stage < layout.pp - 1) + (stage > 0) if layout.virtual_stages == 1 else 2 * layout.virtual_stages
+        total += m * BF16 * tokens * cfg.d / layout.tp * hops  # interleaved: every chunk sends and receives
     return int(total)
 
 
@@ -195,7 +198,9 @@ def search(cfg: LlamaConfig, *, capacity: int, seq: int, **grid) -> list[dict]:
         worst = max(ranks, key=lambda r: r.peak)
         micro = gb // (L.dp * L.microbatches)
         comm = max(comm_bytes(cfg, L, s, micro, seq) for s in range(L.pp))
-        rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard, tokens=gb * seq, peak=worst.peak,
+        per_stage = L.world // L.pp  # the mesh is (pp, dp_replicate, dp_shard, tp): a stage's ranks are contiguous
+        rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard,
+                         worst_ranks=(worst.stage * per_stage, (worst.stage + 1) * per_stage - 1), tokens=gb * seq, peak=worst.peak,
                          worst_stage=worst.stage, stage_peaks=[r.peak for r in ranks], comm=comm,
                          fits=worst.peak <= capacity, parts=worst))
     rows.sort(key=lambda r: (r["gpus"], -r["tokens"], not r["fits"], r["comm"], r["peak"]))

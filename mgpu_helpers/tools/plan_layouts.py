@@ -74,10 +74,10 @@ def render(r) -> str:
     G = 2 ** 30
     out = [f"model: {r['model']} {r['config']}; seq {r['seq']}; GPU {r['capacity'] / G:.1f} GiB "
            f"(fits: the worst rank's tensors plus the device budget's fixed lines)", "",
-           f"{'layout':<34} {'gpus':>4} {'tokens/step':>11} | {'peak GiB':>8} {'worst':>9} | {'comm GiB/rank':>13} | fits"]
+           f"{'layout':<34} {'gpus':>4} {'tokens/step':>11} | {'peak GiB':>8} {'worst rank':>19} | {'comm GiB/rank':>13} | fits"]
     for row in r["rows"]:
         out.append(f"{row['layout']:<34} {row['gpus']:>4} {row['tokens']:>11,} | {row['peak'] / G:>8.2f} "
-                   f"{'stage ' + str(row['worst_stage']):>9} | {row['comm'] / G:>13.2f} | "
+                   f"{'stage %d (%d-%d)' % (row['worst_stage'], *row['worst_ranks']):>19} | {row['comm'] / G:>13.2f} | "
                    f"{'yes' if row['fits'] else 'no'}")
     n = sum(row["fits"] for row in r["rows"])
     out += ["", f"{n} of {len(r['rows'])} layouts fit; peak = the worst rank's tensors (planner.search: state, "
