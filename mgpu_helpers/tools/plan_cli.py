@@ -362,7 +362,7 @@ def main(argv=None):
     from mgpu_helpers.tools import plan_layouts
     if plan_layouts.wanted(a):
         try:
-            r = plan_layouts.run(a)
+            r = plan_layouts.run(a, _ints)
         except (PlanInputError, ValueError) as e:
             print(f"mgpu-plan: error: {e}", file=sys.stderr)
             return 2

@@ -33,12 +33,11 @@ def llama_config(name: str) -> LlamaConfig:
         raise PlanInputError(f"{path}: no {e.args[0]!r}; the layout search plans Llama-shaped decoders") from None
 
 
-def _ints(text, what):
-    from mgpu_helpers.tools.plan_cli import _ints as ints
-    return ints(text, what) if text is not None else None
+def run(a, ints) -> dict:
+    """The search's rows for parsed arguments ``a``; ``ints``: mgpu-plan's parser of comma-separated counts."""
+    def _ints(text, what):
+        return ints(text, what) if text is not None else None
 
-
-def run(a) -> dict:
     cfg = llama_config(a.model)
     seq = a.seq or 2048
     if a.gpu is None and a.gpu_memory is None:
