@@ -3,9 +3,11 @@
     mgpu-plan 7B --batch 1 --seq 4096 --gpus 8 --gpu H100-80GB
     mgpu-plan path/to/config.json --batch 4 --seq 2048 --gpus 1,2,4,8 --gpu-memory 80GB --json
     mgpu-plan mymodels:resnet --input-shape 3,224,224 --batch 64 --gpus 1 --gpu L4 --plot plan.png
+    mgpu-plan llama3-70b --gpus 8,16,64 --tp 1,2,4,8 --pp 1,2,4 --global-batch 64 --seq 8192 --gpu H100-80GB
 
-For each (precision layout, checkpointing, micro-batches) the step is traced once under fake tensors
-(``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
+The last form searches parallel layouts (TP, PP with a schedule, HSDP, CP) of a Llama-shaped model at a
+fixed global batch: ``tools/plan_layouts.py``. The others: for each (precision layout, checkpointing,
+micro-batches) the step is traced once under fake tensors (``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
 (``planner.plan_from_trace``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
 peak plus the batch, kernel workspaces, the caching allocator's reserve, the CUDA context and NCCL's
 buffers, each its own line with its source (``mgpu_helpers.planner.budget``). The cheapest plan that fits
