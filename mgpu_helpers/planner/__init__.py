@@ -24,6 +24,10 @@ gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP, stage 2 the cour
 ``budget``         what a GPU holds beyond the tensors: context, workspaces, allocator, NCCL (``mgpu-plan``)
 ``validation``     the plan held against the tracker on real ranks (and what the CPU allocator saw beside it)
 ``models``         the models it is held against (Llama-shaped decoders, conv nets, tied+frozen)
+``parallel``       TP(+SP), pipeline stages (GPipe, 1F1B), HSDP / FSDP2 x TP on one mesh: each rank's step run
+                   on fake ranks, equal to the tracker on real ones (``plan_layout``)
+``search``         the layout search at scale (70B/405B): per-rank peak and traffic by arithmetic (``mgpu-plan
+                   --tp/--pp/--cp/--dp-replicate --global-batch``)
 =================  ==========================================================================================
 """
 from .layouts import LAYOUTS, METHOD, OPTIONS, ZERO_STAGES, rank_timeline

@@ -3,9 +3,11 @@
     mgpu-plan 7B --batch 1 --seq 4096 --gpus 8 --gpu H100-80GB
     mgpu-plan path/to/config.json --batch 4 --seq 2048 --gpus 1,2,4,8 --gpu-memory 80GB --json
     mgpu-plan mymodels:resnet --input-shape 3,224,224 --batch 64 --gpus 1 --gpu L4 --plot plan.png
+    mgpu-plan llama3-70b --gpus 8,16,64 --tp 1,2,4,8 --pp 1,2,4 --global-batch 64 --seq 8192 --gpu H100-80GB
 
-For each (precision layout, checkpointing, micro-batches) the step is traced once under fake tensors
-(``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
+The last form searches parallel layouts (TP, PP with a schedule, HSDP, CP) of a Llama-shaped model at a
+fixed global batch: ``tools/plan_layouts.py``. The others: for each (precision layout, checkpointing,
+micro-batches) the step is traced once under fake tensors (``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
 (``planner.plan_from_trace``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
 peak plus the batch, kernel workspaces, the caching allocator's reserve, the CUDA context and NCCL's
 buffers, each its own line with its source (``mgpu_helpers.planner.budget``). The cheapest plan that fits
@@ -79,6 +81,15 @@ def parse_args(argv):
     ap.add_argument("--jobs", type=int, default=0,
                     help="processes tracing at once (default: one per CPU core for models of >= 1B parameters, "
                          "at most one per trace; 1: trace in this process)")
+    lay = ap.add_argument_group("layouts (tools/plan_layouts.py: any of these searches TP x PP x HSDP layouts "
+                                "of a Llama-shaped CONFIG at a fixed --global-batch)")
+    for flag, what in (("--tp", "tensor-parallel degrees"), ("--pp", "pipeline stages"),
+                       ("--cp", "context-parallel degrees (arithmetic only)"), ("--dp-replicate", "HSDP replicas"),
+                       ("--dp-shard", "FSDP2 shard groups to keep (default: whatever fills the GPUs)"),
+                       ("--microbatches", "pipeline micro-batches (default: pp, 2pp, 4pp)"),
+                       ("--global-batch", "samples per step over all GPUs")):
+        lay.add_argument(flag, help=f"{what}, comma-separated")
+    lay.add_argument("--schedule", help="gpipe, 1f1b, interleaved (comma-separated; default 1f1b)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--plot", metavar="FILE", help="save a bar chart of the device totals")
     return ap.parse_args(argv)
@@ -350,6 +361,15 @@ def save_plot(r, path):
 
 def main(argv=None):
     a = parse_args(argv)
+    from mgpu_helpers.tools import plan_layouts
+    if plan_layouts.wanted(a):
+        try:
+            r = plan_layouts.run(a, _ints)
+        except (PlanInputError, ValueError) as e:
+            print(f"mgpu-plan: error: {e}", file=sys.stderr)
+            return 2
+        print(plan_layouts.to_json(r) if a.json else plan_layouts.render(r))
+        return 0 if any(row["fits"] for row in r["rows"]) else 1
     try:
         r = run(a)
     except (PlanInputError, ValueError) as e:  # ValueError: the planner's and planner.budget's own checks

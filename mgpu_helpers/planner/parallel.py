@@ -1,0 +1,469 @@
+"""Layouts beyond data parallelism: tensor (+sequence) parallel, pipeline stages, HSDP / 2-D FSDP on one mesh.
+
+    layout = Layout(tp=2, pp=2, dp_shard=2, schedule="1f1b", microbatches=4)
+    peaks = plan_layout(LlamaConfig(512, 64, 4, 4, 2, 172), layout, global_batch=8, seq=32)  # one per rank
+
+**One code path, run twice.** :func:`rank_step` builds rank r's part of a Llama-shaped decoder
+(:class:`Llama`: torchtitan's module names), applies the layout the way torchtitan does -- TP first
+(``parallelize_module``: q/k/v, w1/w3 colwise, wo/w2 rowwise with sequence parallel norms between them,
+the embedding rowwise, the head colwise into ``loss_parallel``), then activation checkpointing per block,
+then FSDP2 ``fully_shard`` per block + root over the data-parallel mesh dims (``dp_shard`` alone: 2-D FSDP
+x TP; ``dp_replicate`` x ``dp_shard``: HSDP) -- and runs steady training steps through its pipeline
+stage (:func:`pipeline_step`: the course's own stages, GPipe or 1F1B). Real ranks run it over gloo under
+the course's ``MemoryTracker`` (:func:`measure_layout`); the plan runs the same function on fake tensors
+in a fake process group under the planner's fake-storage tracker (:func:`plan_layout`), once per rank
+that differs -- its pipeline stage (the first holds the embedding, the last the norm, head and loss;
+stages split layers as ``torch.tensor_split``, so unequal) and, where FSDP2's ``torch.chunk`` shards are
+uneven, its dp_shard coordinate. Tensor-parallel and replicate ranks are symmetric: one trace serves them.
+On the CPU the plan equals the tracker to the byte on every rank at 2 and 4 ranks: pipeline stages (GPipe,
+1F1B), TP, FSDP2, HSDP, FSDP2 x TP and PP x TP (tests/test_planner_parallel.py) -- once DTensor's sharding
+propagation is kept out of the count as on real ranks (:func:`_as_on_real_ranks`).
+
+**The schedule's in-flight micro-batches** come from running it, not from a rule: GPipe keeps all ``m``
+forwards' activations before the first backward; 1F1B runs ``min(m, pp - stage - 1)`` warm-up forwards
+and then alternates, so stage s holds ``min(m, pp - s)``. Point-to-point: sends are ``isend``; a rank
+posts its next ``irecv`` and then waits for it and for its pending sends together (no rank blocks on a
+send before its peer posts the receive, so 1F1B cannot deadlock), so a sent tensor lives until the next receive completes -- which the plan
+counts because it runs the same code. Interleaved 1F1B (``pp`` x virtual stages) is planned by the
+search's arithmetic only (``planner.search``), not run here.
+
+**Scale** (70B/405B, 50+ layouts): a full trace per layout would take minutes, so ``planner.search``
+composes the per-rank peak by arithmetic over the same layout: the stage's sharded state (TP local shapes, then
+FSDP2's ``dp_shard`` chunks), the schedule's in-flight micro-batches times a block's saved activations,
+plus the largest transient (its terms: ``planner.search``). Context parallel is planned by
+arithmetic only (``planner.search``); expert parallel is not planned yet.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+STEPS = 3  # as planner.validation: the first makes Adam's state and FSDP2's storages; the third is counted
+
+
+class LlamaConfig(NamedTuple):
+    vocab: int
+    d: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+
+
+LLAMA3 = {  # Llama-3 shapes (hidden, layers, heads, kv heads, ffn; 128256-token vocabulary)
+    "llama3-8b": LlamaConfig(128256, 4096, 32, 32, 8, 14336),
+    "llama3-70b": LlamaConfig(128256, 8192, 80, 64, 8, 28672),
+    "llama3-405b": LlamaConfig(128256, 16384, 126, 128, 8, 53248),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search: the mesh is (pp, dp_replicate, dp_shard, tp), ranks numbered row-major."""
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    checkpointing: bool = False
+    virtual_stages: int = 1  # interleaved: stages per rank
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank):
+        """(pp, dp_replicate, dp_shard, tp) coordinates of ``rank``."""
+        out = []
+        for n in (self.tp, self.dp_shard, self.dp_replicate, self.pp):
+            out.append(rank % n)
+            rank //= n
+        return tuple(reversed(out))
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}"]
+        if self.pp > 1:
+            parts.append(f"{self.schedule}{'x' + str(self.virtual_stages) if self.virtual_stages > 1 else ''}"
+                         f"/m{self.microbatches}")
+        elif self.microbatches > 1:
+            parts.append(f"accum{self.microbatches}")
+        parts.append(f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"fsdp{self.dp_shard}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.checkpointing:
+            parts.append("ac")
+        return " ".join(parts)
+
+
+def check_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -> int:
+    """The micro-batch size in samples, or one clear ValueError naming what to change."""
+    L = layout
+    for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "microbatches", "virtual_stages"):
+        v = getattr(L, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if L.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {L.schedule!r}")
+    if cfg.heads % L.tp or cfg.kv_heads % L.tp:
+        raise ValueError(f"tp={L.tp} must divide the attention heads ({cfg.heads}) and key/value heads "
+                         f"({cfg.kv_heads})")
+    if cfg.ffn % L.tp or cfg.vocab % L.tp:
+        raise ValueError(f"tp={L.tp} must divide the MLP width ({cfg.ffn}) and the vocabulary ({cfg.vocab})")
+    if seq % (L.tp * L.cp):
+        raise ValueError(f"seq={seq} must be divisible by tp x cp = {L.tp * L.cp} (sequence parallel shards it)")
+    if L.pp * L.virtual_stages > cfg.layers:
+        raise ValueError(f"pp={L.pp} x {L.virtual_stages} virtual stage(s) exceeds the model's {cfg.layers} layers")
+    if L.schedule == "interleaved" and L.pp > 1 and L.microbatches % L.pp:
+        raise ValueError(f"interleaved 1F1B needs microbatches ({L.microbatches}) divisible by pp ({L.pp})")
+    if global_batch % (L.dp * L.microbatches):
+        raise ValueError(f"global batch {global_batch} is not divisible by dp ({L.dp}) x microbatches "
+                         f"({L.microbatches}) = {L.dp * L.microbatches}")
+    return global_batch // (L.dp * L.microbatches)
+
+
+# --- the model, torchtitan's names ------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.d // cfg.heads
+        self.wq = nn.Linear(cfg.d, cfg.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d, cfg.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d, cfg.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.d, bias=False)
+
+    def forward(self, x):
+        b, t = x.shape[0], x.shape[1]  # a DTensor's global shape under TP: the heads are what -1 makes local
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(cfg.d, cfg.ffn, bias=False), nn.Linear(cfg.d, cfg.ffn, bias=False)
+        self.w2 = nn.Linear(cfg.ffn, cfg.d, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm, self.attention = nn.RMSNorm(cfg.d), Attention(cfg)
+        self.ffn_norm, self.feed_forward = nn.RMSNorm(cfg.d), FeedForward(cfg)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """One pipeline stage of a Llama-shaped decoder: ``layers`` blocks, with the embedding on the first
+    stage and the final norm and head on the last (both on one stage: the whole model). RoPE is left out:
+    it saves no activation a memory plan would miss at these sizes' order (two [b, t, heads, hd] tensors)."""
+
+    def __init__(self, cfg: LlamaConfig, layers=None, first=True, last=True):
+        super().__init__()
+        n = cfg.layers if layers is None else layers
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.d) if first else None
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(n))
+        self.norm = nn.RMSNorm(cfg.d) if last else None
+        self.output = nn.Linear(cfg.d, cfg.vocab, bias=False) if last else None
+
+    def forward(self, x):
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def stage_layers(n_layers: int, pp: int) -> list[int]:
+    """Blocks per stage: as equal as can be, the first stages one more (``torch.tensor_split``'s rule)."""
+    per, extra = divmod(n_layers, pp)
+    return [per + (s < extra) for s in range(pp)]
+
+
+# --- applying the layout: TP, then AC, then FSDP2 (torchtitan's order) -------------------------------------
+
+def make_mesh(layout: Layout, device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+
+
+def apply_tp(model: Llama, tp_mesh):
+    """torchtitan's Llama plan: sequence parallel norms, colwise q/k/v/w1/w3, rowwise wo/w2 back to
+    sequence shards, rowwise embedding, colwise head kept sharded over the vocabulary for ``loss_parallel``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.output is not None:
+        top["norm"] = SequenceParallel()
+        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return model
+
+
+def apply_layout(model: Llama, layout: Layout, mesh):
+    """TP (if tp > 1), then per-block checkpointing, then FSDP2 per block + root over the dp dims (if dp > 1;
+    HSDP when dp_replicate > 1): what torchtitan's ``parallelize_llama`` does, in its order."""
+    if layout.tp > 1:
+        apply_tp(model, mesh["tp"])
+    if layout.checkpointing:
+        from .trace import apply_checkpointing
+        apply_checkpointing(model)
+    if layout.dp > 1:
+        from torch.distributed.fsdp import fully_shard
+        dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
+        dp_mesh = mesh[dims]
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+# --- the course's own pipeline stages --------------------------------------------------------------------
+
+class _P2P:
+    """Point-to-point between neighbouring stages: ``isend``; ``recv`` posts an ``irecv`` and waits for it
+    and every pending send together (a sent tensor lives until then). ``fake``: the same tensors made and
+    kept, nothing moved (the plan's run in a fake process group)."""
+
+    def __init__(self, mesh, fake):
+        self.fake, self.pending = fake, []
+        if not fake and mesh is not None:
+            self.group = mesh["pp"].get_group()
+            self.ranks = dist.get_process_group_ranks(self.group)
+
+    def send(self, t, stage):
+        self.pending.append((t, None if self.fake else dist.isend(t, self.ranks[stage], group=self.group)))
+
+    def recv(self, shape, dtype, device, stage):
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        if not self.fake:
+            work = dist.irecv(buf, self.ranks[stage], group=self.group)
+            for _, w in self.pending:
+                w.wait()
+            work.wait()
+        self.pending.clear()
+        return buf
+
+    def flush(self):
+        for _, w in self.pending:
+            if w is not None:
+                w.wait()
+        self.pending.clear()
+
+
+def schedule_order(schedule: str, m: int, pp: int, stage: int):
+    """The stage's ops in order: ("F", i) / ("B", i). GPipe: every forward, then every backward; 1F1B
+    (torch's ``Schedule1F1B``): ``min(m, pp - stage - 1)`` warm-up forwards, then one forward one backward."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(m, pp - stage - 1)
+    ops, f, b = [("F", i) for i in range(warm)], warm, 0
+    while f < m:
+        ops += [("F", f), ("B", b)]
+        f, b = f + 1, b + 1
+    return ops + [("B", i) for i in range(b, m)]
+
+
+def pipeline_step(stage: Llama, opt, tokens, targets, *, layout: Layout, pp_rank: int, p2p: _P2P, d: int,
+                  act_dtype=torch.float32):
+    """One training step of this rank's stage: the schedule's forwards and backwards over ``m`` micro-batches
+    (each loss / m), then the optimizer step and ``zero_grad``."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    m, pp = layout.microbatches, layout.pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    xs, ys = tokens.tensor_split(m), targets.tensor_split(m)
+    b, t = xs[0].shape
+    boundary = (b, t // layout.tp if layout.tp > 1 else t, d)  # what crosses stages: sequence-sharded under SP
+    device = tokens.device
+    lossy = loss_parallel if layout.tp > 1 else contextlib.nullcontext
+    saved = {}
+    for kind, i in schedule_order(layout.schedule if pp > 1 else "1f1b", m, pp, pp_rank):
+        if kind == "F":
+            x = xs[i] if first else p2p.recv(boundary, act_dtype, device, pp_rank - 1).requires_grad_()
+            out = stage(x)
+            if last:
+                with lossy():
+                    out = F.cross_entropy(out.flatten(0, 1), ys[i].flatten()) / m
+            else:
+                p2p.send(out.detach(), pp_rank + 1)
+            saved[i] = (x, out)
+        else:
+            x, out = saved.pop(i)
+            if last:
+                with lossy():
+                    out.backward()
+            else:
+                out.backward(p2p.recv(boundary, out.dtype, device, pp_rank + 1))
+            if not first:
+                p2p.send(x.grad, pp_rank - 1)
+            del x, out
+    p2p.flush()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def rank_step(cfg: LlamaConfig, layout: Layout, rank: int, tokens, targets, tracker, *, mesh, device, fake=False):
+    """Build rank ``rank``'s stage under ``tracker`` (entered before the model exists, as planner.validation
+    measures), apply the layout, run :data:`STEPS` steps; returns the tracker (its peak: the last step's)."""
+    pp_rank = layout.coords(rank)[0]
+    n = stage_layers(cfg.layers, layout.pp)[pp_rank]
+    p2p = _P2P(mesh if layout.pp > 1 else None, fake)
+    with tracker as mt:
+        with torch.device(device):
+            stage = Llama(cfg, n, first=pp_rank == 0, last=pp_rank == layout.pp - 1)
+        apply_layout(stage, layout, mesh)
+        opt = torch.optim.Adam([p for p in stage.parameters() if p.requires_grad], lr=1e-3, foreach=True)
+        if fake and layout.dp > 1:
+            from .fsdp import step_on_shards
+            step_on_shards(opt)  # DTensor's foreach sharding propagation is slow under fake tensors; same tensors
+        for i in range(STEPS):
+            if i == STEPS - 1:
+                mt.reset_peak()
+            pipeline_step(stage, opt, tokens, targets, layout=layout, pp_rank=pp_rank, p2p=p2p, d=cfg.d)
+    return mt
+
+
+def _rank_batch(cfg, layout, global_batch, seq, rank, device):
+    """This rank's share of the global batch (its dp coordinate's rows), on ``device``: made before counting."""
+    check_layout(cfg, layout, global_batch, seq)
+    _, r, s, _ = layout.coords(rank)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab, (global_batch, seq + 1), generator=g)
+    per = global_batch // layout.dp
+    mine = tokens[(r * layout.dp_shard + s) * per:][:per]
+    return mine[:, :-1].to(device).contiguous(), mine[:, 1:].to(device).contiguous()
+
+
+# --- measured on real ranks, planned on fake ones ----------------------------------------------------------
+
+def _measure_rank(rank, world, cfg, layout, global_batch, seq):
+    from ..runtime.launch import rank_device
+    from ..runtime.tracker import MemoryTracker
+    _forget_meshes()  # forked from a process that may have planned: its DTensor caches hold other meshes
+    torch.manual_seed(0)
+    device = rank_device()
+    tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rank, device)
+    mesh = make_mesh(layout, device.type)  # its rank tensors before the count, as the plan makes it
+    mt = rank_step(cfg, layout, rank, tokens, targets, MemoryTracker(device=device), mesh=mesh, device=device)
+    return mt.peak_bytes
+
+
+def measure_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -> list[int]:
+    """Each rank's measured peak (the course's ``MemoryTracker``) of the layout's steady step, on real ranks."""
+    from ..runtime.launch import run_ranks
+    return run_ranks(_measure_rank, layout.world, cfg, layout, global_batch, seq, timeout=600)
+
+
+def distinct_ranks(cfg: LlamaConfig, layout: Layout) -> dict:
+    """{representative rank: [ranks it stands for]}: ranks differ by pipeline stage and, where some
+    parameter's (TP-local) dim 0 does not split evenly in ``dp_shard`` chunks, by dp_shard coordinate."""
+    dims0 = {cfg.vocab // layout.tp, cfg.d, cfg.heads * (cfg.d // cfg.heads) // layout.tp,
+             cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp, cfg.ffn // layout.tp}
+    even = all(n % layout.dp_shard == 0 for n in dims0)
+    groups = {}
+    for r in range(layout.world):
+        p, _, s, _ = layout.coords(r)
+        groups.setdefault((p, 0 if even else s), []).append(r)
+    return {ranks[0]: ranks for ranks in groups.values()}
+
+
+def _forget_meshes():
+    """DTensor caches sharding decisions keyed by specs whose mesh compares equal across process groups; a
+    cached spec would carry the last fake world's (destroyed) mesh into the next one: cleared per world."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute as r
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    prop._propagate_tensor_meta_cached.cache_clear()
+    r._gen_transform_infos.cache_clear()
+    r.clear_redistribute_planner_cache()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own
+
+
+@contextlib.contextmanager
+def _as_on_real_ranks():
+    """What DTensor does differently when a fake mode is already active, undone for the plan's run:
+    (1) FSDP2 x TP joins the dp and tp meshes (``DeviceMesh._concatenate``), reading the mesh's real rank
+    tensor: that one call runs outside the fake mode (everything FSDP2 makes stays fake, and counted);
+    (2) DTensor's sharding propagation runs each op on global-shape fake tensors in the active fake mode if
+    there is one, else in a fresh one (torch/distributed/tensor/_sharding_prop.py, ``detect_fake_mode() or
+    FakeTensorMode()``): on real ranks a fresh one, which the tracker ignores. Under the plan's mode those
+    global-shape temporaries were counted (+4% to +20% on a tensor-parallel rank); a fresh mode here too."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import _sharding_prop
+    concat, detect = DeviceMesh._concatenate, _sharding_prop.detect_fake_mode
+
+    def real(meshes):
+        with unset_fake_temporarily():
+            return concat(meshes)
+    DeviceMesh._concatenate = staticmethod(real)
+    _sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concat)
+        _sharding_prop.detect_fake_mode = detect
+
+
+def plan_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -> list[int]:
+    """Each rank's planned peak: :func:`rank_step` on fake tensors in a fake process group of the layout's
+    world, once per distinct rank (:func:`distinct_ranks`), under the planner's fake-storage tracker."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..runtime.fake_world import fake_world
+    from .accounting import FakeTracker
+    peaks = [0] * layout.world
+    for rep, ranks in distinct_ranks(cfg, layout).items():
+        tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rep, "cpu")
+        _forget_meshes()
+        with fake_world(layout.world, rep), _as_on_real_ranks():
+            mesh = make_mesh(layout, "cpu")
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                x, y = mode.from_tensor(tokens), mode.from_tensor(targets)
+                mt = rank_step(cfg, layout, rep, x, y, FakeTracker(None, None, "cpu", 1), mesh=mesh,
+                               device="cpu", fake=True)
+        for r in ranks:
+            peaks[r] = mt.peak_bytes
+    return peaks
+
+
+__all__ = ["Layout", "LlamaConfig", "LLAMA3", "SCHEDULES", "check_layout", "plan_layout", "measure_layout",
+           "rank_step", "pipeline_step", "schedule_order", "stage_layers", "apply_layout", "apply_tp", "Llama",
+           "distinct_ranks"]

@@ -1,0 +1,224 @@
+"""The layout search at scale (``mgpu-plan CONFIG --gpus 8,64 --tp 1,2,4,8 --pp 1,2,4 --global-batch 256``).
+
+A traced plan per layout (``planner.parallel.plan_layout``) is exact but takes seconds for a toy and much
+longer for 405B; the search instead composes each rank's peak by arithmetic over the same layout, so that
+50+ layouts of a 405B model plan in well under a second. The terms, per rank of pipeline stage s (layers
+split as ``torch.tensor_split``: the first stages one more; the first holds the embedding, the last the
+final norm, head and loss):
+
+- **state**: the stage's parameters, TP-local (q/k/v/w1/w3 split by output rows, wo/w2 by input columns,
+  embedding and head by vocabulary, norms whole), then FSDP2's ``dp_shard`` chunk: fp32 parameters,
+  fp32 gradients, Adam's two fp32 moments (16 B/param), ``MixedPrecisionPolicy(bf16, fp32)``;
+- **gathered**: FSDP2's unsharded bf16 block being used plus the one prefetched, and one block's fp32
+  gradients waiting to be reduce-scattered (none at ``dp_shard=1``);
+- **activations**: what one block saves per micro-batch in bf16 (sequence-parallel norms' inputs
+  ``T d / tp``, the all-gathered norm outputs ``T d``, q/k/v, attention output, the SwiGLU's four
+  ``T ffn / tp`` tensors; with checkpointing only the block's input), times the stage's layers, times the
+  micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``, interleaved (torch's
+  ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)`` capped at ``m v``
+  (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first steady forward, in
+  chunks of ``layers / v``);
+- **transient**: the largest thing alive only inside one op: the last stage's fp32 logits and their
+  gradient over ``vocab / tp``, or one block's recomputed activations under checkpointing.
+
+**Context parallel** (``--cp``, arithmetic only: no run holds it yet): each rank keeps ``seq / cp`` tokens
+of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp`` mesh), and
+ring attention adds one neighbour's K and V chunk as a transient.
+
+Communication per rank per step (bytes on the wire, ring algorithms: a collective of ``n`` ranks moves
+``(n - 1) / n`` of its buffer): TP+SP's two all-gathers and two reduce-scatters of ``T d`` bf16 per block
+forward, as many in backward (and again in the recomputed forward); FSDP2's bf16 all-gather forward and
+backward and fp32 reduce-scatter of the stage; HSDP's all-reduce of the shard's gradients over
+``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary; CP's K/V ring
+(``cp - 1`` hops of the K and V chunk per block and micro-batch, forward, backward with dK/dV).
+
+Held against the traced plan (``parallel.plan_layout``, itself equal to the tracker on real ranks) with
+the compute in fp32 on the CPU, a 4-layer d=256 decoder: within -13% / +5% per rank over TP, PP (GPipe,
+1F1B, unequal stages), FSDP2 and checkpointing -- mostly under: CPU kernels' temporaries the terms leave
+out. tests/test_planner_search.py holds that, and the in-flight counts to the schedules
+the ranks run (``parallel.schedule_order``) and the stage parameters to the model's. The bf16 terms (a
+GPU's flash attention, FSDP2's bf16 gathers) are not held against a GPU run yet. Context parallel is
+planned by arithmetic only; expert parallel is not planned yet.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .parallel import Layout, LlamaConfig, check_layout, stage_layers
+
+P32, BF16 = 4, 2
+
+
+@dataclass
+class RankPlan:
+    stage: int
+    state: int
+    gathered: int
+    activations: int
+    transient: int
+
+    @property
+    def peak(self) -> int:
+        return self.state + self.gathered + self.activations + self.transient
+
+
+def block_params(cfg: LlamaConfig, tp: int) -> int:
+    hd = cfg.d // cfg.heads
+    return (cfg.d * (cfg.heads + 2 * cfg.kv_heads) * hd + cfg.heads * hd * cfg.d + 3 * cfg.d * cfg.ffn) // tp \
+        + 2 * cfg.d
+
+
+def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> int:
+    n = stage_layers(cfg.layers, layout.pp)[stage]
+    p = n * block_params(cfg, layout.tp)
+    if stage == 0:
+        p += cfg.vocab * cfg.d // layout.tp
+    if stage == layout.pp - 1:
+        p += cfg.vocab * cfg.d // layout.tp + cfg.d
+    return p
+
+
+def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: bool, c: int = BF16) -> int:
+    """Bytes one block saves for backward per micro-batch of ``tokens`` (compute in ``c`` bytes per element,
+    bf16 by default; the residual stream fp32)."""
+    sp = tokens * cfg.d // tp
+    if checkpointing:
+        return P32 * sp  # the block's input, kept by the checkpoint
+    hd = cfg.d // cfg.heads
+    qkv = tokens * (cfg.heads + 2 * cfg.kv_heads) * hd // tp
+    attn_out = tokens * cfg.heads * hd // tp
+    return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + 4 * c * tokens * cfg.ffn // tp
+
+
+def in_flight(layout: Layout, stage: int) -> float:
+    """Micro-batches (in units of a whole stage's activations) stage ``stage`` holds at its peak."""
+    m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
+    if pp == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "1f1b":
+        return min(m, pp - stage)
+    chunks = min(m * v, (v - 1) * pp + 2 * (pp - stage - 1) + 1)
+    return chunks / v
+
+
+def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int, c: int = BF16) -> RankPlan:
+    tokens = micro * seq // layout.cp
+    n = stage_layers(cfg.layers, layout.pp)[stage]
+    params = stage_params(cfg, layout, stage)
+    shards = layout.dp_shard * layout.cp  # torchtitan shards parameters over dp_shard x cp ("dp_shard_cp")
+    state = -(-params // shards) * (P32 + P32 + 2 * P32)
+    gathered = 0
+    if shards > 1:
+        blk = block_params(cfg, layout.tp)
+        gathered = 2 * c * blk + P32 * blk
+    a = block_activations(cfg, layout.tp, tokens, layout.checkpointing, c)
+    acts = n * a
+    if stage == 0:
+        acts += P32 * tokens * cfg.d // layout.tp  # the embedding's output
+    if stage == layout.pp - 1:
+        acts += P32 * tokens * cfg.d // layout.tp + c * tokens * cfg.d  # final norm's input, gathered output
+    activations = int(in_flight(layout, stage) * acts)
+    transient = 0
+    if stage == layout.pp - 1:
+        transient = 2 * P32 * tokens * cfg.vocab // layout.tp  # fp32 logits and their gradient
+    if layout.checkpointing:
+        transient = max(transient, block_activations(cfg, layout.tp, tokens, False, c))
+    if layout.cp > 1:  # ring attention: the next rank's K and V chunk arrives while this one's is used
+        transient += 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp
+    return RankPlan(stage, state, gathered, activations, transient)
+
+
+def comm_bytes(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int) -> int:
+    """Bytes this rank sends per step (ring collectives; module docs)."""
+    tokens = micro * seq // layout.cp
+    m, n = layout.microbatches, stage_layers(cfg.layers, layout.pp)[stage]
+    ring = lambda k: (k - 1) / k  # noqa: E731
+    total = 0.0
+    if layout.tp > 1:
+        per_pass = 4 * ring(layout.tp) * BF16 * tokens * cfg.d  # 2 all-gathers + 2 reduce-scatters per block
+        passes = 3 if layout.checkpointing else 2
+        total += m * n * passes * per_pass
+    params = stage_params(cfg, layout, stage)
+    shards = layout.dp_shard * layout.cp
+    if shards > 1:
+        total += ring(shards) * params * (2 * BF16 + P32)
+    if layout.dp_replicate > 1:
+        total += 2 * ring(layout.dp_replicate) * P32 * params / shards
+    if layout.cp > 1:  # ring attention: K and V chunks passed cp - 1 times forward, K, V, dK, dV in backward
+        kv = BF16 * tokens * 2 * cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp
+        passes = 4 if layout.checkpointing else 3
+        total += m * n * (layout.cp - 1) * kv * passes
+    if layout.pp > 1:
+        hops = (stage < layout.pp - 1) + (stage > 0) if layout.virtual_stages == 1 else 2 * layout.virtual_stages
+        total += m * BF16 * tokens * cfg.d / layout.tp * hops  # interleaved: every chunk sends and receives
+    return int(total)
+
+
+def plan_ranks(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, c: int = BF16) -> list[RankPlan]:
+    """One :class:`RankPlan` per pipeline stage (TP, CP and data-parallel ranks of a stage are alike);
+    ``c``: bytes per element of the compute (bf16: 2; 4 to compare with an fp32 traced plan)."""
+    micro = check_layout(cfg, layout, global_batch, seq)
+    return [rank_plan(cfg, layout, s, micro, seq, c) for s in range(layout.pp)]
+
+
+def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(1,), schedules=("1f1b",),
+            microbatches=None, checkpointing=(False, True), global_batch=(1,), seq=2048):
+    """Every valid layout of the grid: (layout, global batch); dp_shard fills the GPUs left."""
+    for n, t, p, c, r, sch, ac, gb in itertools.product(gpus, tp, pp, cp, dp_replicate, schedules,
+                                                        checkpointing, global_batch):
+        if n % (t * p * c * r):
+            continue
+        shard = n // (t * p * c * r)
+        # default micro-batches: pp, 2pp, 4pp (pp = 1: none) and one sample each (gradient accumulation)
+        ms = microbatches or sorted({p, 2 * p, 4 * p} - {2, 4} if p == 1 else {p, 2 * p, 4 * p}
+                                    | {max(1, gb // (shard * r))})
+        for m in ms:
+            for sched in ([sch] if p > 1 else ["1f1b"]):
+                L = Layout(tp=t, pp=p, cp=c, dp_replicate=r, dp_shard=shard, schedule=sched, microbatches=m,
+                           checkpointing=ac, virtual_stages=2 if sched == "interleaved" else 1)
+                try:
+                    check_layout(cfg, L, gb, seq)
+                except ValueError:
+                    continue
+                yield L, gb
+
+
+def search(cfg: LlamaConfig, *, capacity: int, seq: int, **grid) -> list[dict]:
+    """Rows for every layout of the grid, sorted: fewest GPUs, then most tokens per step, then least traffic."""
+    rows = []
+    seen = set()
+    for L, gb in layouts(cfg, seq=seq, **grid):
+        if (L, gb) in seen:
+            continue
+        seen.add((L, gb))
+        ranks = plan_ranks(cfg, L, gb, seq)
+        worst = max(ranks, key=lambda r: r.peak)
+        micro = gb // (L.dp * L.microbatches)
+        comm = max(comm_bytes(cfg, L, s, micro, seq) for s in range(L.pp))
+        per_stage = L.world // L.pp  # the mesh is (pp, dp_replicate, dp_shard, tp): a stage's ranks are contiguous
+        rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard,
+                         worst_ranks=(worst.stage * per_stage, (worst.stage + 1) * per_stage - 1), tokens=gb * seq, peak=worst.peak,
+                         worst_stage=worst.stage, stage_peaks=[r.peak for r in ranks], comm=comm,
+                         fits=worst.peak <= capacity, parts=worst))
+    rows.sort(key=lambda r: (r["gpus"], -r["tokens"], not r["fits"], r["comm"], r["peak"]))
+    return rows
+
+
+def check_grid(cfg: LlamaConfig, *, tp, pp, cp, seq, **_):
+    """Every value asked must be possible for this model: one clear line otherwise."""
+    for t in tp:
+        if cfg.heads % t or cfg.kv_heads % t:
+            raise ValueError(f"--tp {t}: must divide the attention heads ({cfg.heads}) and key/value heads "
+                             f"({cfg.kv_heads})")
+        if seq % t:
+            raise ValueError(f"--tp {t}: must divide --seq {seq} (sequence parallel shards the sequence)")
+    for p in pp:
+        if p > cfg.layers:
+            raise ValueError(f"--pp {p}: more stages than the model's {cfg.layers} layers")
+    for c in cp:
+        if seq % (2 * c * max(tp)) and c > 1:
+            raise ValueError(f"--cp {c}: --seq {seq} must be divisible by 2 x cp x tp = {2 * c * max(tp)} "
+                             "(context parallel's load-balanced chunks, sequence parallel's shards)")

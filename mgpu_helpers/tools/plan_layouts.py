@@ -1,0 +1,90 @@
+"""``mgpu-plan CONFIG --gpus 8,16,64 --tp 1,2,4,8 --pp 1,2,4 --global-batch 256 --seq 8192 --gpu H100-80GB``:
+the layouts (TP, PP with its schedule, HSDP / FSDP2, on one mesh) of a Llama-shaped model that fit, by
+``planner.search``'s per-rank arithmetic. CONFIG: llama3-8b, llama3-70b, llama3-405b or a Hugging Face
+config.json of a Llama-shaped model. Any of the layout flags selects this mode."""
+from __future__ import annotations
+
+import json
+import os
+
+from mgpu_helpers.planner import budget as db
+from mgpu_helpers.planner.parallel import LLAMA3, SCHEDULES, LlamaConfig
+from mgpu_helpers.planner.search import check_grid, search
+from mgpu_helpers.tools.plan_sources import PlanInputError
+
+FLAGS = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "schedule", "microbatches", "global_batch")
+
+
+def wanted(a) -> bool:
+    return any(getattr(a, f, None) is not None for f in FLAGS)
+
+
+def llama_config(name: str) -> LlamaConfig:
+    if name in LLAMA3:
+        return LLAMA3[name]
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if not os.path.isfile(path):
+        raise PlanInputError(f"{name!r}: the layout search takes {', '.join(LLAMA3)} or a Llama-shaped config.json")
+    c = json.load(open(path))
+    try:
+        return LlamaConfig(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                           c.get("num_key_value_heads", c["num_attention_heads"]), c["intermediate_size"])
+    except KeyError as e:
+        raise PlanInputError(f"{path}: no {e.args[0]!r}; the layout search plans Llama-shaped decoders") from None
+
+
+def run(a, ints) -> dict:
+    """The search's rows for parsed arguments ``a``; ``ints``: mgpu-plan's parser of comma-separated counts."""
+    def _ints(text, what):
+        return ints(text, what) if text is not None else None
+
+    cfg = llama_config(a.model)
+    seq = a.seq or 2048
+    if a.gpu is None and a.gpu_memory is None:
+        raise PlanInputError("give the GPU: --gpu NAME (" + ", ".join(db.GPUS) + ") or --gpu-memory SIZE (80GB, 80GiB)")
+    capacity = db.gpu(a.gpu)[0] if a.gpu else db.parse_memory(a.gpu_memory)
+    schedules = (a.schedule or "1f1b").split(",")
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad:
+        raise PlanInputError(f"--schedule {bad[0]!r}: one of {', '.join(SCHEDULES)}")
+    if a.global_batch is None:
+        raise PlanInputError("--global-batch N: the samples per optimizer step over all GPUs (fixed; each layout "
+                             "splits it over its data-parallel ranks and micro-batches)")
+    grid = dict(gpus=_ints(a.gpus, "--gpus"), tp=_ints(a.tp or "1", "--tp"), pp=_ints(a.pp or "1", "--pp"),
+                cp=_ints(a.cp or "1", "--cp"), dp_replicate=_ints(a.dp_replicate or "1", "--dp-replicate"),
+                schedules=schedules, microbatches=_ints(a.microbatches, "--microbatches"),
+                checkpointing={"both": (False, True), "on": (True,), "off": (False,)}[a.checkpointing],
+                global_batch=_ints(a.global_batch, "--global-batch"))
+    try:
+        check_grid(cfg, seq=seq, **grid)
+    except ValueError as e:
+        raise PlanInputError(str(e)) from None
+    rows = search(cfg, capacity=capacity - db.budget(0, world_size=2).total, seq=seq, **grid)
+    shard = _ints(a.dp_shard, "--dp-shard")
+    if shard:
+        rows = [r for r in rows if r["dp_shard"] in shard]
+    if not rows:
+        raise PlanInputError(f"no layout of {grid['gpus']} GPUs splits --global-batch {a.global_batch} evenly over "
+                             "its data-parallel ranks x micro-batches with these --tp/--pp: change one of them")
+    return dict(model=a.model, config=cfg._asdict(), seq=seq, capacity=capacity, rows=rows)
+
+
+def render(r) -> str:
+    G = 2 ** 30
+    out = [f"model: {r['model']} {r['config']}; seq {r['seq']}; GPU {r['capacity'] / G:.1f} GiB "
+           f"(fits: the worst rank's tensors plus the device budget's fixed lines)", "",
+           f"{'layout':<34} {'gpus':>4} {'tokens/step':>11} | {'peak GiB':>8} {'worst rank':>19} | {'comm GiB/rank':>13} | fits"]
+    for row in r["rows"]:
+        out.append(f"{row['layout']:<34} {row['gpus']:>4} {row['tokens']:>11,} | {row['peak'] / G:>8.2f} "
+                   f"{'stage %d (%d-%d)' % (row['worst_stage'], *row['worst_ranks']):>19} | {row['comm'] / G:>13.2f} | "
+                   f"{'yes' if row['fits'] else 'no'}")
+    n = sum(row["fits"] for row in r["rows"])
+    out += ["", f"{n} of {len(r['rows'])} layouts fit; peak = the worst rank's tensors (planner.search: state, "
+            "gathered FSDP2 blocks, in-flight activations, the largest transient); comm = bytes one rank sends "
+            "per step"]
+    return "\n".join(out)
+
+
+def to_json(r) -> str:
+    rows = [{k: v for k, v in row.items() if k != "parts"} for row in r["rows"]]
+    return json.dumps(dict(r, rows=rows), indent=1)

@@ -1,0 +1,66 @@
+"""planner.parallel against real layouts on 2 and 4 gloo ranks: each rank's plan beside its tracker's peak.
+
+The real run is torch's own layout (``parallelize_module`` colwise/rowwise + sequence parallel, the course's
+pipeline stages over ``isend``/``irecv``, FSDP2 on a 2-D mesh or HSDP) under the course's ``MemoryTracker``;
+the plan runs the same code on fake tensors in a fake process group (planner/parallel.py).
+"""
+import pytest
+
+from mgpu_helpers.planner.parallel import Layout, LlamaConfig, check_layout, measure_layout, plan_layout, schedule_order
+
+CFG = LlamaConfig(vocab=512, d=64, layers=4, heads=4, kv_heads=4, ffn=172)
+BATCH, SEQ = 8, 32
+EXACT = [  # layouts whose plan equals the tracker to the byte on every rank
+    Layout(pp=2, microbatches=4, schedule="gpipe"),
+    Layout(pp=2, microbatches=4, schedule="1f1b"),
+    Layout(pp=4, microbatches=4, schedule="gpipe"),           # unequal stages: embedding first, head last
+    Layout(pp=4, microbatches=4, schedule="1f1b"),
+    Layout(dp_shard=2),                                       # FSDP2, 1-D
+    Layout(dp_replicate=2, dp_shard=2),                       # HSDP on a 2-D mesh
+    Layout(dp_replicate=2),                                   # HSDP, one shard group: replicated
+]
+TP = [  # tensor parallel (+ sequence parallel, loss_parallel head), alone and on 2-D meshes
+    Layout(tp=2), Layout(tp=4),
+    Layout(tp=2, dp_shard=2),                                 # FSDP2 x TP on a 2-D mesh
+    Layout(pp=2, tp=2, microbatches=2),                       # PP x TP
+]
+
+
+def _show(layout, measured, planned):
+    return f"{layout.describe()}: measured {measured}, planned {planned}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", EXACT + TP, ids=lambda l: l.describe().replace(" ", "-"))
+def test_every_rank_equals_its_tracker(layout):
+    measured = measure_layout(CFG, layout, BATCH, SEQ)
+    planned = plan_layout(CFG, layout, BATCH, SEQ)
+    assert planned == measured, _show(layout, measured, planned)
+
+
+def test_the_stages_differ_as_the_schedule_says():
+    # GPipe holds all 4 micro-batches on every stage; 1F1B holds min(m, pp - stage): the first stage most
+    gpipe = plan_layout(CFG, Layout(pp=2, microbatches=4, schedule="gpipe"), BATCH, SEQ)
+    f1b = plan_layout(CFG, Layout(pp=2, microbatches=4, schedule="1f1b"), BATCH, SEQ)
+    assert f1b[0] < gpipe[0] and f1b[1] < gpipe[1], (gpipe, f1b)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedule_order_runs_every_micro_batch_once(schedule):
+    for pp in (1, 2, 4):
+        for m in (1, 2, 4, 8):
+            for s in range(pp):
+                ops = schedule_order(schedule, m, pp, s)
+                assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+                assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(m))
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(tp=3), "tp=3 must divide the attention heads"),
+    (dict(pp=5), "exceeds the model's 4 layers"),
+    (dict(dp_shard=3), "global batch 8 is not divisible by dp (3)"),
+    (dict(schedule="zb"), "schedule must be one of"),
+])
+def test_impossible_layouts_say_what_to_change(kw, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        check_layout(CFG, Layout(**kw), BATCH, SEQ)
