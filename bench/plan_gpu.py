@@ -157,7 +157,7 @@ def measure(argv):
         batch = tuple(t.bfloat16() if t.is_floating_point() else t for t in batch)
     if a.checkpointing == "on":
         apply_checkpointing(model)
-    opt = make_optimizer(model, a.optimizer)
+    opt = make_optimizer(model, a.optimizer or source.optimizer)  # the command's default: the source's
     run = lambda: train_step(model, opt, batch, output_loss, precision=prec, micro_batches=k)  # noqa: E731
     if not cuda:
         run()
