@@ -17,11 +17,11 @@ export CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 MGPU_FIGURES_LOG="$out/$isa.figu
 rm -f "$MGPU_FIGURES_LOG"
 if [ "$isa" = NATIVE ]; then unset ONEDNN_MAX_CPU_ISA; else export ONEDNN_MAX_CPU_ISA=$isa; fi
 start=$(date +%s)
-# --dist loadfile keeps a file's module fixtures on one worker; notebook 12's planted mistakes (one file, ~10
-# minutes in a row) go to workers of their own, test by test, beside the rest. -v names every result in the log
-# (an outer `timeout` that cuts pytest before its summary still leaves which test failed). LIMIT: seconds.
-jobs=${JOBS:-15}; slow=${SLOW-tests/test_mutants_12.py}   # SLOW: files split test by test (space-separated);
-# SLOW= (empty): one run over the paths given
+# --dist loadfile keeps a file's module fixtures on one worker (the planted mistakes, tests/test_mutants.py, are
+# handed out test by test all the same: conftest.py). -v names every result in the log (an outer `timeout` that
+# cuts pytest before its summary still leaves which test failed). LIMIT: seconds.
+jobs=${JOBS:-15}; slow=${SLOW-}   # SLOW: files run apart on 4 workers, split test by test (space-separated);
+# empty (the default): one run over the paths given
 run() { timeout "${LIMIT:-100000}" $py -m pytest -p no:cacheprovider -v -n "$1" --dist "$2" --tb=short --durations=15 \
     -o addopts="--nbval --nbval-current-env --nbval-cell-timeout=300 -m 'not browser and not answers' -rfEs" "${@:3}"; }
 rc_slow=0
