@@ -2,9 +2,9 @@
 and every check's draw against the edge cases that tell its known mistakes from the right answer.
 
 A mistake is tried on every seed of ``sweep_seeds()``: 2 in the fast tier (``make test-fast``), 20 in the full
-one. Two are enough because ``test_draw_holds_its_edge_cases`` proves, on 50 seeds and without running any
-learner's code, that every draw holds the cases that separate each mistake: a mistake named on seeds 0 and 1
-is named on every seed. ``-m ex_5_1`` or ``-k 5.1`` runs one exercise's tests."""
+one. Two suffice in the edit loop because ``test_draw_holds_its_edge_cases`` shows, on 50 draws and without
+running any learner's code, that every draw holds the cases that tell each known mistake from the right answer;
+the full tier's 20 seeds stay the end-to-end proof. ``-m ex_5_1`` or ``-k 5.1`` runs one exercise's tests."""
 import functools
 import warnings
 from pathlib import Path
@@ -13,24 +13,27 @@ import nbformat
 import pytest
 import torch
 
-from mgpu_helpers.capstone import candidate_plans
 from mgpu_helpers.checks import REGISTRY, load_checks
-from mgpu_helpers.model_sharding import pipeline
 from mgpu_helpers.tools.authoring import (exec_cell, exercise_source, mutant_fails_every_seed, mutant_verdict, mutate,
                                           solution_verdict, stub_verdict, sweep_seeds)
 from mutants import EXERCISES
 from testkit import marked
 
 ROOT = Path(__file__).resolve().parent.parent
-for _notebook in {e.notebook for e in EXERCISES.values()}:
-    load_checks("mgpu_helpers." + nbformat.read(ROOT / "solutions" / f"{_notebook}.ipynb", as_version=4)
-                .metadata["mgpu"]["module"])
-from mgpu_helpers.checks import amp, capstone, ddp, fsdp_practice, sharding  # noqa: E402  (loaded just above)
 ORDER = sorted(EXERCISES, key=lambda ex: tuple(map(int, ex.split("."))))
 
 
+@functools.cache
+def _load(notebook: Path) -> None:
+    """Register the checks of one notebook only when its tests run: all of them take seconds to import, a
+    lesson's edit loop (``-m ex_5_1``) needs one."""
+    load_checks("mgpu_helpers." + nbformat.read(notebook, as_version=4).metadata["mgpu"]["module"])
+
+
 def _nb(ex: str) -> Path:
-    return ROOT / "solutions" / f"{EXERCISES[ex].notebook}.ipynb"
+    path = ROOT / "solutions" / f"{EXERCISES[ex].notebook}.ipynb"
+    _load(path)
+    return path
 
 
 def _mistake(ex: str, named: str):
@@ -38,6 +41,8 @@ def _mistake(ex: str, named: str):
 
 
 def test_every_check_has_its_mistakes_and_its_edge_cases():
+    for notebook in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"):  # every check, in the table or not
+        _load(notebook)
     assert sorted(REGISTRY) == sorted(EXERCISES) == sorted(EDGES)
 
 
@@ -57,8 +62,8 @@ def test_solution_passes_and_stub_fails(ex):
 @pytest.mark.parametrize("ex,mistake", [marked(ex, m, id=f"{ex}-{m.named}") for ex in ORDER
                                         for m in EXERCISES[ex].mistakes])
 def test_mistake_is_named(ex, mistake, monkeypatch):
-    # A pipeline deadlock (9.1) costs the recorder's timeout per seed: 0.5 s (forked ranks inherit it).
-    monkeypatch.setattr(pipeline, "P2P_TIMEOUT", 0.5)
+    if ex == "9.1":  # a pipeline deadlock costs the recorder's timeout per seed: 0.5 s (forked ranks inherit it)
+        monkeypatch.setattr("mgpu_helpers.model_sharding.pipeline.P2P_TIMEOUT", 0.5)
     mutant_fails_every_seed(_nb(ex), ex, EXERCISES[ex].function, mistake.edits, mistake.named, seeds=mistake.seeds)
 
 
@@ -113,7 +118,8 @@ def test_12_1_reads_nothing_the_draw_changes():
     """What 12.1's judge reads of each rank -- peak and all-gathered bytes, the forward's issue order, which
     modules are units -- is the same under two draws, for the solution and for a policy that misses a
     budget: so a mistake named under two seeds is named under every one."""
-    chk, src = REGISTRY["12.1"], exercise_source(_nb("12.1"), "12.1")
+    src = exercise_source(_nb("12.1"), "12.1")
+    chk = REGISTRY["12.1"]
     for source in (src, mutate(src, "reshard_after_forward=2)", "reshard_after_forward=True)")):
         fn = exec_cell(source)["shard_for_budget"]
         (a,), (b,) = chk.make_cases(1), chk.make_cases(2)
@@ -130,8 +136,14 @@ def _chunks(batch, n):
     return len(torch.arange(batch).chunk(n))
 
 
+def _grad_bytes(case):
+    from mgpu_helpers.checks.ddp import _grad_bytes
+    return _grad_bytes(case)
+
+
 def _buckets(case, **kw):
-    return ddp._expected_buckets(ddp._grad_bytes(case), case["cap"], **kw)
+    from mgpu_helpers.checks.ddp import _expected_buckets
+    return _expected_buckets(_grad_bytes(case), case["cap"], **kw)
 
 
 def _step_bytes_bound(case):
@@ -148,10 +160,10 @@ def _first_bad(case):
 def _one_owner_unbalanced(case):
     """Whether one rank owning every parameter breaks 8.1's balance bound on this case (the judge's
     ``_judge_balance``: at most total / world + the largest + the frozen bytes)."""
+    from mgpu_helpers.checks.sharding import mlp, unique
     if case["kind"] != "train" or case["world_size"] == 1:
         return False
-    model = sharding.mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
-    params = sharding.unique(model.parameters())
+    params = unique(mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"]).parameters())
     size = [p.numel() * p.element_size() for p in params if p.requires_grad]
     frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
     return sum(size) > sum(size) / case["world_size"] + max(size) + frozen
@@ -159,6 +171,7 @@ def _one_owner_unbalanced(case):
 
 @functools.lru_cache(maxsize=None)
 def _picks_of(capacity, order, worst_first):
+    from mgpu_helpers.checks import capstone
     plans = REGISTRY["11.1"]._plans({"capacity": capacity, "order": order, "worst_first": worst_first})
     fit = [p for p in plans if p.device_bytes <= capacity]
     right = capstone._summary(capstone._cheapest(plans, lambda p: p.device_bytes <= capacity))
@@ -180,23 +193,36 @@ def _picks(case):
 def _named_alone(cases, name):
     """Whether the first case on which the wrong fit ``name`` errs tells it from the other wrong fits (its plan is
     theirs on none): the check fails there, naming only ``name`` of them."""
+    from mgpu_helpers.checks.capstone import WRONG_FITS
     wrong = next((w for _, w in map(_picks, cases) if name in w), None)
     return wrong is not None and not any(o in wrong and wrong[o] == wrong[name]
-                                         for o in capstone.WRONG_FITS if o != name)
+                                         for o in WRONG_FITS if o != name)
 
 
 def _below_every_plan(case):
+    from mgpu_helpers.capstone import candidate_plans
     return case["capacity"] < min(p.device_bytes for p in candidate_plans())
 
 
 def _11_1_edges():
+    from mgpu_helpers.checks.capstone import WRONG_FITS  # (the rules alone: mgpu_helpers.capstone is light)
     edges = [("a capacity below every plan (nothing fits: None)", lambda cs: any(map(_below_every_plan, cs)))]
     edges += [(f"a first capacity that names this wrong fit alone: {name[:40]}",
-               lambda cs, n=name: _named_alone(cs, n)) for name in capstone.WRONG_FITS]
+               lambda cs, n=name: _named_alone(cs, n)) for name in WRONG_FITS]
     edges += [(f"a capacity where '{name}' picks a wrong plan",
                lambda cs, n=name: any(n in _picks(c)[1] for c in cs))
               for name in ("step cost first", "fewest ranks only", "smallest device total")]
     return edges
+
+
+def _amp(name):
+    from mgpu_helpers.checks import amp
+    return getattr(amp, name)
+
+
+def _fsdp_lr():
+    from mgpu_helpers.checks.fsdp_practice import LR  # the optimizer's own, before a case sets its lr
+    return LR
 
 
 def _12_1_same(cs):
@@ -251,7 +277,7 @@ EDGES = {
                                                                          for c in cs)),
         ("a bucket DDP's rule would overshoot", lambda cs: any(_buckets(c) != _buckets(c, after=True) for c in cs)),
         ("a bucket of several gradients, in every case (no bucketing)",
-         lambda cs: all(len(_buckets(c)) < len(ddp._grad_bytes(c)) for c in cs)),
+         lambda cs: all(len(_buckets(c)) < len(_grad_bytes(c)) for c in cs)),
         ("several buckets (the last one forgotten)", lambda cs: any(len(_buckets(c)) > 1 for c in cs)),
         ("3 ranks (not divided)", lambda cs: any(c["world_size"] == 3 for c in cs)),
         ("an unused parameter", lambda cs: any(c["unused"] for c in cs)),
@@ -276,9 +302,9 @@ EDGES = {
          lambda cs: [c["script"] for c in cs[:4]] == REGISTRY["6.1"].FIXED
          and all(c["growth_interval"] == 3 for c in cs[:4])),
         ("an overflow on the first step, in the second param group (only param_groups[0] checked)",
-         lambda cs: any(_first_bad(c) == (0, "inf") and amp.group_of(c, 0) == 1 for c in cs)),
+         lambda cs: any(_first_bad(c) == (0, "inf") and _amp("group_of")(c, 0) == 1 for c in cs)),
         ("a nan first, in the first param group (nan missed)",
-         lambda cs: any(_first_bad(c)[1] == "nan" and amp.group_of(c, _first_bad(c)[0]) == 0 for c in cs)),
+         lambda cs: any(_first_bad(c)[1] == "nan" and _amp("group_of")(c, _first_bad(c)[0]) == 0 for c in cs)),
         ("growth_interval clean steps, then an overflow (grew late; not reset after growing)",
          lambda cs: any(c["script"][:c["growth_interval"] + 1] == ["ok"] * c["growth_interval"] + ["inf"]
                         for c in cs)),
@@ -292,9 +318,9 @@ EDGES = {
         ("a loss scale above 1 (never unscaled; scaled loss returned)",
          lambda cs: any(c["loss_scale"] > 1 for c in cs)),
         ("a clip that binds (clipped the scaled gradients)",
-         lambda cs: any(c["max_norm"] < amp._grad_norm(c) for c in cs)),
+         lambda cs: any(c["max_norm"] < _amp("_grad_norm")(c) for c in cs)),
         ("an fp16 case whose 16-bit unscaling loses bits (unscaled in 16 bits)",
-         lambda cs: any(c["dtype"] == "fp16" and amp._unscale16_differs(c) for c in cs)),
+         lambda cs: any(c["dtype"] == "fp16" and _amp("_unscale16_differs")(c) for c in cs)),
     ],
     "7.1": [
         ("several segments of k > 1 blocks (every block alone; k + 1; i % k)",
@@ -360,7 +386,7 @@ EDGES = {
         ("saved and loaded on different numbers of ranks, 2+ saving, in every case",
          lambda cs: all(c["save_on"] != c["load_on"] and c["save_on"] > 1 for c in cs)),
         ("steps before the save and an lr set (optimizer state; lr restored)",
-         lambda cs: all(c["before"] >= 1 and c["lr"] != fsdp_practice.LR for c in cs)),
+         lambda cs: all(c["before"] >= 1 and c["lr"] != _fsdp_lr() for c in cs)),
     ],
 }
 
@@ -373,6 +399,7 @@ DRAWS = {"6.2": 10, "11.1": 10}
 @pytest.mark.parametrize("ex", [marked(ex, id=ex) for ex in ORDER])
 def test_draw_holds_its_edge_cases(ex):
     """For 50 seeds (see DRAWS), without running a learner's function."""
+    _nb(ex)
     for seed in range(DRAWS.get(ex, 50)):
         cases = REGISTRY[ex].make_cases(seed)
         for what, holds in EDGES[ex]:
