@@ -4,8 +4,9 @@ naming it) and tests/test_grading_course.py (one per notebook, graded as a class
 ``EXERCISES["N.M"]``: the solution notebook (``solutions/<notebook>.ipynb``), the function its check grades,
 and the mistakes. A mistake is textual edits applied in turn to the solution's exercise cell, the words the
 check's failure must contain, and the seeds it is tried on: every seed of ``sweep_seeds()`` (``MGPU_SEEDS``:
-2 in the fast tier, 20 in the full one), or ``ONE``/``TWO`` fixed seeds where twenty would only repeat a
-draw-independent verdict at a rank launch's cost each.
+2 in the fast tier, 20 in the full one), or the fixed seeds ``ONE``/``TWO`` for the mistakes that have been
+proven only there: six of 7.1's; 8.x's secondary ones (a rank launch each); 12.1's (its draw changes nothing
+its judge reads) and 12.2's "keyed by position" (its case is in every draw).
 """
 from typing import NamedTuple
 
