@@ -5,8 +5,8 @@ naming it) and tests/test_grading_course.py (one per notebook, graded as a class
 and the mistakes. A mistake is textual edits applied in turn to the solution's exercise cell, the words the
 check's failure must contain, and the seeds it is tried on: every seed of ``sweep_seeds()`` (``MGPU_SEEDS``:
 2 in the fast tier, 20 in the full one), or the fixed seeds ``ONE``/``TWO`` for the mistakes that have been
-proven only there: six of 7.1's; 8.x's secondary ones (a rank launch each); 12.1's (its draw changes nothing
-its judge reads) and 12.2's "keyed by position" (its case is in every draw).
+proven only there: 8.x's secondary ones (a rank launch each); 12.1's (its draw changes nothing its judge
+reads) and 12.2's "keyed by position" (its case is in every draw).
 """
 from typing import NamedTuple
 
@@ -258,17 +258,17 @@ EXERCISES = {
         M([(CALL_71, CALL_71.replace("use_reentrant=False)", "use_reentrant=False).detach().requires_grad_()"))],
           "a detach() of the segments' outputs"),
         M([(LOOP_71, "    for start in range(0, len(blocks), k + 1):\n"), ("start + k]", "start + k + 1]")],
-          "segments of k + 1 blocks (off by one)", TWO),
+          "segments of k + 1 blocks (off by one)"),
         M([(LOOP_71, "    x = blocks[0](x)\n    for start in range(1, len(blocks), k):\n")],
-          "block 0 left out (segments started at block 1)", TWO),
+          "block 0 left out (segments started at block 1)"),
         M([(LOOP_71, "    for start in range(len(blocks)):\n"),
            (CALL_71, "x = checkpoint(blocks[start], x, use_reentrant=False) if start % k == 0 else blocks[start](x)")],
-          "checkpointed only the blocks i with i % k == 0", TWO),
+          "checkpointed only the blocks i with i % k == 0"),
         M([(LOOP_71, "    for start in range(0, len(blocks), k):\n        break\n"),
-           ("    return x", "    return run_segment(blocks, x)")], "no checkpointing at all", TWO),
+           ("    return x", "    return run_segment(blocks, x)")], "no checkpointing at all"),
         M([(LOOP_71, "    for start in range(0, len(blocks) - len(blocks) % k, k):\n")],
-          "the last, shorter segment was never run", TWO),
-        M([(CHECK_71, "    if False:\n")], "must raise ValueError", TWO),
+          "the last, shorter segment was never run"),
+        M([(CHECK_71, "    if False:\n")], "must raise ValueError"),
     ]),
     "8.1": Exercise("08_sharding_zero", "ShardedOptimizer", [
         M([("                    dist.broadcast(p.data, src=r)", "                    pass")],
