@@ -1,6 +1,8 @@
 """Loaded first by every pytest run from the repo root (unit tests and nbval alike)."""
 import os
 
+import pytest
+
 # run_ranks notes on stderr, once per kernel, when a machine has fewer GPUs than ranks ("using gloo on
 # CPU"). nbval compares stderr as well as stdout, so on a one-GPU machine the first launching cell of each
 # notebook would differ from its stored output; the kernels nbval starts inherit this and stay quiet.
@@ -12,11 +14,29 @@ os.environ.setdefault("MGPU_FALLBACK_NOTE", "0")
 # (measured with --durations; README, Verified on) go first and the short ones fill in behind them. xdist's
 # own reordering (by number of tests) put notebook 12's planted mistakes, 15 tests of ~40 s, behind files of
 # a hundred 1-second tests. Only the order changes: each file's tests keep theirs.
-LONGEST_FIRST = ("tests/test_mutants_12.py", "tests/test_grading_course.py", "tests/test_released_notebooks.py",
+LONGEST_FIRST = ("tests/test_mutants.py", "tests/test_grading_course.py", "tests/test_released_notebooks.py",
                  "tests/test_grading.py", "tests/test_plan_catalogue.py", "tests/test_fsdp_practice.py",
-                 "tests/test_mutants_09.py", "tests/test_launch.py")
+                 "tests/test_launch.py")
+MUTANTS = "tests/test_mutants.py"
 
 
 def pytest_collection_modifyitems(session, config, items):
     first = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable
+
+
+@pytest.hookimpl(optionalhook=True)  # only under xdist
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, but tests/test_mutants.py -- every exercise's planted mistakes (20 seeds each in the
+    full tier), no fixture shared between its tests -- is handed out test by test: as one file it would run on
+    one worker alone."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class MutantsTestByTest(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            file = super()._split_scope(nodeid)
+            return nodeid if file == MUTANTS else file
+
+    return MutantsTestByTest(config, log)

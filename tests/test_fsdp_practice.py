@@ -248,3 +248,15 @@ def test_accumulation_without_sync_holds_more_and_moves_less():
     assert [bool(m.get("reduce_scatter")) for m in nosync["per_micro"]] == [False, False, True]
     assert nosync["peak"] > sync["peak"] and nosync["reduced"] * 3 == sync["reduced"]
     assert nosync["gathered"] < sync["gathered"]
+
+
+def test_only_rank_0_calling_dcp_save_is_named_in_the_hint():
+    """``if rank == 0: dcp.save(...)`` (collective, so the other ranks wait at the barrier until the launch
+    times out, 60 s: not run here) reads as 12.2's hint says."""
+    from mgpu_helpers.checks import REGISTRY
+    import mgpu_helpers.checks.fsdp_practice  # noqa: F401  (registers 12.2)
+    hint = REGISTRY["12.2"].hint(
+        "RankTimeout: run_ranks: timed out after 60 s; rank(s) 0, 1 still running (killed)\n  rank 0 was waiting "
+        "in all_gather (torch/distributed/distributed_c10d.py), called from transfer, line 19: if rank == 0: "
+        "dcp.save(state, checkpoint_id=path)\n  rank 1 was waiting in barrier (torch/distributed/distributed_c10d.py)")
+    assert "every rank calls them" in hint and "never only rank 0" in hint

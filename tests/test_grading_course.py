@@ -4,8 +4,8 @@ One class run (module fixture, ``--jobs 2``) shared by every assertion, three st
 - ``perfect``: the solution notebooks, copied unchanged -> every exercise full marks;
 - ``released``: the student notebooks as released, untouched -> every exercise 0, "not implemented" (without
   running them: the grader knows the release's stubs; tests/test_grading.py runs a stub with a line added);
-- ``mistakes``: the solutions with one common mistake planted per notebook (taken from that notebook's
-  mutant tests, so the mistake and the words that name it are the ones the check is proven on) -> 0 on that
+- ``mistakes``: the solutions with one common mistake planted per notebook (taken from tests/mutants.py,
+  so the mistake and the words that name it are the ones the check is proven on) -> 0 on that
   exercise only, the mistake named in the student's feedback.md, and every other exercise full marks.
 
 The fixture course (tests/test_grading.py) proves the grader's mechanics and its tamper vectors; this proves
@@ -26,46 +26,30 @@ import pytest
 from mgpu_helpers.tools.authoring import mgpu
 from mgpu_helpers.tools.grading.cli import main as grade_main
 
-import test_mutants_01 as m01
-import test_mutants_02 as m02
-import test_mutants_03 as m03
-import test_mutants_04 as m04
-import test_mutants_05 as m05
-import test_mutants_06 as m06
-import test_mutants_07 as m07
-import test_mutants_08 as m08
-import test_mutants_09 as m09
-import test_mutants_10 as m10
-import test_mutants_11 as m11
-import test_mutants_12 as m12
+from mutants import EXERCISES
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-def _first(cases: dict, ex: str):
-    """The first planted mistake of ``ex`` in a mutant module's CASES, as (edits, named)."""
-    mistake = cases[ex][1][0]
-    if isinstance(mistake[0], str):           # (old, new, named)
-        return [(mistake[0], mistake[1])], mistake[2]
-    return mistake[0], mistake[1]             # (edits, named[, every seed])
-
-
-# notebook -> (exercise, edits to its solution cell, words feedback.md must contain)
-PLANTED = {
-    "01_where_memory_goes": ("1.1", *_first(m01.CASES, "1.1")),
-    "02_measuring_memory": ("2.1", *_first(m02.CASES, "2.1")),
-    "03_data_parallel": ("3.1", [m03.MUTANTS[3][:2]], m03.MUTANTS[3][2]),
-    "04_ddp": ("4.1", *_first(m04.CASES, "4.1")),
-    "05_gradient_accumulation": ("5.1", *_first(m05.CASES, "5.1")),
-    "06_mixed_precision": ("6.1", *_first(m06.CASES, "6.1")),
-    "07_activation_checkpointing": ("7.1", *m07.EVERY_SEED[1]),
-    "08_sharding_zero": ("8.1", *_first(m08.CASES, "8.1")),
-    "09_model_sharding": ("9.1", *_first(m09.CASES, "9.1")),
-    "10_data_loading": ("10.1", *m10.MUTANTS[1]),
-    "11_capstone_fit_the_budget": ("11.1", *m11.MUTANTS[0]),
-    "12_fsdp2_in_practice": ("12.2", *_first(m12.CASES, "12.2")),
+# One exercise per notebook, and the words of the mistake planted in it (tests/mutants.py, where the check is
+# proven to name it): notebook -> (exercise, edits to its solution cell, words feedback.md must contain)
+GRADED = {
+    "1.1": "Adam keeps TWO states",
+    "2.1": "returned the CURRENT bytes after the step",
+    "3.1": "never copied back",
+    "4.1": "summed with all_reduce but not divided by the world size",
+    "5.1": "weighted each micro-batch's mean loss by 1/k",
+    "6.1": "grew one step late",
+    "7.1": "use_reentrant=True with an input that does not require grad",
+    "8.1": "other ranks' updated parameters never arrived",
+    "9.1": "the gradient was never sent back",
+    "10.1": "set_epoch forgotten",
+    "11.1": "a plan whose device total equals the capacity fits",
+    "12.2": "optimizer state was not saved or not loaded",
 }
+PLANTED = {EXERCISES[ex].notebook: (ex, next(m.edits for m in EXERCISES[ex].mistakes if m.named == named), named)
+           for ex, named in GRADED.items()}
 
 
 def _exercise_cell(nb, ex):

@@ -107,8 +107,8 @@ def test_tensor_parallel_refuses_an_indivisible_hidden_size():
 @pytest.mark.parametrize("check", [check_9_1, check_9_2])
 def test_grading_split_judges_outside(check):
     from mgpu_helpers.tools.authoring import exec_cell, exercise_source
-    from test_mutants_09 import NB
-    fn = exec_cell(exercise_source(NB, check.id))[check.function]
+    from testkit import ROOT
+    fn = exec_cell(exercise_source(ROOT / "solutions" / "09_model_sharding.ipynb", check.id))[check.function]
     ok, msg = check.judge_all(5, check.run_all(fn, 5))
     assert ok, msg
     ok, msg = check.judge_all(5, [{"ok": True, "result": 3}] * 5)

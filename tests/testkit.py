@@ -22,24 +22,8 @@ def run_torchrun(module: str, nproc: int = 2, timeout: int = 300, args=()) -> su
     return proc
 
 
-# --- mutant tests: one parameter per exercise, one per planted mistake, each marked ex_N_M ----------------
+# --- tests/test_mutants.py: one parameter per exercise, one per planted mistake, each marked ex_N_M -------
 
 def marked(ex: str, *values, id=None):
     """``pytest.param(ex, *values)`` with the exercise's marker (``-m ex_4_2`` runs exercise 4.2's tests)."""
     return pytest.param(ex, *values, marks=getattr(pytest.mark, f"ex_{ex.replace('.', '_')}"), id=id)
-
-
-def mistake_params(cases: dict, width: int = 28) -> list:
-    """``{ex: (function, [(edits, named, *more), ...])}`` -> one marked (ex, edits, named, *more) per mistake."""
-    return [marked(ex, *m, id=f"{ex}-{m[1][:width]}") for ex, (_, ms) in cases.items() for m in ms]
-
-
-def solution_passes_stub_fails(nb, ex: str, function: str, seeds=(None,)) -> None:
-    """The check passes the solution (under each seed) and fails the released stub, saying it is not done."""
-    from mgpu_helpers.tools.authoring import solution_verdict, stub_verdict
-
-    for seed in seeds:
-        ok, msg = solution_verdict(nb, ex, function, seed=seed)
-        assert ok, f"seed {seed}: {msg}"
-    ok, msg = stub_verdict(nb, ex, function)
-    assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg

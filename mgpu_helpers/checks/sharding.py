@@ -154,7 +154,7 @@ class ShardedOptimizerCheck(RemembersVerdict):
         # SGD first: Adam divides by the gradient's own scale, so a rescaled gradient changes an Adam step by
         # ~1e-6 (eps) -- too little to name; under SGD with momentum it changes the update N-fold.
         return [{"kind": "bad input", "world_size": 1},
-                _train_case(rng, 4, "SGD", widths=[3, 4, 2], tie=None,   # 4 ranks, 3 trainable tensors: one rank empty
+                _train_case(rng, 4, "SGD", widths=[3, 4, 2], tie=None,   # 4 ranks, 4 trainable tensors: one owning all is unbalanced
                             freeze=[], groups="one", add_group=False),
                 _train_case(rng, 2, "AdamW"),                            # groups, tie across them, frozen, add_param_group
                 _train_case(rng, 1, "Adam", groups="one"),               # world size 1; the tie twice in ONE group
