@@ -207,6 +207,10 @@ class Check:
             return False
         return True
 
+    def passed(self, fn: Callable) -> bool:
+        """:meth:`passes`; a :class:`RemembersVerdict` check answers from its last verdict on ``fn``."""
+        return self.passes(fn)
+
     # --- grading split: run in the learner's kernel, judge elsewhere -----------------------------------
     def run_all(self, fn: Callable, seed: int) -> list[dict]:
         """Results of the learner's function on the seed's cases, as plain data (for the grader)."""
@@ -258,6 +262,22 @@ class Check:
             except Exception as e:  # a malformed result must not crash the judge
                 return False, f"Exercise {self.id} ✗ {self.function}: unusable result ({type(e).__name__}: {e})"
         return True, f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases"
+
+
+class RemembersVerdict(Check):
+    """A check whose ``passed(fn)`` returns the verdict of its last ``check(fn)`` on that very function object
+    (re-running the exercise cell makes a new one), else runs quietly. Cells after an exercise ask it, and
+    running the check again there repeats its work and, for a function that hangs, its timeout (71 s in
+    notebook 08). Only the kernel's display uses it: grading decides outside the kernel (``tools.grading.judge``)."""
+
+    def __call__(self, fn: Callable, seed: int | None = None) -> None:
+        self._last = (fn, False)        # a failure, a timeout or an interrupt leaves "not passed"
+        super().__call__(fn, seed)
+        self._last = (fn, True)
+
+    def passed(self, fn: Callable) -> bool:
+        last = getattr(self, "_last", None)
+        return last[1] if last is not None and last[0] is fn else self.passes(fn)
 
 
 def run_learner_ranks(target: Callable, world_size: int, *args, **kwargs) -> list:
@@ -383,6 +403,16 @@ def expect_equal(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
 def expect(cond: bool, message: str) -> None:
     if not cond:
         raise CheckFailure(message)
+
+
+def expect_ranks(result: Any, world_size: int) -> None:
+    """A distributed check's ``run`` returns one result per rank."""
+    expect(isinstance(result, list) and len(result) == world_size, f"expected one result per rank ({world_size})")
+
+
+def flat(tensors) -> torch.Tensor:
+    """The tensors flattened into one, to compare a model's parameters or gradients at once."""
+    return torch.cat([t.flatten() for t in tensors])
 
 
 # --- distributed checks: the ranks' collectives, matched as they happen -------------------------------

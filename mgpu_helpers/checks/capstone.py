@@ -5,8 +5,7 @@ import random
 
 from ..capstone import candidate_plans
 from ..planner import Plan
-from .base import REGISTRY, describe_value, expect, expect_equal
-from .remember import RemembersVerdict
+from .base import REGISTRY, RemembersVerdict, describe_value, expect, expect_equal
 
 
 def _summary(p):

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from ..ddp import make_batch, make_model
 from ..runtime.launch import rank_device, run_ranks
 from .base import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
-                   expect_equal, expect_type, plain, run_learner_ranks)
+                   expect_equal, expect_ranks, expect_type, plain, run_learner_ranks)
 
 
 # --- the checks -------------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ class _AverageCheck(Check):
 
     def judge(self, case, result):
         world, locals_ = case["world_size"], _references(case)
-        expect(isinstance(result, list) and len(result) == world, f"expected one result per rank ({world})")
+        expect_ranks(result, world)
         if any(r["mismatch"] for r in result):
             raise CheckFailure(collective_mismatch(next(r["mismatch"] for r in result if r["mismatch"])))
         used = [n for n, g in locals_[0].items() if g is not None]

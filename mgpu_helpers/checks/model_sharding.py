@@ -8,23 +8,14 @@ import torch.distributed as dist
 from ..model_sharding.pipeline import StepRecorder, Stuck, make_batch, make_model, single_process_step, stage_bounds
 from ..runtime.launch import rank_device
 from ..model_sharding.tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
-from .base import REGISTRY, CheckFailure, expect, expect_close, expect_equal, expect_type, run_learner_ranks
-from .remember import RemembersVerdict
+from .base import (REGISTRY, CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
+                   expect_type, run_learner_ranks)
 
 
 def passes(check, fn) -> bool:
-    """Whether ``fn`` passes ``check`` (quietly): the check cell's verdict on this very function when it has one
-    (no second run, no second timeout), else a quiet run."""
-    if isinstance(check, RemembersVerdict):
-        return check.passed(fn)
-    import contextlib
-    import io
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            check(fn)
-    except AssertionError:
-        return False
-    return True
+    """Whether ``fn`` passes ``check`` (quietly): the check cell's verdict on this very function (no second
+    run, no second timeout), else a quiet run."""
+    return check.passed(fn)
 
 
 def _host(t):  # what a rank hands back to the kernel: CPU tensors (a CUDA one would start CUDA there)
@@ -114,7 +105,7 @@ class PipelineStep(RemembersVerdict):
 
     def judge(self, case, result):
         p, n, m, b = case["world_size"], case["n_layers"], case["n_micro"], case["batch"]
-        expect(isinstance(result, list) and len(result) == p, f"expected one result per rank ({p})")
+        expect_ranks(result, p)
         raised = [r.get("raised") for r in result]
         if b % m:
             expect(all(raised), f"n_micro={m} does not divide the batch of {b}: every rank must raise ValueError "
@@ -249,7 +240,7 @@ class ParallelMLPCheck(RemembersVerdict):
 
     def judge(self, case, result):
         n, d, h = case["world_size"], case["d"], case["h"]
-        expect(isinstance(result, list) and len(result) == n, f"expected one result per rank ({n})")
+        expect_ranks(result, n)
         raised = [r.get("raised") for r in result]
         if h % n:
             expect(all(raised), f"h={h} is not divisible by world_size={n}: every rank must raise ValueError "

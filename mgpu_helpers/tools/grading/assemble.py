@@ -22,7 +22,6 @@ import nbformat
 from ..authoring import course_notebooks, mgpu, release_notebook, validate
 
 MAX_SUBMISSION_BYTES = 32 * 2**20  # a notebook with a few plots is < 5 MB; anything bigger is refused
-HARVEST_OUT = "mgpu_grade_out_{}.pt"  # written by the harvest cell in the work dir, one per exercise
 
 
 @dataclass

@@ -14,25 +14,10 @@ import os
 import torch
 
 from ...checks import REGISTRY, Check, load_checks
+from .hidden import HiddenProxy
 
 SPEC = "mgpu_grade_in.pt"           # written by the grader: {exercise: {function, module, seed, hidden}}
-OUT = "mgpu_grade_out_{}.pt"        # one results file per exercise (assemble.HARVEST_OUT)
-
-
-class GivenCases(Check):
-    """A public check's ``run`` on cases chosen elsewhere: hidden cases arrive as data, never as code."""
-
-    def __init__(self, base: Check, cases: list):
-        self.base, self.given, self.id, self.function = base, list(cases), base.id, base.function
-
-    def cases(self, rng):
-        return list(self.given)
-
-    def run(self, fn, case):
-        return self.base.run(fn, case)
-
-    def describe(self, case):
-        return self.base.describe(case)
+OUT = "mgpu_grade_out_{}.pt"        # one results file per exercise, in the work dir
 
 
 def _collect(chk: Check, fn, seed: int):
@@ -99,7 +84,8 @@ def harvest(exercise: str, user_ns: dict, work: str) -> None:
             n = len(chk.make_cases(spec["seed"]))
             complete = log is not None and len(log) == n and all(entry is not None for entry in log)
             out["public"] = log if complete else _collect(chk, fn, spec["seed"])
-            out["hidden"] = {name: _collect(GivenCases(chk, cases), fn, 0) for name, cases in spec["hidden"].items()}
+            out["hidden"] = {name: _collect(HiddenProxy(chk, lambda rng, c=cases: list(c)), fn, 0)
+                             for name, cases in spec["hidden"].items()}
     path = os.path.join(work, OUT.format(exercise))
     try:
         torch.save(out, path)
