@@ -220,7 +220,7 @@ check_5_2 = REGISTRY["5.2"]
 
 def script(rank, world, k=4):
     """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks accumulation``: the reference loop on DDP, judged."""
-    from .references.accumulation import accumulate
+    from .references import accumulate
     case = {"widths": [32, 64, 64, 10], "k": k, "micro": 4, "seed": 0, "bucket_cap_mb": 0.01}
     res = _ddp_case(rank, world, accumulate, case)
     _judge_rank(case, rank, world, res)  # raises if the gradients or the counts are wrong

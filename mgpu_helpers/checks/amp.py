@@ -377,7 +377,7 @@ class MixedStepCheck(Check):
                      rtol=0, atol=0, mistakes={
                          "the model still has its old weights: copy the master into it after optimizer.step()": start,
                          **{names[m]: wrong[m]["model"] for m in wrong}})
-        from .references.memory import measured_training_state
+        from .references import measured_training_state
         row = measured_training_state(mlp(case["widths"], seed=case["seed"]), case["optimizer"], "mixed")
         n4 = 4 * sum(p.numel() for p in mlp(case["widths"], seed=case["seed"]).parameters())
         expect_equal(result["bytes"], row, "the training state after the step, in bytes (notebook 01's mixed row)",

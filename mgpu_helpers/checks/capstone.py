@@ -81,7 +81,7 @@ class Check11_1(RemembersVerdict):
         return {"type": describe_value(chosen), "plan": None}
 
     def judge(self, case, result):
-        from .references.capstone import cheapest_plan
+        from .references import cheapest_plan
         expect(result["type"] in ("Plan", "None"),
                f"choose_plan returned {result['type']}; expected one of the Plan objects it was given, or None")
         plans, capacity = self._plans(case), case["capacity"]

@@ -32,7 +32,7 @@ class ShardIndices(Check):
         got = [[int(i) for i in r] if isinstance(r, (list, tuple)) else r for r in result]
         for r in got:
             expect_type(r, list, self.function, "a list of ints (the indices of one rank)")
-        from .references.data_loading import sampler_variant, sampler_shard
+        from .references import sampler_variant, sampler_shard
         want = [sampler_shard(c["n"], c["world_size"], r, c["shuffle"], c["seed"], c["epoch"], c["drop_last"])
                 for r in range(c["world_size"])]
         v = lambda **kw: sampler_variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], c["drop_last"], **kw)

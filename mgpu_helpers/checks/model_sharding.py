@@ -304,8 +304,7 @@ check_9_2 = REGISTRY["9.2"]
 
 def script(rank, world):
     """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding``: the references against one process."""
-    from .references.pipeline import gpipe_step
-    from .references.tensor_parallel import TensorParallelMLP
+    from .references import TensorParallelMLP, gpipe_step
     dev = rank_device()
     n_layers, n_micro, width, batch, d, h = world + 1, 4, 32, 16, 32, 240
     model = make_model(n_layers, width).to(dev)
