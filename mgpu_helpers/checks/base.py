@@ -157,14 +157,11 @@ class Check:
                                "run again; fix it and re-run its cell)")
         try:
             return self.run(fn, case)
-        except NotImplementedError as e:
-            if is_stub(e):
-                raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
-            failure = CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}")
-            raise failure from e
         except CheckFailure:
             raise
         except Exception as e:  # the learner's code raised: show it, with the traceback chained below
+            if is_stub(e):
+                raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
             failure = CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}")
             if isinstance(e, TimeoutError):
                 self._remember_timeout(fn, str(failure))
@@ -214,53 +211,47 @@ class Check:
     # --- grading split: run in the learner's kernel, judge elsewhere -----------------------------------
     def run_all(self, fn: Callable, seed: int) -> list[dict]:
         """Results of the learner's function on the seed's cases, as plain data (for the grader)."""
-        with one_thread():
-            return self._run_all(fn, seed)
-
-    def _run_all(self, fn: Callable, seed: int) -> list[dict]:
         used = course_code_used(fn, self.may_use)
         if used:  # nothing of it is run: the judge reports why
             return [{"ok": False, "course_code": used}]
         out = []
-        for case in self.make_cases(seed):
-            before = self._timeout_of(fn)
-            if before is not None:  # timed out already (in the check cell, or an earlier case): not again
-                out.append({"ok": False, "error": f"TimeoutError: {before}", "traceback": ""})
-                continue
-            try:
-                out.append({"ok": True, "result": self.run(fn, case)})
-            except BaseException as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                out.append({"ok": False, "error": f"{type(e).__name__}: {e}",
-                            "traceback": "".join(traceback.format_exception(e))[-4000:]})
-                if isinstance(e, TimeoutError):
-                    self._remember_timeout(fn, f"{type(e).__name__}: {e}")
+        with one_thread():
+            for case in self.make_cases(seed):
+                before = self._timeout_of(fn)
+                if before is not None:  # timed out already (in the check cell, or an earlier case): not again
+                    out.append({"ok": False, "error": f"TimeoutError: {before}", "traceback": ""})
+                    continue
+                try:
+                    out.append({"ok": True, "result": self.run(fn, case)})
+                except BaseException as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
+                    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    out.append({"ok": False, "error": f"{type(e).__name__}: {e}",
+                                "traceback": "".join(traceback.format_exception(e))[-4000:]})
+                    if isinstance(e, TimeoutError):
+                        self._remember_timeout(fn, f"{type(e).__name__}: {e}")
         return out
 
     def judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:
         """Verdict on results from :meth:`run_all`; never runs learner code."""
-        with one_thread():
-            return self._judge_all(seed, results)
-
-    def _judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:
         if isinstance(results, list) and results and isinstance(results[0], dict) and results[0].get("course_code"):
             return False, refusal(self.id, self.function, str(results[0]["course_code"])[:200])
-        cases = self.make_cases(seed)
-        if not isinstance(results, list) or len(results) != len(cases):
-            return False, f"Exercise {self.id} ✗ {self.function}: no results for this check"
-        for i, (case, r) in enumerate(zip(cases, results)):
-            if not isinstance(r, dict) or not r.get("ok"):
-                err = str(r.get("error", "no result")) if isinstance(r, dict) else "malformed result"
-                if is_stub(err):
-                    return False, f"Exercise {self.id} ✗ {self.function}: not implemented yet"
-                return False, self._raised(err)
-            try:
-                self.judge_one(i, len(cases), case, r["result"])
-            except CheckFailure as e:
-                return False, str(e)
-            except Exception as e:  # a malformed result must not crash the judge
-                return False, f"Exercise {self.id} ✗ {self.function}: unusable result ({type(e).__name__}: {e})"
+        with one_thread():
+            cases = self.make_cases(seed)
+            if not isinstance(results, list) or len(results) != len(cases):
+                return False, f"Exercise {self.id} ✗ {self.function}: no results for this check"
+            for i, (case, r) in enumerate(zip(cases, results)):
+                if not isinstance(r, dict) or not r.get("ok"):
+                    err = str(r.get("error", "no result")) if isinstance(r, dict) else "malformed result"
+                    if is_stub(err):
+                        return False, f"Exercise {self.id} ✗ {self.function}: not implemented yet"
+                    return False, self._raised(err)
+                try:
+                    self.judge_one(i, len(cases), case, r["result"])
+                except CheckFailure as e:
+                    return False, str(e)
+                except Exception as e:  # a malformed result must not crash the judge
+                    return False, f"Exercise {self.id} ✗ {self.function}: unusable result ({type(e).__name__}: {e})"
         return True, f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases"
 
 

@@ -20,6 +20,7 @@ from ...model_sharding.pipeline import stage_bounds
 from ...model_sharding.tensor_parallel import DenseMLP
 from ...profiling import scenario, scenario_inputs, train_step
 from ...runtime.tracker import MemoryTracker
+from ...sharding.zero import ceil_div
 
 
 # --- 1.1: the training state one real step leaves behind ----------------------------------------------------
@@ -116,7 +117,7 @@ def reference_reduce_scatter(params):
     """Padded flat gradient, reduce-scattered and averaged; every p.grad freed."""
     world, rank = dist.get_world_size(), dist.get_rank()
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    n = -(-flat.numel() // world)
+    n = ceil_div(flat.numel(), world)
     flat = F.pad(flat, (0, n * world - flat.numel()))
     for p in params:
         p.grad = None
@@ -243,12 +244,14 @@ def sampler_shard(n, world_size, rank, shuffle, seed, epoch, drop_last) -> list[
 def sampler_variant(n, world, shuffle, seed, epoch, drop_last, *, pad=True, strided=True, use_epoch=True):
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch * use_epoch)).tolist() \
         if shuffle else list(range(n))
-    per = -(-(n - world) // world) if drop_last and n % world else -(-n // world)
+    per = ceil_div(n - world, world) if drop_last and n % world else ceil_div(n, world)
     total = per * world
     if drop_last:
         order = order[:total]
+    elif pad == "once":  # the index list repeated only once: too short when n < total / 2
+        order = order + order[:total - n]
     elif pad:
-        order = (order * -(-total // max(n, 1)))[:total]
+        order = (order * ceil_div(total, max(n, 1)))[:total]
     if strided:
         return [order[r:total:world] for r in range(world)]
     return [order[r * per:(r + 1) * per] for r in range(world)]
