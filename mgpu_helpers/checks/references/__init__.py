@@ -255,12 +255,3 @@ def sampler_variant(n, world, shuffle, seed, epoch, drop_last, *, pad=True, stri
     if strided:
         return [order[r:total:world] for r in range(world)]
     return [order[r * per:(r + 1) * per] for r in range(world)]
-
-
-# --- 11.1: the cheapest plan that fits a card ---------------------------------------------------------------
-
-def cheapest_plan(plans, capacity):
-    """Fewest ranks, then the lowest step cost, then the first listed, of the plans whose device total fits
-    ``capacity``; None if none fits."""
-    fitting = [p for p in plans if p.device_bytes <= capacity]
-    return min(fitting, key=lambda p: (p.config["world_size"], p.step_cost), default=None)
