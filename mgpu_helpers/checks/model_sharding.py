@@ -9,17 +9,13 @@ from ..model_sharding.pipeline import StepRecorder, Stuck, make_batch, make_mode
 from ..runtime.launch import rank_device
 from ..model_sharding.tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
 from .base import (REGISTRY, CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
-                   expect_type, run_learner_ranks)
+                   expect_type, plain, run_learner_ranks)  # plain: a rank hands back CPU tensors
 
 
 def passes(check, fn) -> bool:
     """Whether ``fn`` passes ``check`` (quietly): the check cell's verdict on this very function (no second
     run, no second timeout), else a quiet run."""
     return check.passed(fn)
-
-
-def _host(t):  # what a rank hands back to the kernel: CPU tensors (a CUDA one would start CUDA there)
-    return t.detach().cpu() if isinstance(t, torch.Tensor) else t
 
 
 def _plain(value):  # a returned loss, as plain data the grader can ship
@@ -40,7 +36,7 @@ def _pipe_rank(rank, world, fn, case):
         loss, stuck = None, str(e)
     except ValueError as e:
         return {"raised": f"ValueError: {e}"}
-    return {"grads": [_host(p.grad) for p in model.parameters()], "loss": _plain(loss), "stuck": stuck,
+    return {"grads": [plain(p.grad) for p in model.parameters()], "loss": _plain(loss), "stuck": stuck,
             "batches": rec.batches, "steps": rec.steps, "clock": rec.clock}
 
 
@@ -156,8 +152,6 @@ class PipelineStep(RemembersVerdict):
 check_9_1 = REGISTRY["9.1"]
 
 
-# --- the script ---------------------------------------------------------------------------------------
-
 # --- check 9.2: the tensor-parallel MLP --------------------------------------------------------------
 
 # torch's words for the two places learners stick, and what to do (added to the error the rank raised)
@@ -197,8 +191,8 @@ def _tp_rank(rank, world, fn, case):
             (y * gy).sum().backward()
     except RuntimeError as e:
         return {**out, "error": _hinted(e)}
-    return {**out, "y": _host(y), "x_grad": _host(x.grad), "forward_calls": forward.calls,
-            "backward_calls": backward.calls, "grads": {name: _host(q.grad) for name, q in mod.named_parameters()}}
+    return {**out, "y": plain(y), "x_grad": plain(x.grad), "forward_calls": forward.calls,
+            "backward_calls": backward.calls, "grads": {name: plain(q.grad) for name, q in mod.named_parameters()}}
 
 
 def _dense_reference(case):
@@ -301,6 +295,8 @@ class ParallelMLPCheck(RemembersVerdict):
 
 check_9_2 = REGISTRY["9.2"]
 
+
+# --- the script ---------------------------------------------------------------------------------------
 
 def script(rank, world):
     """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding``: the references against one process."""

@@ -1,13 +1,8 @@
 """The course as a Gradescope autograder: ``mgpu-course autograder --out autograder.zip`` builds the zip,
 ``run_autograder`` (inside it) grades one submission with ``mgpu-grade``.
 
-Gradescope's autograder specification (https://gradescope-autograders.readthedocs.io/en/latest/specs/):
-the zip holds ``setup.sh`` (run once, as root, on Gradescope's Ubuntu image, to install what grading needs)
-and ``run_autograder`` (run for every submission, from /autograder) at its root; it is unpacked into
-/autograder/source; the student's files are put in /autograder/submission; run_autograder writes
-/autograder/results/results.json (``score``, ``output``, ``tests`` with ``name``, ``score``, ``max_score``,
-``status``, ``output``, ``visibility``); what it prints goes to /autograder/results/stdout, shown to the
-instructor only. Each submission runs in a fresh container.
+Gradescope's autograder specification, as this follows it: GRADING.md ("Gradescope"). Each submission runs in
+a fresh container; what run_autograder prints is shown to the instructor only.
 
 The zip::
 
