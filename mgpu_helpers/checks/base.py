@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import re
 import traceback
 import weakref
 from pathlib import Path
