@@ -51,14 +51,13 @@ def _summed(widths, seed, x, y):
     return flat_grads(model), loss.item(), int((y != -100).sum())
 
 
-def _grad_sum(model) -> float:
-    return sum(float(p.grad.detach().double().sum()) for p in model.parameters() if p.grad is not None)
-
-
 def _run_counted(model, call):
     sizes, grads_seen = [], []  # each forward's batch size (did the learner split?) and .grad's sum before it
-    hook = model.register_forward_pre_hook(lambda mod, args: (sizes.append(len(args[0])),
-                                                              grads_seen.append(_grad_sum(model))) and None)
+
+    def seen(mod, args):  # returns None: a pre-hook's return value would replace the input
+        sizes.append(len(args[0]))
+        grads_seen.append(sum(float(p.grad.detach().double().sum()) for p in model.parameters() if p.grad is not None))
+    hook = model.register_forward_pre_hook(seen)
     loss = call()
     hook.remove()
     return {"loss": plain(loss), "grads": flat_grads(model), "forward_batches": sizes, "grads_seen": grads_seen}

@@ -99,11 +99,6 @@ def server_info(runtime_dir: Path, pid: int, timeout: float = 120.0, proc=None) 
     raise TimeoutError(f"JupyterLab did not start within {timeout:.0f} s")
 
 
-def open_url(info: dict, token: str, target: str) -> str:
-    base = f"http://localhost:{info['port']}{info.get('base_url', '/')}"
-    return f"{base}lab/tree/{target}?token={token}"
-
-
 def start(root: Path, port: int = 8888, token: str | None = None, extra: list[str] = (),
           env: dict | None = None, runtime_dir: Path | None = None, log: Path | None = None):
     """Start JupyterLab in the background: (process, token, info). Used by ``main`` and the browser test."""
@@ -170,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _stop)
     try:
-        url = open_url(info, token, a.open)
+        url = f"http://localhost:{info['port']}{info.get('base_url', '/')}lab/tree/{a.open}?token={token}"
         bar = "=" * min(100, len(url) + 4)
         print(f"\n{bar}\n  The course is running. Open this URL in your browser:\n\n  {url}\n", flush=True)
         if int(info["port"]) != a.port:

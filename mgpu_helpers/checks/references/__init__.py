@@ -201,13 +201,6 @@ class ReduceFromParallel(torch.autograd.Function):
         return grad
 
 
-def _check_split(h: int, world_size: int) -> int:
-    if world_size < 1 or h % world_size:
-        raise ValueError(f"hidden size {h} is not divisible by world_size={world_size}: tensor parallelism "
-                         "gives every rank an equal slice of the hidden features")
-    return h // world_size
-
-
 class TensorParallelMLP(nn.Module):
     """Rank ``rank``'s share of ``dense`` (a DenseMLP): fc1 column-parallel, fc2 row-parallel; fc2's bias
     whole on every rank. Shards are copies: a slice of ``dense``'s weights would keep all of it alive."""
@@ -215,7 +208,10 @@ class TensorParallelMLP(nn.Module):
     def __init__(self, dense: DenseMLP, rank: int, world_size: int):
         super().__init__()
         d, h = dense.fc1.in_features, dense.fc1.out_features
-        part = _check_split(h, world_size)
+        if world_size < 1 or h % world_size:
+            raise ValueError(f"hidden size {h} is not divisible by world_size={world_size}: tensor parallelism "
+                             "gives every rank an equal slice of the hidden features")
+        part = h // world_size
         rows = slice(rank * part, (rank + 1) * part)
         dev = dense.fc1.weight.device
         self.fc1, self.fc2 = nn.Linear(d, part, device=dev), nn.Linear(part, d, device=dev)
