@@ -33,7 +33,7 @@ from pathlib import Path
 from ..authoring import course_notebooks
 
 VENV = "/opt/mgpu-grade"
-PINNED = ("torch", "numpy", "ipykernel", "matplotlib", "nbformat", "nbclient", "nbval", "pytest", "cloudpickle",
+PINNED = ("numpy", "ipykernel", "matplotlib", "nbformat", "nbclient", "nbval", "pytest", "cloudpickle",
           "tqdm", "jupyter_client", "ipywidgets", "jupyterlab")
 
 SETUP_SH = """#!/usr/bin/env bash
@@ -64,15 +64,14 @@ exec "${{MGPU_AUTOGRADER_PYTHON:-{venv}/bin/python}}" -m mgpu_helpers.tools.grad
 
 
 def constraints() -> str:
-    """name==version of what grading runs on here: Gradescope installs the same."""
+    """name==version of what grading runs on here: Gradescope installs the same (torch: setup.sh, from the CPU
+    index)."""
     lines = []
     for name in PINNED:
         try:
-            version = metadata.version(name).split("+")[0]  # 2.13.0+cpu -> 2.13.0 (the CPU index serves it)
+            lines.append(f"{name}=={metadata.version(name).split('+')[0]}")  # a local build's +tag: no release
         except metadata.PackageNotFoundError:
             continue
-        if name != "torch":
-            lines.append(f"{name}=={version}")
     return "\n".join(lines) + "\n"
 
 
