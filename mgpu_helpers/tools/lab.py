@@ -56,12 +56,10 @@ def has_display() -> bool:
 def install_overrides(prefix: str = sys.prefix) -> Path:
     """Write (or merge into) ``<prefix>/share/jupyter/lab/settings/overrides.json``."""
     path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
-    current = {}
-    if path.exists():
-        try:
-            current = json.loads(path.read_text())
-        except ValueError:
-            current = {}
+    try:
+        current = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        current = {}
     merged = {**current, **{k: {**current.get(k, {}), **v} for k, v in OVERRIDES.items()}}
     if merged != current:
         try:
