@@ -16,11 +16,7 @@ A check is split into three steps so that a grader can keep the verdict out of t
 
 In a notebook all three run in the kernel (``check_4_1(average_gradients)``). The grader runs ``run`` in
 the learner's kernel on inputs it chooses and ``judge`` in a separate process that never runs learner code.
-
-What a learner sees: "not implemented yet" only for the released stub's ``NotImplementedError("Exercise
-N.M: ...")`` (torch raises NotImplementedError too, and that one is shown with its traceback); a failing
-check shows its message alone, not the check's source lines; :meth:`Check.hint` adds a hint to an exception
-the learner's code raised; a function whose run timed out is not run again by the same check.
+What a learner sees (stubs, tracebacks, hints, timeouts): AUTHORING.md, "Checks".
 """
 from __future__ import annotations
 
