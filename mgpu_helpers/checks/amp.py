@@ -250,14 +250,11 @@ def library_step(case, mistake=None) -> dict:
     with torch.autocast("cpu", dtype=DTYPES16[case["dtype"]]):
         logits = model(x)
     loss = F.cross_entropy(logits if mistake == "16-bit loss" else logits.float(), y)
-    if mistake == "16-bit unscale":
+    if mistake in ("16-bit unscale", "no unscale"):
         (loss * case["loss_scale"]).backward()
-        for p in model.parameters():  # the fp32 gradients hold 16-bit values here: the cast back is exact
-            p.grad = (p.grad.to(DTYPES16[case["dtype"]]) / case["loss_scale"]).float()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
-        opt.step()
-    elif mistake == "no unscale":
-        (loss * case["loss_scale"]).backward()
+        if mistake == "16-bit unscale":
+            for p in model.parameters():  # the fp32 gradients hold 16-bit values here: the cast back is exact
+                p.grad = (p.grad.to(DTYPES16[case["dtype"]]) / case["loss_scale"]).float()
         torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
         opt.step()
     else:
