@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from bench.measure import cuda_step_peak
 from bench.tracker_vs_cuda import Report, diff
 from mgpu_helpers.checkpointing import Stack, no_checkpointing, plan_for, predict_peak
-from mgpu_helpers.checks.references.checkpointing import checkpoint_every
+from mgpu_helpers.checks.references import checkpoint_every
 from mgpu_helpers.runtime.tracker import MemoryTracker
 
 MiB = 2**20

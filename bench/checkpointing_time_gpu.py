@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from mgpu_helpers.memory import make_batch  # noqa: E402
 from mgpu_helpers.checkpointing import (Stack, no_checkpointing, op_count_ratio, recomputed_ops,
                                         selective_context)
-from mgpu_helpers.checks.references.checkpointing import checkpoint_every
+from mgpu_helpers.checks.references import checkpoint_every
 
 
 def step_ms(model, x, y, fwd, k, repeat):

@@ -17,8 +17,8 @@ from mgpu_helpers.runtime.launch import rank_device, run_ranks  # noqa: E402
 from mgpu_helpers.memory import make_batch  # noqa: E402
 from mgpu_helpers.model_sharding import (StepRecorder, make_mlp, make_model, param_bytes,  # noqa: E402
                                          parameter_bytes_formula, single_process_step, torch_tensor_parallel)
-from mgpu_helpers.checks.references.pipeline import gpipe_step  # noqa: E402
-from mgpu_helpers.checks.references.tensor_parallel import TensorParallelMLP  # noqa: E402
+from mgpu_helpers.checks.references import gpipe_step  # noqa: E402
+from mgpu_helpers.checks.references import TensorParallelMLP  # noqa: E402
 
 D, H = 256, 1024
 

@@ -21,7 +21,7 @@ from torch.nn import functional as F  # noqa: E402
 from mgpu_helpers.runtime.launch import rank_device, run_ranks  # noqa: E402
 from mgpu_helpers.memory import make_batch  # noqa: E402
 from mgpu_helpers.sharding.fsdp import STAGE, build, formula  # noqa: E402
-from mgpu_helpers.checks.references.sharding import reference_reduce_scatter  # noqa: E402
+from mgpu_helpers.checks.references import reference_reduce_scatter  # noqa: E402
 from mgpu_helpers.runtime.tracker import MemoryTracker  # noqa: E402
 
 WIDTHS = [1024, 4096, 4096, 4096, 4096, 1000]  # 54.6M parameters: 874 MB of fp32 Adam model state

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_helpers.checks.accumulation import check_5_1, check_5_2
-from mgpu_helpers.checks.references.accumulation import accumulate
+from mgpu_helpers.checks.references import accumulate
 from mgpu_helpers.accumulation import AllReduceCount, flat_grads, no_sync_context, peak_vs_effective_batch
 from mgpu_helpers.memory import make_batch, mlp
 from mgpu_helpers.runtime.comm_log import CommLog

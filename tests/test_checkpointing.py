@@ -12,7 +12,7 @@ from mgpu_helpers.checkpointing import (OpLog, Stack, measure_step, no_checkpoin
                                         predict_peak, segments, selective_context, selective_vs_full,
                                         sequential_plan, torch_segments)
 from mgpu_helpers.checks.checkpointing import _case, _mistake_plans, check_7_1
-from mgpu_helpers.checks.references.checkpointing import checkpoint_every, run_plan
+from mgpu_helpers.checks.references import checkpoint_every, run_plan
 
 
 @pytest.fixture(autouse=True)

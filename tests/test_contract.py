@@ -18,7 +18,7 @@ from mgpu_helpers.checks.base import REGISTRY, CheckFailure
 for _m in pkgutil.iter_modules(mgpu_helpers.checks.__path__):  # every lesson's checks, registered
     if _m.name not in ("base", "references", "__main__"):
         importlib.import_module(f"mgpu_helpers.checks.{_m.name}")
-from mgpu_helpers.checks.references.pipeline import gpipe_step
+from mgpu_helpers.checks.references import gpipe_step
 from mgpu_helpers.memory import make_batch
 from mgpu_helpers.model_sharding import StepRecorder, make_model, stage_bounds
 from mgpu_helpers.runtime.launch import RankError, rank_device, run_ranks

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 from testkit import run_torchrun
 from mgpu_helpers.data_loading import SlowDataset, epoch_seconds, in_flight, pin_memory_on_this_machine, worker_memory
 from mgpu_helpers.checks.data_loading import check_10_1
-from mgpu_helpers.checks.references.data_loading import sampler_variant, sampler_shard
+from mgpu_helpers.checks.references import sampler_variant, sampler_shard
 
 
 def test_workers_are_other_processes_and_persistent_ones_stay():

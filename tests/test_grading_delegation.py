@@ -23,7 +23,7 @@ def accumulate_gradients(model, loss_fn, inputs, targets, k):
     return 0.0
 '''
 # The judges' reference loop: masked in the sandbox (an ImportError there), refused by name without one.
-DELEGATE_5_2 = '''from mgpu_helpers.checks.references.accumulation import accumulate
+DELEGATE_5_2 = '''from mgpu_helpers.checks.references import accumulate
 
 
 def accumulate_ddp(ddp_model, loss_fn, inputs, targets, k):

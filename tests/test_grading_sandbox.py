@@ -21,7 +21,7 @@ import nbformat
 import pytest
 
 from mgpu_helpers.tools.authoring import mgpu, release_notebook
-from mgpu_helpers.tools.grading import mounts
+from mgpu_helpers.tools.grading import sandbox as mounts  # the allowlist lives in the sandbox
 from mgpu_helpers.tools.grading.cli import main as grade_main
 from mgpu_helpers.tools.grading.execute import _repo, needed_paths, processes_bounded, sandbox
 

@@ -11,8 +11,8 @@ from mgpu_helpers.model_sharding import (StepRecorder, Stuck, as_intervals, bubb
                                          make_model, param_bytes, parameter_bytes_formula, single_process_step,
                                          stage_bounds, step_timeline, torch_tensor_parallel)
 from mgpu_helpers.checks.model_sharding import check_9_1, check_9_2
-from mgpu_helpers.checks.references.pipeline import gpipe_step
-from mgpu_helpers.checks.references.tensor_parallel import TensorParallelMLP
+from mgpu_helpers.checks.references import gpipe_step
+from mgpu_helpers.checks.references import TensorParallelMLP
 
 
 def test_stage_bounds_uneven_and_bad_input():

@@ -13,7 +13,7 @@ import torch
 from mgpu_helpers import profiling as P
 from mgpu_helpers.checks import REGISTRY
 import mgpu_helpers.checks.profiling  # noqa: F401  (registers 2.1 and 2.2)
-from mgpu_helpers.checks.references import profiling as R
+from mgpu_helpers.checks import references as R
 from mgpu_helpers.runtime.tracker import MemoryTracker
 
 ROOT = Path(__file__).resolve().parent.parent

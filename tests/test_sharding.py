@@ -72,7 +72,7 @@ from mgpu_helpers.sharding import linears, unique  # noqa: E402
 from mgpu_helpers.checks.sharding import check_8_2  # noqa: E402
 from mgpu_helpers.runtime.fake_world import fake_world  # noqa: E402
 from mgpu_helpers.sharding.fsdp import formula, measure, sweep, trains_like_one_process  # noqa: E402
-from mgpu_helpers.checks.references.sharding import reference_reduce_scatter  # noqa: E402
+from mgpu_helpers.checks.references import reference_reduce_scatter  # noqa: E402
 
 WIDTHS = [16, 64, 64, 64, 10]
 

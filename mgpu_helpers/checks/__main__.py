@@ -7,22 +7,15 @@
 Each is ``checks.<lesson>.script(rank, world_size)``: the lesson's machinery against one process, judged
 as the check judges it. It lives here, not in the lesson module, because a lesson never imports its checks.
 """
+import importlib
 import os
 
 from ..runtime.launch import run_ranks, script_args, torchrun_main
 
 SCRIPTS = ("accumulation", "model_sharding")  # the checks modules with a script(rank, world_size)
 
-
-def _script(lesson: str):
-    if lesson == "accumulation":
-        from .accumulation import script
-    else:
-        from .model_sharding import script
-    return script
-
-
-script = _script(script_args(__doc__, add=lambda p: p.add_argument("lesson", choices=SCRIPTS)).lesson)
+lesson = script_args(__doc__, add=lambda p: p.add_argument("lesson", choices=SCRIPTS)).lesson
+script = importlib.import_module(f"{__package__}.{lesson}").script
 if "RANK" in os.environ:
     torchrun_main(script)
 else:

@@ -51,14 +51,13 @@ def _summed(widths, seed, x, y):
     return flat_grads(model), loss.item(), int((y != -100).sum())
 
 
-def _grad_sum(model) -> float:
-    return sum(float(p.grad.detach().double().sum()) for p in model.parameters() if p.grad is not None)
-
-
 def _run_counted(model, call):
     sizes, grads_seen = [], []  # each forward's batch size (did the learner split?) and .grad's sum before it
-    hook = model.register_forward_pre_hook(lambda mod, args: (sizes.append(len(args[0])),
-                                                              grads_seen.append(_grad_sum(model))) and None)
+
+    def seen(mod, args):  # returns None: a pre-hook's return value would replace the input
+        sizes.append(len(args[0]))
+        grads_seen.append(sum(float(p.grad.detach().double().sum()) for p in model.parameters() if p.grad is not None))
+    hook = model.register_forward_pre_hook(seen)
     loss = call()
     hook.remove()
     return {"loss": plain(loss), "grads": flat_grads(model), "forward_batches": sizes, "grads_seen": grads_seen}
@@ -220,7 +219,7 @@ check_5_2 = REGISTRY["5.2"]
 
 def script(rank, world, k=4):
     """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks accumulation``: the reference loop on DDP, judged."""
-    from .references.accumulation import accumulate
+    from .references import accumulate
     case = {"widths": [32, 64, 64, 10], "k": k, "micro": 4, "seed": 0, "bucket_cap_mb": 0.01}
     res = _ddp_case(rank, world, accumulate, case)
     _judge_rank(case, rank, world, res)  # raises if the gradients or the counts are wrong

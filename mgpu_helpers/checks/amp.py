@@ -39,12 +39,6 @@ def param_groups(params) -> list[dict]:
     return [{"params": params[:half]}, {"params": params[half:], "lr": 0.02}]
 
 
-def group_of(case, t) -> int:
-    """The parameter group whose gradient step ``t``'s injected inf/nan went into."""
-    n = 2 * (len(case["widths"]) - 1)  # weight and bias per Linear
-    return int(case["where"][t] % n >= n // 2)
-
-
 def scripted_run(case, scale, step, get_scale, counter) -> dict:
     """Train a small MLP with SGD (two parameter groups) for ``case["script"]`` steps ("ok", "inf" or
     "nan": an overflowing gradient element injected after backward, into parameter ``where``); record the
@@ -190,7 +184,8 @@ class LossScalerCheck(Check):
                            "on an overflow"]
                 else:           # not even seen
                     why = [f"the {script[t]} gradient went unnoticed (the scale did not back off)"]
-                    if group_of(case, t) > 0:
+                    n = 2 * (len(case["widths"]) - 1)  # parameters: weight and bias per Linear
+                    if case["where"][t] % n >= n // 2:  # the inf/nan went into param_groups[1]
                         why.append(f"it was in param_groups[1]: {FIRST_GROUP}")
                     if script[t] == "nan":
                         why.append(MISTAKES_61["nan"])
@@ -255,14 +250,11 @@ def library_step(case, mistake=None) -> dict:
     with torch.autocast("cpu", dtype=DTYPES16[case["dtype"]]):
         logits = model(x)
     loss = F.cross_entropy(logits if mistake == "16-bit loss" else logits.float(), y)
-    if mistake == "16-bit unscale":
+    if mistake in ("16-bit unscale", "no unscale"):
         (loss * case["loss_scale"]).backward()
-        for p in model.parameters():  # the fp32 gradients hold 16-bit values here: the cast back is exact
-            p.grad = (p.grad.to(DTYPES16[case["dtype"]]) / case["loss_scale"]).float()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
-        opt.step()
-    elif mistake == "no unscale":
-        (loss * case["loss_scale"]).backward()
+        if mistake == "16-bit unscale":
+            for p in model.parameters():  # the fp32 gradients hold 16-bit values here: the cast back is exact
+                p.grad = (p.grad.to(DTYPES16[case["dtype"]]) / case["loss_scale"]).float()
         torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
         opt.step()
     else:
@@ -377,7 +369,7 @@ class MixedStepCheck(Check):
                      rtol=0, atol=0, mistakes={
                          "the model still has its old weights: copy the master into it after optimizer.step()": start,
                          **{names[m]: wrong[m]["model"] for m in wrong}})
-        from .references.memory import measured_training_state
+        from .references import measured_training_state
         row = measured_training_state(mlp(case["widths"], seed=case["seed"]), case["optimizer"], "mixed")
         n4 = 4 * sum(p.numel() for p in mlp(case["widths"], seed=case["seed"]).parameters())
         expect_equal(result["bytes"], row, "the training state after the step, in bytes (notebook 01's mixed row)",

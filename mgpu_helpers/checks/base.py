@@ -16,18 +16,13 @@ A check is split into three steps so that a grader can keep the verdict out of t
 
 In a notebook all three run in the kernel (``check_4_1(average_gradients)``). The grader runs ``run`` in
 the learner's kernel on inputs it chooses and ``judge`` in a separate process that never runs learner code.
-
-What a learner sees: "not implemented yet" only for the released stub's ``NotImplementedError("Exercise
-N.M: ...")`` (torch raises NotImplementedError too, and that one is shown with its traceback); a failing
-check shows its message alone, not the check's source lines; :meth:`Check.hint` adds a hint to an exception
-the learner's code raised; a function whose run timed out is not run again by the same check.
+What a learner sees (stubs, tracebacks, hints, timeouts): AUTHORING.md, "Checks".
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import random
-import re
 import traceback
 import weakref
 from pathlib import Path
@@ -157,14 +152,11 @@ class Check:
                                "run again; fix it and re-run its cell)")
         try:
             return self.run(fn, case)
-        except NotImplementedError as e:
-            if is_stub(e):
-                raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
-            failure = CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}")
-            raise failure from e
         except CheckFailure:
             raise
         except Exception as e:  # the learner's code raised: show it, with the traceback chained below
+            if is_stub(e):
+                raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
             failure = CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}")
             if isinstance(e, TimeoutError):
                 self._remember_timeout(fn, str(failure))
@@ -207,57 +199,71 @@ class Check:
             return False
         return True
 
+    def passed(self, fn: Callable) -> bool:
+        """:meth:`passes`; a :class:`RemembersVerdict` check answers from its last verdict on ``fn``."""
+        return self.passes(fn)
+
     # --- grading split: run in the learner's kernel, judge elsewhere -----------------------------------
     def run_all(self, fn: Callable, seed: int) -> list[dict]:
         """Results of the learner's function on the seed's cases, as plain data (for the grader)."""
-        with one_thread():
-            return self._run_all(fn, seed)
-
-    def _run_all(self, fn: Callable, seed: int) -> list[dict]:
         used = course_code_used(fn, self.may_use)
         if used:  # nothing of it is run: the judge reports why
             return [{"ok": False, "course_code": used}]
         out = []
-        for case in self.make_cases(seed):
-            before = self._timeout_of(fn)
-            if before is not None:  # timed out already (in the check cell, or an earlier case): not again
-                out.append({"ok": False, "error": f"TimeoutError: {before}", "traceback": ""})
-                continue
-            try:
-                out.append({"ok": True, "result": self.run(fn, case)})
-            except BaseException as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                out.append({"ok": False, "error": f"{type(e).__name__}: {e}",
-                            "traceback": "".join(traceback.format_exception(e))[-4000:]})
-                if isinstance(e, TimeoutError):
-                    self._remember_timeout(fn, f"{type(e).__name__}: {e}")
+        with one_thread():
+            for case in self.make_cases(seed):
+                before = self._timeout_of(fn)
+                if before is not None:  # timed out already (in the check cell, or an earlier case): not again
+                    out.append({"ok": False, "error": f"TimeoutError: {before}", "traceback": ""})
+                    continue
+                try:
+                    out.append({"ok": True, "result": self.run(fn, case)})
+                except BaseException as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
+                    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    out.append({"ok": False, "error": f"{type(e).__name__}: {e}",
+                                "traceback": "".join(traceback.format_exception(e))[-4000:]})
+                    if isinstance(e, TimeoutError):
+                        self._remember_timeout(fn, f"{type(e).__name__}: {e}")
         return out
 
     def judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:
         """Verdict on results from :meth:`run_all`; never runs learner code."""
-        with one_thread():
-            return self._judge_all(seed, results)
-
-    def _judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:
         if isinstance(results, list) and results and isinstance(results[0], dict) and results[0].get("course_code"):
             return False, refusal(self.id, self.function, str(results[0]["course_code"])[:200])
-        cases = self.make_cases(seed)
-        if not isinstance(results, list) or len(results) != len(cases):
-            return False, f"Exercise {self.id} ✗ {self.function}: no results for this check"
-        for i, (case, r) in enumerate(zip(cases, results)):
-            if not isinstance(r, dict) or not r.get("ok"):
-                err = str(r.get("error", "no result")) if isinstance(r, dict) else "malformed result"
-                if is_stub(err):
-                    return False, f"Exercise {self.id} ✗ {self.function}: not implemented yet"
-                return False, self._raised(err)
-            try:
-                self.judge_one(i, len(cases), case, r["result"])
-            except CheckFailure as e:
-                return False, str(e)
-            except Exception as e:  # a malformed result must not crash the judge
-                return False, f"Exercise {self.id} ✗ {self.function}: unusable result ({type(e).__name__}: {e})"
+        with one_thread():
+            cases = self.make_cases(seed)
+            if not isinstance(results, list) or len(results) != len(cases):
+                return False, f"Exercise {self.id} ✗ {self.function}: no results for this check"
+            for i, (case, r) in enumerate(zip(cases, results)):
+                if not isinstance(r, dict) or not r.get("ok"):
+                    err = str(r.get("error", "no result")) if isinstance(r, dict) else "malformed result"
+                    if is_stub(err):
+                        return False, f"Exercise {self.id} ✗ {self.function}: not implemented yet"
+                    return False, self._raised(err)
+                try:
+                    self.judge_one(i, len(cases), case, r["result"])
+                except CheckFailure as e:
+                    return False, str(e)
+                except Exception as e:  # a malformed result must not crash the judge
+                    return False, f"Exercise {self.id} ✗ {self.function}: unusable result ({type(e).__name__}: {e})"
         return True, f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases"
+
+
+class RemembersVerdict(Check):
+    """A check whose ``passed(fn)`` returns the verdict of its last ``check(fn)`` on that very function object
+    (re-running the exercise cell makes a new one), else runs quietly. Cells after an exercise ask it, and
+    running the check again there repeats its work and, for a function that hangs, its timeout (71 s in
+    notebook 08). Only the kernel's display uses it: grading decides outside the kernel (``tools.grading.judge``)."""
+
+    def __call__(self, fn: Callable, seed: int | None = None) -> None:
+        self._last = (fn, False)        # a failure, a timeout or an interrupt leaves "not passed"
+        super().__call__(fn, seed)
+        self._last = (fn, True)
+
+    def passed(self, fn: Callable) -> bool:
+        last = getattr(self, "_last", None)
+        return last[1] if last is not None and last[0] is fn else self.passes(fn)
 
 
 def run_learner_ranks(target: Callable, world_size: int, *args, **kwargs) -> list:
@@ -383,6 +389,16 @@ def expect_equal(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
 def expect(cond: bool, message: str) -> None:
     if not cond:
         raise CheckFailure(message)
+
+
+def expect_ranks(result: Any, world_size: int) -> None:
+    """A distributed check's ``run`` returns one result per rank."""
+    expect(isinstance(result, list) and len(result) == world_size, f"expected one result per rank ({world_size})")
+
+
+def flat(tensors) -> torch.Tensor:
+    """The tensors flattened into one, to compare a model's parameters or gradients at once."""
+    return torch.cat([t.flatten() for t in tensors])
 
 
 # --- distributed checks: the ranks' collectives, matched as they happen -------------------------------

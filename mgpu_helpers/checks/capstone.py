@@ -5,8 +5,7 @@ import random
 
 from ..capstone import candidate_plans
 from ..planner import Plan
-from .base import REGISTRY, describe_value, expect, expect_equal
-from .remember import RemembersVerdict
+from .base import REGISTRY, RemembersVerdict, describe_value, expect, expect_equal
 
 
 def _summary(p):
@@ -15,7 +14,8 @@ def _summary(p):
 
 
 def _cheapest(plans, fits):
-    """The course's rule over the plans ``fits`` keeps (the judge's own is in references)."""
+    """The course's rule over the plans ``fits`` keeps: fewest ranks, then the lowest step cost, then the first
+    listed; None if it keeps none. With a wrong idea of "fits" it gives that mistake's plan."""
     return min((p for p in plans if fits(p)), key=lambda p: (p.config["world_size"], p.step_cost), default=None)
 
 
@@ -82,11 +82,11 @@ class Check11_1(RemembersVerdict):
         return {"type": describe_value(chosen), "plan": None}
 
     def judge(self, case, result):
-        from .references.capstone import cheapest_plan
         expect(result["type"] in ("Plan", "None"),
                f"choose_plan returned {result['type']}; expected one of the Plan objects it was given, or None")
         plans, capacity = self._plans(case), case["capacity"]
         fit = [p for p in plans if p.device_bytes <= capacity]
+        right = _cheapest(fit, lambda p: True)
         wrong = {name: _cheapest(plans, lambda p, rule=rule: rule(p, capacity)) for name, rule in WRONG_FITS.items()}
         wrong.update({
             "the lowest step cost first, ignoring the number of ranks":
@@ -96,9 +96,9 @@ class Check11_1(RemembersVerdict):
             "the plan with the smallest device total, not the cheapest":
                 min(fit, key=lambda p: p.device_bytes, default=None),
             "when nothing fits, return None (not the plan closest to fitting)":
-                min(plans, key=lambda p: p.device_bytes) if not fit else cheapest_plan(plans, capacity),
+                min(plans, key=lambda p: p.device_bytes) if not fit else right,
         })
-        expect_equal(result["plan"], _summary(cheapest_plan(plans, capacity)), "the chosen plan",
+        expect_equal(result["plan"], _summary(right), "the chosen plan",
                      mistakes={k: _summary(v) for k, v in wrong.items()},
                      hint="Fits: device_bytes <= capacity. Cheapest: fewest ranks, then the lowest step_cost.")
 

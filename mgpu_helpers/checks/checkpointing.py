@@ -9,7 +9,7 @@ from torch.utils.checkpoint import CheckpointError
 from ..checkpointing import (Stack, no_checkpointing, plan_for, predict_peak, segments)
 from ..memory import make_batch
 from ..runtime.tracker import MemoryTracker
-from .base import REGISTRY, Check, describe_value, expect, expect_close, expect_equal, expect_type
+from .base import REGISTRY, Check, describe_value, expect, expect_close, expect_equal, expect_type, flat
 
 
 def _case(rng, layers, k, seed=None):
@@ -148,15 +148,14 @@ class CheckpointEvery(Check):
             expect(False, f"blocks {missing} got no gradient" + (
                 ": it matches a common mistake: the last, shorter segment was never run (k does not divide "
                 "the number of blocks)" if tail else "") + ". Hint: every block runs, in order, exactly once.")
-        flat = torch.cat([g.flatten() for g in grads])
-        ref = torch.cat([p.grad.flatten() for p in model.parameters()])
-        if not torch.allclose(flat, ref, rtol=1e-4, atol=1e-6):
+        got, ref = flat(grads), flat(p.grad for p in model.parameters())
+        if not torch.allclose(got, ref, rtol=1e-4, atol=1e-6):
             expect(not _stale(result.get("recomputed") or []), "the gradients differ from the same step without "
                    "checkpointing: " + _stale(result.get("recomputed") or []))
             if case.get("dropout"):
                 off = Stack(L, case["d"], case["h"], case["classes"], seed=case["seed"])  # same weights, no dropout
                 F.cross_entropy(off.head(no_checkpointing(off.blocks, x)), y).backward()
-                expect(not torch.allclose(flat, torch.cat([p.grad.flatten() for p in off.parameters()]),
+                expect(not torch.allclose(got, flat(p.grad for p in off.parameters()),
                                           rtol=1e-4, atol=1e-6),
                        "the gradients are those of the stack without dropout: it matches a common mistake: dropout "
                        "switched off (the blocks put in eval mode). Hint: leave the blocks' mode alone; "
@@ -166,7 +165,7 @@ class CheckpointEvery(Check):
                    "preserve_rng_state=False -- the recomputation draws new dropout masks, so backward "
                    "differentiates another function than the forward computed. Hint: leave checkpoint's "
                    "preserve_rng_state at its default, True.")
-        expect_close(flat, ref, "the gradients (compared with the same step without checkpointing)", hint="Hint: pass each segment's blocks and input to checkpoint as arguments; "
+        expect_close(got, ref, "the gradients (compared with the same step without checkpointing)", hint="Hint: pass each segment's blocks and input to checkpoint as arguments; "
                      "non-reentrant checkpointing gives gradients equal to the plain step.", rtol=1e-4, atol=1e-6)
         if case.get("dropout"):
             return  # predict_peak models the stack without dropout (whose masks add to the peak)

@@ -1,8 +1,6 @@
 """Check of notebook 10: 10.1 the indices of each rank, against torch's DistributedSampler itself."""
 from __future__ import annotations
 
-import torch
-
 from .base import REGISTRY, Check, expect_equal, expect_type
 
 
@@ -32,7 +30,7 @@ class ShardIndices(Check):
         got = [[int(i) for i in r] if isinstance(r, (list, tuple)) else r for r in result]
         for r in got:
             expect_type(r, list, self.function, "a list of ints (the indices of one rank)")
-        from .references.data_loading import sampler_variant, sampler_shard
+        from .references import sampler_variant, sampler_shard
         want = [sampler_shard(c["n"], c["world_size"], r, c["shuffle"], c["seed"], c["epoch"], c["drop_last"])
                 for r in range(c["world_size"])]
         v = lambda **kw: sampler_variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], c["drop_last"], **kw)
@@ -41,8 +39,7 @@ class ShardIndices(Check):
         if not c["drop_last"]:
             mistakes["no padding: ranks get different numbers of samples, so they run different numbers of "
                      "steps and the last collective hangs"] = v(pad=False)
-            mistakes["padding that repeats the index list only once (fails when n < world_size / 2)"] = [
-                (o := _shard_once(c))[r::c["world_size"]] for r in range(c["world_size"])]
+            mistakes["padding that repeats the index list only once (fails when n < world_size / 2)"] = v(pad="once")
         if c["shuffle"]:
             mistakes["shuffled with the seed alone: set_epoch forgotten, the same order every epoch"] = v(use_epoch=False)
         if c["drop_last"] and c["n"] % c["world_size"]:
@@ -58,13 +55,6 @@ class ShardIndices(Check):
                      mistakes={k: m for k, m in mistakes.items() if m != want},
                      hint="Hint: order (shuffled with seed + epoch), then pad or drop to a multiple of world_size, "
                           "then rank r takes every world_size-th index from r.")
-
-
-def _shard_once(c):
-    order = torch.randperm(c["n"], generator=torch.Generator().manual_seed(c["seed"] + c["epoch"])).tolist() \
-        if c["shuffle"] else list(range(c["n"]))
-    per = -(-c["n"] // c["world_size"])
-    return order + order[:per * c["world_size"] - c["n"]]
 
 
 check_10_1 = REGISTRY["10.1"]

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device, run_ranks
 from .base import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
-                   expect_equal, expect_type, plain, run_learner_ranks)
+                   expect_equal, expect_ranks, expect_type, plain, run_learner_ranks)
 
 
 # --- the checks -------------------------------------------------------------------------------------
@@ -59,9 +59,15 @@ def _named_grads(model) -> dict:  # CPU copies: what a rank hands back to the ke
     return {n: None if p.grad is None else p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
+def _backward(case, rank) -> nn.Module:
+    """The model after backward of the mean loss over this rank's shard: the rank's own gradients."""
+    model, (x, y) = _model(case), _shard(case, rank)
+    F.cross_entropy(model(x), y).backward()
+    return model
+
+
 def _learner_rank(rank, world_size, fn, case):
-    model = _model(case)
-    F.cross_entropy(model(_shard(case, rank)[0]), _shard(case, rank)[1]).backward()
+    model = _backward(case, rank)
     ledger = CollectiveLedger(rank_device())
     with ledger.watching():  # records every dist.all_reduce/broadcast/barrier; stops ranks that diverge
         out = fn(model, case["cap"]) if "cap" in case else fn(model)
@@ -69,13 +75,8 @@ def _learner_rank(rank, world_size, fn, case):
             "mismatch": ledger.finish()}
 
 
-def _local_grads(case):  # each rank's own gradients (mean loss over its shard), by rank
-    out = []
-    for rank in range(case["world_size"]):
-        model = _model(case)
-        F.cross_entropy(model(_shard(case, rank)[0]), _shard(case, rank)[1]).backward()
-        out.append(_named_grads(model))
-    return out
+def _local_grads(case):  # each rank's own gradients, by rank
+    return [_named_grads(_backward(case, rank)) for rank in range(case["world_size"])]
 
 
 _REFERENCES: dict[str, list] = {}
@@ -135,7 +136,7 @@ class _AverageCheck(Check):
 
     def judge(self, case, result):
         world, locals_ = case["world_size"], _references(case)
-        expect(isinstance(result, list) and len(result) == world, f"expected one result per rank ({world})")
+        expect_ranks(result, world)
         if any(r["mismatch"] for r in result):
             raise CheckFailure(collective_mismatch(next(r["mismatch"] for r in result if r["mismatch"])))
         used = [n for n, g in locals_[0].items() if g is not None]

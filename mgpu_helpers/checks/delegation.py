@@ -5,12 +5,11 @@ An exercise asks the learner to write something; a submission whose function onl
 package holds no answers (references live in ``checks/references``, which the grading sandbox masks), so such
 a submission would fail anyway -- this names the reason instead of a confusing difference.
 
-The test is static and cheap: it follows what the learner's function or class refers to by name -- its
-globals, closure cells, defaults, imports inside it, nested functions, base classes and methods, and the
-notebook's own helper functions it calls -- and reports the first object that belongs to the course's
-package outside what the exercise may use (``Check.may_use``: nothing, unless the task says so -- 2.2
-measures with ``MemoryTracker``). It is a feedback line, not the defence: that is that no answer exists to
-call (and the checks, which launch ranks themselves, never need the learner to name the runtime).
+The test is static and cheap: it follows what the learner's function or class refers to by name (the
+notebook's own helpers included) and reports the first object of the course's package outside
+``Check.may_use`` (nothing, unless the task says so: 2.2 measures with ``MemoryTracker``). It is a feedback
+line, not the defence: that is that no answer exists to call (and the checks, which launch ranks themselves,
+never need the learner to name the runtime).
 """
 from __future__ import annotations
 

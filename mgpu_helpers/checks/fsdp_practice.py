@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 
-from .base import REGISTRY, Check, expect, expect_close, run_learner_ranks
+from .base import REGISTRY, Check, expect, expect_close, expect_ranks, flat, run_learner_ranks
 from ..fsdp_practice import MODEL, blocks, budgets, knob_sweep, make_model, measure, shard
 from ..runtime.launch import rank_device
 from ..runtime.fake_world import fake_world
@@ -71,7 +71,7 @@ class ShardForBudgetCheck(Check):
         return ""
 
     def judge(self, case, result):
-        expect(isinstance(result, list) and len(result) == case["world_size"], "expected one result per rank")
+        expect_ranks(result, case["world_size"])
         r0 = result[0]
         expect(r0["root"], "the root is not a fully_shard unit: after the blocks, fully_shard(model, mesh=mesh) "
                "shards what is left (the first and last Linear) and drives each step's all-gathers")
@@ -288,7 +288,6 @@ class ShardedCheckpointCheck(Check):
         expect(not result["load_gathered"], f"a rank gathered whole parameters while loading "
                f"({result['load_gathered']:,} bytes): load into get_state_dict's sharded template with dcp.load "
                "-- each rank reads its own shards -- and put it back with set_state_dict")
-        flat = lambda ts: torch.cat([t.flatten() for t in ts])  # noqa: E731
         at_load, final = _baseline(case)
         fresh, fresh_final = _baseline(case, load_nothing=True)
         _, restarted = _baseline(case, optimizer="fresh")

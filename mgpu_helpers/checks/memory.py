@@ -31,7 +31,7 @@ class TrainingStateBytes(Check):
         expect_type(result, dict, self.function, f"a dict with keys {list(keys)}", keys=keys)
         expect(all(isinstance(v, int) and not isinstance(v, bool) for v in result.values()),
                f"{self.function} returned {result}: each value must be an int (a number of bytes)")
-        from .references.memory import measured_training_state
+        from .references import measured_training_state
         expected = measured_training_state(mlp(case["widths"], seed=case["seed"]), case["optimizer"], case["precision"])
         n = sum(p.numel() for p in mlp(case["widths"], seed=case["seed"]).parameters())
         w = 4 if case["precision"] == "fp32" else 2

@@ -9,27 +9,14 @@ from ..memory import make_batch
 from ..model_sharding.pipeline import StepRecorder, Stuck, make_model, single_process_step, stage_bounds
 from ..runtime.launch import rank_device
 from ..model_sharding.tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
-from .base import REGISTRY, CheckFailure, expect, expect_close, expect_equal, expect_type, run_learner_ranks
-from .remember import RemembersVerdict
+from .base import (REGISTRY, CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
+                   expect_type, plain, run_learner_ranks)  # plain: a rank hands back CPU tensors
 
 
 def passes(check, fn) -> bool:
-    """Whether ``fn`` passes ``check`` (quietly): the check cell's verdict on this very function when it has one
-    (no second run, no second timeout), else a quiet run."""
-    if isinstance(check, RemembersVerdict):
-        return check.passed(fn)
-    import contextlib
-    import io
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            check(fn)
-    except AssertionError:
-        return False
-    return True
-
-
-def _host(t):  # what a rank hands back to the kernel: CPU tensors (a CUDA one would start CUDA there)
-    return t.detach().cpu() if isinstance(t, torch.Tensor) else t
+    """Whether ``fn`` passes ``check`` (quietly): the check cell's verdict on this very function (no second
+    run, no second timeout), else a quiet run."""
+    return check.passed(fn)
 
 
 def _plain(value):  # a returned loss, as plain data the grader can ship
@@ -50,7 +37,7 @@ def _pipe_rank(rank, world, fn, case):
         loss, stuck = None, str(e)
     except ValueError as e:
         return {"raised": f"ValueError: {e}"}
-    return {"grads": [_host(p.grad) for p in model.parameters()], "loss": _plain(loss), "stuck": stuck,
+    return {"grads": [plain(p.grad) for p in model.parameters()], "loss": _plain(loss), "stuck": stuck,
             "batches": rec.batches, "steps": rec.steps, "clock": rec.clock}
 
 
@@ -115,7 +102,7 @@ class PipelineStep(RemembersVerdict):
 
     def judge(self, case, result):
         p, n, m, b = case["world_size"], case["n_layers"], case["n_micro"], case["batch"]
-        expect(isinstance(result, list) and len(result) == p, f"expected one result per rank ({p})")
+        expect_ranks(result, p)
         raised = [r.get("raised") for r in result]
         if b % m:
             expect(all(raised), f"n_micro={m} does not divide the batch of {b}: every rank must raise ValueError "
@@ -166,8 +153,6 @@ class PipelineStep(RemembersVerdict):
 check_9_1 = REGISTRY["9.1"]
 
 
-# --- the script ---------------------------------------------------------------------------------------
-
 # --- check 9.2: the tensor-parallel MLP --------------------------------------------------------------
 
 # torch's words for the two places learners stick, and what to do (added to the error the rank raised)
@@ -207,8 +192,8 @@ def _tp_rank(rank, world, fn, case):
             (y * gy).sum().backward()
     except RuntimeError as e:
         return {**out, "error": _hinted(e)}
-    return {**out, "y": _host(y), "x_grad": _host(x.grad), "forward_calls": forward.calls,
-            "backward_calls": backward.calls, "grads": {name: _host(q.grad) for name, q in mod.named_parameters()}}
+    return {**out, "y": plain(y), "x_grad": plain(x.grad), "forward_calls": forward.calls,
+            "backward_calls": backward.calls, "grads": {name: plain(q.grad) for name, q in mod.named_parameters()}}
 
 
 def _dense_reference(case):
@@ -250,7 +235,7 @@ class ParallelMLPCheck(RemembersVerdict):
 
     def judge(self, case, result):
         n, d, h = case["world_size"], case["d"], case["h"]
-        expect(isinstance(result, list) and len(result) == n, f"expected one result per rank ({n})")
+        expect_ranks(result, n)
         raised = [r.get("raised") for r in result]
         if h % n:
             expect(all(raised), f"h={h} is not divisible by world_size={n}: every rank must raise ValueError "
@@ -312,10 +297,11 @@ class ParallelMLPCheck(RemembersVerdict):
 check_9_2 = REGISTRY["9.2"]
 
 
+# --- the script ---------------------------------------------------------------------------------------
+
 def script(rank, world):
     """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding``: the references against one process."""
-    from .references.pipeline import gpipe_step
-    from .references.tensor_parallel import TensorParallelMLP
+    from .references import TensorParallelMLP, gpipe_step
     dev = rank_device()
     n_layers, n_micro, width, batch, d, h = world + 1, 4, 32, 16, 32, 240
     model = make_model(n_layers, width).to(dev)

@@ -23,7 +23,7 @@ class PeakMemory(Check):
 
     def judge(self, case, result):
         expect_type(result, int, self.function, "an int: a number of bytes")
-        from .references.profiling import peak_figures
+        from .references import peak_figures
         m = peak_figures(case)
         expect(m["old_peak"] > m["peak"], f"check error: the earlier peak is not above the step's ({case})")
         expect_equal(result, m["peak"] - m["before"], "the bytes the step added at its peak", mistakes={
@@ -67,7 +67,7 @@ class PeakPhase(Check):
 
     def judge(self, case, result):
         expect_type(result, str, self.function, "a str: 'forward', 'backward' or 'optimizer'")
-        from .references.profiling import phase_peaks
+        from .references import phase_peaks
         peaks, ends = phase_peaks(case)
         expected = max(peaks, key=peaks.get)
         wrong: dict[str, list[str]] = {}  # mistaken answer -> the mistakes that give it here

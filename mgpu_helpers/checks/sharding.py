@@ -12,8 +12,8 @@ from torch.nn import functional as F
 from ..memory import make_batch, mlp
 from ..runtime.comm_log import CommLog
 from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, unique
-from .base import REGISTRY, expect, expect_close, expect_equal, expect_type, run_learner_ranks
-from .remember import RemembersVerdict
+from .base import (REGISTRY, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks, expect_type, flat,
+                   run_learner_ranks)
 
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -172,7 +172,7 @@ class ShardedOptimizerCheck(RemembersVerdict):
         return run_learner_ranks(_rank_81, case["world_size"], fn, case, backend="gloo", timeout=15)
 
     def judge(self, case, result):
-        expect(isinstance(result, list) and len(result) == case["world_size"], "expected one result per rank")
+        expect_ranks(result, case["world_size"])
         if case["kind"] == "bad input":
             return self._judge_bad(result[0])
         world, (base1, base) = case["world_size"], _baseline(case)
@@ -194,7 +194,6 @@ class ShardedOptimizerCheck(RemembersVerdict):
             expect(len(rs) == 1, f"parameter {i} (trainable) has optimizer state on no rank: nobody stepped it"
                    + (" (it was added with add_param_group)" if case["add_group"] and i >= len(base) - 2 else ""))
         self._judge_balance(model, trainable, owners, world)
-        flat = lambda ts: torch.cat([t.flatten() for t in ts])  # noqa: E731
         variants = {"the param groups' own hyperparameters (lr, weight_decay) ignored: every group used the "
                     "constructor's": dict(hparams=False),
                     "an lr change written into optimizer.param_groups (what a scheduler does) never reached "
@@ -308,7 +307,7 @@ def _rank_82(rank, world, fn, case):
     out = {"shards": [], "grads_left": [], "counts": [], "local": []}
     for _ in range(case["steps"]):
         F.cross_entropy(model(x), y).backward()
-        local = torch.cat([p.grad.flatten() for p in zero.params])
+        local = flat(p.grad for p in zero.params)
         try:
             with CommLog() as count, _same_sizes():
                 shard = fn(zero.params)
@@ -343,7 +342,7 @@ def _baseline_82(case):
     for _ in range(case["steps"]):
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
-        grads.append(torch.cat([p.grad.flatten() for p in params]))
+        grads.append(flat(p.grad for p in params))
         opt.step()
     return grads, [p.detach().clone() for p in model.parameters()]
 
@@ -377,7 +376,7 @@ class ReduceScatterCheck(RemembersVerdict):
         L = ceil_div(n, world)
         grads, final = _baseline_82(case)
         pad = lambda g: F.pad(g, (0, L * world - n))  # noqa: E731
-        expect(isinstance(result, list) and len(result) == world, "expected one result per rank")
+        expect_ranks(result, world)
         sizes = next((res["sizes"] for res in result if "sizes" in res), None)
         expect(sizes is None, f"{sizes} ({n} gradient elements, {world} ranks: L = {L}).")
         for r, res in enumerate(result):
@@ -412,7 +411,7 @@ class ReduceScatterCheck(RemembersVerdict):
                 expect(world == 1 or rs, f"rank {r}: no reduce-scatter among the collectives ({counts}): each "
                        "rank must receive only the sum of its own slice (dist.reduce_scatter_single)")
             expect_equal(len(res["shards"]), case["steps"], f"rank {r}: steps taken")
-            expect_close(torch.cat([p.flatten() for p in res["params"]]), torch.cat([p.flatten() for p in final]),
+            expect_close(flat(res["params"]), flat(final),
                          f"rank {r}'s parameters after {case['steps']} ZeRO-2 steps", rtol=1e-4, atol=1e-5)
 
 

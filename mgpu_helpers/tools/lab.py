@@ -56,12 +56,10 @@ def has_display() -> bool:
 def install_overrides(prefix: str = sys.prefix) -> Path:
     """Write (or merge into) ``<prefix>/share/jupyter/lab/settings/overrides.json``."""
     path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
-    current = {}
-    if path.exists():
-        try:
-            current = json.loads(path.read_text())
-        except ValueError:
-            current = {}
+    try:
+        current = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        current = {}
     merged = {**current, **{k: {**current.get(k, {}), **v} for k, v in OVERRIDES.items()}}
     if merged != current:
         try:
@@ -97,11 +95,6 @@ def server_info(runtime_dir: Path, pid: int, timeout: float = 120.0, proc=None) 
             raise RuntimeError(f"JupyterLab exited with status {proc.returncode} before it was ready")
         time.sleep(0.2)
     raise TimeoutError(f"JupyterLab did not start within {timeout:.0f} s")
-
-
-def open_url(info: dict, token: str, target: str) -> str:
-    base = f"http://localhost:{info['port']}{info.get('base_url', '/')}"
-    return f"{base}lab/tree/{target}?token={token}"
 
 
 def start(root: Path, port: int = 8888, token: str | None = None, extra: list[str] = (),
@@ -170,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _stop)
     try:
-        url = open_url(info, token, a.open)
+        url = f"http://localhost:{info['port']}{info.get('base_url', '/')}lab/tree/{a.open}?token={token}"
         bar = "=" * min(100, len(url) + 4)
         print(f"\n{bar}\n  The course is running. Open this URL in your browser:\n\n  {url}\n", flush=True)
         if int(info["port"]) != a.port:

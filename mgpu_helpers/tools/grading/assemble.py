@@ -22,7 +22,6 @@ import nbformat
 from ..authoring import course_notebooks, mgpu, release_notebook, validate
 
 MAX_SUBMISSION_BYTES = 32 * 2**20  # a notebook with a few plots is < 5 MB; anything bigger is refused
-HARVEST_OUT = "mgpu_grade_out_{}.pt"  # written by the harvest cell in the work dir, one per exercise
 
 
 @dataclass
@@ -127,15 +126,12 @@ class Layout:
         return max(self.check[ex], self.harvest[ex])
 
 
-def harvest_source(ex: str, work: str, step: str = "harvest") -> str:
+def _grader_cell(ex: str, work: str, step: str):
     # __import__ keeps the learner's namespace free of grader names.
     args = f"{ex!r}, globals(), {work!r}" if step == "harvest" else f"{ex!r}, {work!r}"
-    return ("# Added by mgpu-grade: runs your function on the grader's inputs; the verdict is decided outside.\n"
-            f"__import__('mgpu_helpers.tools.grading.harvest', fromlist=['{step}']).{step}({args})")
-
-
-def _grader_cell(ex: str, work: str, step: str):
-    return nbformat.v4.new_code_cell(harvest_source(ex, work, step), id=f"mgpu-grade-{step}-{ex.replace('.', '-')}",
+    source = ("# Added by mgpu-grade: runs your function on the grader's inputs; the verdict is decided outside.\n"
+              f"__import__('mgpu_helpers.tools.grading.harvest', fromlist=['{step}']).{step}({args})")
+    return nbformat.v4.new_code_cell(source, id=f"mgpu-grade-{step}-{ex.replace('.', '-')}",
                                      metadata={"mgpu_grade": {step: ex}})
 
 

@@ -189,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                               a.max_processes),
                   {ex: hs for ex, hs in hidden.items() if ex in known}, {nb.name: resolve_module(nb.module) for nb in course},
                   keep, imports, matplotlib.get_cachedir(), course_files(a.solutions))
-    students = sorted(d.name for d in a.submissions.iterdir() if d.is_dir() and not d.name.startswith("."))
-    everyone = students
+    everyone = students = sorted(d.name for d in a.submissions.iterdir() if d.is_dir() and not d.name.startswith("."))
     if a.shard:
         k, n = parse_shard(a.shard)
         students = partition(everyone, key, n)[k - 1]
@@ -202,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         if foreign:
             print(f"mgpu-grade: {s}: ignored {', '.join(foreign)} (not a notebook of this course)")
     judges: queue.Queue = queue.Queue()
-    jobs = a.jobs
     modules = sorted({m for m in ctx.modules.values() if m})
-    for i in range(jobs):  # started now: they import the checks before any learner code runs
+    for i in range(a.jobs):  # started now: they import the checks before any learner code runs
         judges.put(Judge(imports, modules, a.hidden and str(a.hidden.resolve()), scratch / f"judge{i}.log").start())
     tasks = [(i, s, nb) for i, (s, nb) in enumerate((s, nb) for s in students for nb in course)]
 
@@ -227,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     def _terminate(signum, frame):  # SLURM's time limit and scancel send SIGTERM: stop as on Ctrl-C
         raise KeyboardInterrupt
     before = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    pool = ThreadPoolExecutor(jobs)
+    pool = ThreadPoolExecutor(a.jobs)
     try:
         for k, got in enumerate(pool.map(grade, tasks), 1):
             rows += got

@@ -74,24 +74,27 @@ def _own_user_works() -> str:
     and the environment are readable by every user); else why not."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "not root"
-    uid = UID_BASE + os.getpid()
     try:
-        r = subprocess.run([sys.executable, "-c", "import mgpu_helpers.tools.grading.sandbox"], user=uid, group=uid,
-                           extra_groups=[], capture_output=True, timeout=60, env=kernel_env([]), cwd="/")
+        r = _as_kernel_user(["-c", "import mgpu_helpers.tools.grading.sandbox"], env=kernel_env([]))
     except (OSError, subprocess.SubprocessError) as e:
         return f"another user cannot run {sys.executable}: {e}"
     tail = (r.stderr.decode("utf-8", "replace").strip().splitlines() or [""])[-1]
     return "" if r.returncode == 0 else f"another user cannot import the package: {tail}"
 
 
+def _as_kernel_user(args: list[str], **kw):
+    """``python args`` as the kernel's own user would run (own_user mode): an unused unprivileged uid."""
+    uid = UID_BASE + os.getpid()
+    return subprocess.run([sys.executable, *args], user=uid, group=uid, extra_groups=[], capture_output=True,
+                          timeout=60, cwd="/", **kw)
+
+
 def readable_by_kernel(paths: list[str]) -> list[str]:
     """Which of ``paths`` the kernel's own user (own_user mode) can open: each must be none."""
-    uid = UID_BASE + os.getpid()
     code = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n        (os.listdir if os.path.isdir(p) else "
             "lambda q: open(q, 'rb').close())(p)\n    except OSError:\n        continue\n    print(p)")
     try:
-        r = subprocess.run([sys.executable, "-c", code, *paths], user=uid, group=uid, extra_groups=[],
-                           capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": os.defpath})
+        r = _as_kernel_user(["-c", code, *paths], text=True, env={"PATH": os.defpath})
     except (OSError, subprocess.SubprocessError) as e:  # unknown: say so rather than claim they are safe
         return [f"(the check failed: {e})"]
     return r.stdout.splitlines() if r.returncode == 0 else [f"(the check failed: exit {r.returncode})"]
@@ -170,7 +173,7 @@ SYSTEM_PREFIXES = ("/", "/usr", "/usr/local")
 
 
 def needed_paths(import_paths: list[str]) -> list[str]:
-    """The allowlist of the kernel's file system beyond the system's (mounts.py): the interpreter and its
+    """The allowlist of the kernel's file system beyond the system's (sandbox.isolate): the interpreter and its
     standard library, the environment, the package directory alone and the course's import paths."""
     import site
     import sysconfig
@@ -201,7 +204,7 @@ def needed_paths(import_paths: list[str]) -> list[str]:
 
 def hidden_from_kernel() -> list[str]:
     """Directories inside the kept package that the kernel must not see: the judges' references (the answers
-    a check compares against), wherever the package is installed. mounts.py covers each with an empty tmpfs."""
+    a check compares against), wherever the package is installed. sandbox.isolate covers each with an empty tmpfs."""
     from ...checks import references
     return [os.path.realpath(os.path.dirname(references.__file__))]
 

@@ -1,13 +1,8 @@
 """The course as a Gradescope autograder: ``mgpu-course autograder --out autograder.zip`` builds the zip,
 ``run_autograder`` (inside it) grades one submission with ``mgpu-grade``.
 
-Gradescope's autograder specification (https://gradescope-autograders.readthedocs.io/en/latest/specs/):
-the zip holds ``setup.sh`` (run once, as root, on Gradescope's Ubuntu image, to install what grading needs)
-and ``run_autograder`` (run for every submission, from /autograder) at its root; it is unpacked into
-/autograder/source; the student's files are put in /autograder/submission; run_autograder writes
-/autograder/results/results.json (``score``, ``output``, ``tests`` with ``name``, ``score``, ``max_score``,
-``status``, ``output``, ``visibility``); what it prints goes to /autograder/results/stdout, shown to the
-instructor only. Each submission runs in a fresh container.
+Gradescope's autograder specification, as this follows it: GRADING.md ("Gradescope"). Each submission runs in
+a fresh container; what run_autograder prints is shown to the instructor only.
 
 The zip::
 
@@ -38,7 +33,7 @@ from pathlib import Path
 from ..authoring import course_notebooks
 
 VENV = "/opt/mgpu-grade"
-PINNED = ("torch", "numpy", "ipykernel", "matplotlib", "nbformat", "nbclient", "nbval", "pytest", "cloudpickle",
+PINNED = ("numpy", "ipykernel", "matplotlib", "nbformat", "nbclient", "nbval", "pytest", "cloudpickle",
           "tqdm", "jupyter_client", "ipywidgets", "jupyterlab")
 
 SETUP_SH = """#!/usr/bin/env bash
@@ -69,15 +64,14 @@ exec "${{MGPU_AUTOGRADER_PYTHON:-{venv}/bin/python}}" -m mgpu_helpers.tools.grad
 
 
 def constraints() -> str:
-    """name==version of what grading runs on here: Gradescope installs the same."""
+    """name==version of what grading runs on here: Gradescope installs the same (torch: setup.sh, from the CPU
+    index)."""
     lines = []
     for name in PINNED:
         try:
-            version = metadata.version(name).split("+")[0]  # 2.13.0+cpu -> 2.13.0 (the CPU index serves it)
+            lines.append(f"{name}=={metadata.version(name).split('+')[0]}")  # a local build's +tag: no release
         except metadata.PackageNotFoundError:
             continue
-        if name != "torch":
-            lines.append(f"{name}=={version}")
     return "\n".join(lines) + "\n"
 
 

@@ -14,25 +14,10 @@ import os
 import torch
 
 from ...checks import REGISTRY, Check, load_checks
+from .hidden import HiddenProxy
 
 SPEC = "mgpu_grade_in.pt"           # written by the grader: {exercise: {function, module, seed, hidden}}
-OUT = "mgpu_grade_out_{}.pt"        # one results file per exercise (assemble.HARVEST_OUT)
-
-
-class GivenCases(Check):
-    """A public check's ``run`` on cases chosen elsewhere: hidden cases arrive as data, never as code."""
-
-    def __init__(self, base: Check, cases: list):
-        self.base, self.given, self.id, self.function = base, list(cases), base.id, base.function
-
-    def cases(self, rng):
-        return list(self.given)
-
-    def run(self, fn, case):
-        return self.base.run(fn, case)
-
-    def describe(self, case):
-        return self.base.describe(case)
+OUT = "mgpu_grade_out_{}.pt"        # one results file per exercise, in the work dir
 
 
 def _collect(chk: Check, fn, seed: int):
@@ -80,16 +65,12 @@ def _no_verdict(i, n, case, result) -> None:
     """Grading: the check cell in the kernel gives no verdict of its own (see ``prime``)."""
 
 
-def _unprime(chk: Check, exercise: str):
-    for name in ("make_cases", "run"):
-        chk.__dict__.pop(name, None)
-    return _LOGS.pop(exercise, None)
-
-
 def harvest(exercise: str, user_ns: dict, work: str) -> None:
     spec = _spec(exercise, work)
     chk, fn = REGISTRY[exercise], user_ns.get(spec["function"])
-    log = _unprime(chk, exercise)
+    for name in ("make_cases", "run"):  # prime's patches: the harvest runs the check as it is
+        chk.__dict__.pop(name, None)
+    log = _LOGS.pop(exercise, None)
     out: dict = {}
     sink = io.StringIO()  # the learner's prints during the harvest are not part of the notebook's output
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
@@ -99,7 +80,8 @@ def harvest(exercise: str, user_ns: dict, work: str) -> None:
             n = len(chk.make_cases(spec["seed"]))
             complete = log is not None and len(log) == n and all(entry is not None for entry in log)
             out["public"] = log if complete else _collect(chk, fn, spec["seed"])
-            out["hidden"] = {name: _collect(GivenCases(chk, cases), fn, 0) for name, cases in spec["hidden"].items()}
+            out["hidden"] = {name: _collect(HiddenProxy(chk, lambda rng, c=cases: list(c)), fn, 0)
+                             for name, cases in spec["hidden"].items()}
     path = os.path.join(work, OUT.format(exercise))
     try:
         torch.save(out, path)

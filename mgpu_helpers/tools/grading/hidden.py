@@ -13,7 +13,7 @@ Every ``*.py`` file in DIR may define subclasses of :class:`HiddenCheck`::
         # def judge(self, case, result): ...   optional; the public check's judge by default
 
 The grader loads these files itself and ships only the *cases* (data) into the kernel, where the public
-check's ``run`` calls the learner's function; the verdict is made outside by :class:`HiddenProxy`.
+check's ``run`` calls the learner's function; the verdict is made outside (judge.py).
 Feedback shows the check's name and verdict message, never this source.
 """
 from __future__ import annotations
@@ -55,17 +55,21 @@ def load_hidden(directory: Path | None) -> dict[str, list[HiddenCheck]]:
 
 
 class HiddenProxy(Check):
-    """Judge side of a hidden check: its cases from the seed, the public check's describe/judge unless
-    the hidden check brings its own judge. ``id`` is set per instance, so it never registers."""
+    """A public check's run, describe and judge (unless ``judge`` is given) on cases from ``cases(rng)``: in the
+    kernel the hidden cases arrive as data, never as code. ``id`` is set per instance, so it never registers."""
 
-    def __init__(self, base: Check, hidden: HiddenCheck):
-        self.base, self.hidden, self.id, self.function = base, hidden, base.id, base.function
+    def __init__(self, base: Check, cases, judge=None):
+        self.base, self.id, self.function = base, base.id, base.function
+        self._cases, self._judge = cases, judge or base.judge
 
     def cases(self, rng):
-        return self.hidden.cases(rng)
+        return self._cases(rng)
+
+    def run(self, fn, case):
+        return self.base.run(fn, case)
 
     def judge(self, case, result):
-        return (self.hidden.judge or self.base.judge)(case, result)
+        return self._judge(case, result)
 
     def describe(self, case):
         return self.base.describe(case)

@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 from .execute import die_with_parent
-
-RESULT_CAP = 64 * 2**20
+from .sandbox import RESULT_CAP
 
 
 def _load(path):
@@ -70,7 +69,8 @@ def judge_exercise(task: dict, hidden: dict) -> dict:
     out = {"public": list(_verdict(check, task["seed"], data.get("public"), head)), "hidden": {}, "error": False}
     got_hidden = data.get("hidden") if isinstance(data.get("hidden"), dict) else {}
     for name, seed in sorted(task["hidden_seeds"].items()):
-        out["hidden"][name] = list(_verdict(HiddenProxy(check, by_name[name]), seed, got_hidden.get(name), head))
+        h = by_name[name]
+        out["hidden"][name] = list(_verdict(HiddenProxy(check, h.cases, h.judge), seed, got_hidden.get(name), head))
     return out
 
 

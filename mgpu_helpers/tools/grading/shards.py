@@ -1,13 +1,9 @@
-"""A class split over SLURM array tasks: ``mgpu-grade SUB --out OUT_K --shard K/N``, then
-``mgpu-grade merge OUT_1 ... OUT_N --out OUT``.
+"""A class split over SLURM array tasks: ``mgpu-grade SUB --out OUT_K --shard K/N``, then ``mgpu-grade merge
+OUT_1 ... OUT_N --out OUT`` (GRADING.md, "A SLURM cluster": the slices, the key, a missing shard).
 
-Each shard grades a deterministic slice of the students: they are ordered by a keyed hash (the grading key,
-so shards are balanced whatever the names, and any re-run with the same key and class picks the same slice)
-and dealt round-robin, so every student lands in exactly one shard and the shards' sizes differ by at most
-one. A shard writes ``shard.json`` last, once its grades are written: a shard without it (killed, out of
-time, never started) is *missing*, and merge says which students that leaves ungraded instead of giving them
-zeros. Merge copies each student's feedback.md and results.json as the shard wrote them and rebuilds
-grades.csv and summary.png from all rows, as one run over the whole class would have written them.
+Students are ordered by a keyed hash, so the shards are balanced whatever the names, and dealt round-robin.
+Merge copies each student's feedback.md and results.json as the shard wrote them and rebuilds grades.csv and
+summary.png from all rows, as one run over the whole class would have written them.
 """
 from __future__ import annotations
 
@@ -39,14 +35,11 @@ def partition(students: list[str], key: bytes, n: int) -> list[list[str]]:
     return [sorted(order[i::n]) for i in range(n)]
 
 
-def key_tag(key: bytes) -> str:
-    """Names the key without revealing it: shards graded with different keys must not be merged."""
-    return hmac.new(key, b"mgpu-grade shard tag", hashlib.sha256).hexdigest()[:16]
-
-
 def write_marker(out: Path, k: int, n: int, students: list[str], key: bytes) -> None:
     slices = partition(students, key, n)
-    (out / MARKER).write_text(json.dumps({"shard": k, "of": n, "key": key_tag(key), "students": slices[k - 1],
+    # "key" names the key without revealing it: merge refuses shards graded with different keys
+    tag = hmac.new(key, b"mgpu-grade shard tag", hashlib.sha256).hexdigest()[:16]
+    (out / MARKER).write_text(json.dumps({"shard": k, "of": n, "key": tag, "students": slices[k - 1],
                                           "slices": slices}, indent=1) + "\n")
 
 
