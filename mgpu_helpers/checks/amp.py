@@ -39,6 +39,12 @@ def param_groups(params) -> list[dict]:
     return [{"params": params[:half]}, {"params": params[half:], "lr": 0.02}]
 
 
+def group_of(case, t) -> int:
+    """The parameter group whose gradient step ``t``'s injected inf/nan went into (the draw's edge test asks)."""
+    n = 2 * (len(case["widths"]) - 1)  # weight and bias per Linear
+    return int(case["where"][t] % n >= n // 2)
+
+
 def scripted_run(case, scale, step, get_scale, counter) -> dict:
     """Train a small MLP with SGD (two parameter groups) for ``case["script"]`` steps ("ok", "inf" or
     "nan": an overflowing gradient element injected after backward, into parameter ``where``); record the
@@ -184,8 +190,7 @@ class LossScalerCheck(Check):
                            "on an overflow"]
                 else:           # not even seen
                     why = [f"the {script[t]} gradient went unnoticed (the scale did not back off)"]
-                    n = 2 * (len(case["widths"]) - 1)  # parameters: weight and bias per Linear
-                    if case["where"][t] % n >= n // 2:  # the inf/nan went into param_groups[1]
+                    if group_of(case, t) == 1:
                         why.append(f"it was in param_groups[1]: {FIRST_GROUP}")
                     if script[t] == "nan":
                         why.append(MISTAKES_61["nan"])
