@@ -79,16 +79,30 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> int:
     return p
 
 
-def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: bool, c: int = BF16) -> int:
+def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: bool, c: int = BF16,
+                      kernels: str = "cuda") -> int:
     """Bytes one block saves for backward per micro-batch of ``tokens`` (compute in ``c`` bytes per element,
-    bf16 by default; the residual stream fp32)."""
+    bf16 by default; the residual stream fp32): its two residual-stream outputs (the attention's sum, the
+    block's output; its input is the previous block's output or the stage's input), the all-gathered
+    norm outputs, q/k/v, the attention output, the SwiGLU's four ``T ffn / tp`` tensors. ``kernels="cpu"``:
+    as a CPU runs it -- torch's composite RMSNorm also saves each norm's normalised input
+    (``planner.cuda``: CUDA's fused kernel saves the input and one rstd per row)."""
     sp = tokens * cfg.d // tp
     if checkpointing:
-        return P32 * sp  # the block's input, kept by the checkpoint
+        return P32 * sp  # the block's output, the next checkpoint's input
     hd = cfg.d // cfg.heads
     qkv = tokens * (cfg.heads + 2 * cfg.kv_heads) * hd // tp
     attn_out = tokens * cfg.heads * hd // tp
-    return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + 4 * c * tokens * cfg.ffn // tp
+    norms = 2 * c * sp if kernels == "cpu" else 0
+    rows = P32 * (2 * tokens + tokens * cfg.heads) // tp  # the norms' rstd, the attention's log-sum-exp
+    return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + 4 * c * tokens * cfg.ffn // tp \
+        + norms + rows
+
+
+def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16) -> int:
+    """Bytes alive only inside one block's backward: two ``T ffn / tp`` gradients of the SwiGLU (the
+    product's, then its factors'), the residual stream's gradient arriving and the one leaving (fp32)."""
+    return 2 * c * tokens * cfg.ffn // tp + 2 * P32 * tokens * cfg.d // tp
 
 
 def in_flight(layout: Layout, stage: int) -> float:
@@ -104,30 +118,53 @@ def in_flight(layout: Layout, stage: int) -> float:
     return chunks / v
 
 
-def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int, c: int = BF16) -> RankPlan:
-    tokens = micro * seq // layout.cp
+def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int, c: int = BF16,
+              kernels: str = "cuda") -> RankPlan:
+    """The rank's terms at its peak, the larger of two moments of the step (module docs): the first
+    backward of the step (no gradients yet: ``zero_grad(set_to_none=True)``), and a later one holding
+    every gradient."""
+    tokens, tp = micro * seq // layout.cp, layout.tp
     n = stage_layers(cfg.layers, layout.pp)[stage]
+    last = stage == layout.pp - 1
     params = stage_params(cfg, layout, stage)
     shards = layout.dp_shard * layout.cp  # torchtitan shards parameters over dp_shard x cp ("dp_shard_cp")
-    state = -(-params // shards) * (P32 + P32 + 2 * P32)
-    gathered = 0
-    if shards > 1:
-        blk = block_params(cfg, layout.tp)
-        gathered = 2 * c * blk + P32 * blk
-    a = block_activations(cfg, layout.tp, tokens, layout.checkpointing, c)
-    acts = n * a
-    if stage == 0:
-        acts += P32 * tokens * cfg.d // layout.tp  # the embedding's output
-    if stage == layout.pp - 1:
-        acts += P32 * tokens * cfg.d // layout.tp + c * tokens * cfg.d  # final norm's input, gathered output
-    activations = int(in_flight(layout, stage) * acts)
-    transient = 0
-    if stage == layout.pp - 1:
-        transient = 2 * P32 * tokens * cfg.vocab // layout.tp  # fp32 logits and their gradient
-    if layout.checkpointing:
-        transient = max(transient, block_activations(cfg, layout.tp, tokens, False, c))
+    local = -(-params // shards)
+    weights, grads = local * (P32 + 2 * P32), local * P32  # fp32 parameters and Adam's moments; gradients
+    if kernels == "cpu":  # Adam's step counters, one per parameter (a GPU's stay on the CPU), the loss's scalars
+        weights += P32 * (9 * n + (stage == 0) + 2 * last + 4)
+    blk = block_params(cfg, tp)
+    gathered = 2 * c * blk + P32 * blk if shards > 1 else 0
+    sp = tokens * cfg.d // tp
+    a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels)
+    blocks = n * a + P32 * sp  # the blocks', and the stage's input (the embedding's output, or received)
+    acts = blocks
+    if last:  # the final norm's gathered output and rstd (on a CPU its normalised input); log-softmax's output
+        acts += c * tokens * cfg.d + P32 * tokens // tp + (c * sp if kernels == "cpu" else 0) \
+            + P32 * tokens * cfg.vocab // tp + 2 * P32  # (and the loss, before and after its 1 / m)
+    k = in_flight(layout, stage)
+    # the loss's backward: the log-softmax's gradient and its input's in fp32 (loss_parallel's composite
+    # under TP keeps one more)
+    loss = 0
+    if last:  # loss_parallel also keeps per-token target masks and indices (33 B a token: 9 fp32 words)
+        loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
+    back = block_backward(cfg, tp, tokens, c)
+    if layout.checkpointing:  # the block being recomputed holds its activations through its backward
+        back += block_activations(cfg, tp, tokens, False, c, kernels)
     if layout.cp > 1:  # ring attention: the next rank's K and V chunk arrives while this one's is used
-        transient += 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp
+        ring = 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // tp
+        loss, back = loss + ring, back + ring
+    # first: the first backward starts with every in-flight micro-batch's activations and no gradient
+    moments = [(weights, int(k * acts), max(loss, back))]
+    if layout.microbatches > k:  # the schedule holds k micro-batches again once every gradient exists
+        moments.append((weights + grads, int(k * acts), max(loss, back)))
+    else:  # in the first backward gradients appear as the activations go: the head's first, then a
+        # block's at a time, the embedding's last (its peak: at the last block, at the first, or at the end)
+        g = -(-blk // shards) * P32
+        head = -(-(cfg.vocab * cfg.d // tp + cfg.d) // shards) * P32 if last else 0
+        emb = grads - head - n * g
+        moments.append((weights, int((k - 1) * acts + max(blocks + head + g, grads - emb + P32 * sp + a,
+                                                          grads)), back))
+    state, activations, transient = max(moments, key=lambda m: sum(m))
     return RankPlan(stage, state, gathered, activations, transient)
 
 
@@ -157,11 +194,13 @@ def comm_bytes(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: in
     return int(total)
 
 
-def plan_ranks(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, c: int = BF16) -> list[RankPlan]:
+def plan_ranks(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, c: int = BF16,
+               kernels: str = "cuda") -> list[RankPlan]:
     """One :class:`RankPlan` per pipeline stage (TP, CP and data-parallel ranks of a stage are alike);
-    ``c``: bytes per element of the compute (bf16: 2; 4 to compare with an fp32 traced plan)."""
+    ``c``: bytes per element of the compute (bf16: 2); ``kernels``: "cuda", or "cpu" with ``c=4`` to
+    compare with a plan traced on the CPU in fp32."""
     micro = check_layout(cfg, layout, global_batch, seq)
-    return [rank_plan(cfg, layout, s, micro, seq, c) for s in range(layout.pp)]
+    return [rank_plan(cfg, layout, s, micro, seq, c, kernels) for s in range(layout.pp)]
 
 
 def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(1,), schedules=("1f1b",),
