@@ -133,7 +133,19 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     if kernels == "cpu":  # Adam's step counters, one per parameter (a GPU's stay on the CPU), the loss's scalars
         weights += P32 * (9 * n + (stage == 0) + 2 * last + 4)
     blk = block_params(cfg, tp)
-    gathered = 2 * c * blk + P32 * blk if shards > 1 else 0
+    root = params - n * blk  # the embedding, final norm and head: the root FSDP2 module's own
+    # FSDP2 (shards > 1): the root's parameters stay unsharded from its forward to the end of its backward
+    # (the root does not reshard after forward), their unsharded gradients wait for the root's
+    # reduce-scatter at the end of the backward; in a block's backward, that block and the prefetched
+    # next one are unsharded, and the block's unsharded gradients wait to be reduce-scattered
+    fsdp = shards > 1
+    at_loss = c * root * fsdp  # the loss's backward: no block is unsharded (each reshards after forward)
+    in_block = (c * root + 2 * c * blk) * fsdp
+    g, g_block = -(-blk // shards) * P32, P32 * blk  # a block's gradients: sharded, and as its backward makes them
+    g_root = P32 * root if fsdp else grads - n * g  # the root's, until the end of the backward (sharded: kept)
+    g_head = P32 * (cfg.vocab * cfg.d // tp + cfg.d) if last else 0
+    if not fsdp:
+        g_block, g_head = g, -(-g_head // shards)
     sp = tokens * cfg.d // tp
     a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels)
     blocks = n * a + P32 * sp  # the blocks', and the stage's input (the embedding's output, or received)
@@ -142,29 +154,29 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         acts += c * tokens * cfg.d + P32 * tokens // tp + (c * sp if kernels == "cpu" else 0) \
             + P32 * tokens * cfg.vocab // tp + 2 * P32  # (and the loss, before and after its 1 / m)
     k = in_flight(layout, stage)
-    # the loss's backward: the log-softmax's gradient and its input's in fp32 (loss_parallel's composite
-    # under TP keeps one more)
-    loss = 0
-    if last:  # loss_parallel also keeps per-token target masks and indices (33 B a token: 9 fp32 words)
-        loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
+    held = int(k * acts)
     back = block_backward(cfg, tp, tokens, c)
     if layout.checkpointing:  # the block being recomputed holds its activations through its backward
         back += block_activations(cfg, tp, tokens, False, c, kernels)
+    ring = 0
     if layout.cp > 1:  # ring attention: the next rank's K and V chunk arrives while this one's is used
         ring = 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // tp
-        loss, back = loss + ring, back + ring
-    # first: the first backward starts with every in-flight micro-batch's activations and no gradient
-    moments = [(weights, int(k * acts), max(loss, back))]
+    # the moments the step can peak at: (state, gathered, activations, transient)
+    moments = []
+    if last:  # the loss's backward: the log-softmax's gradient and its input's in fp32 (loss_parallel's
+        # composite under TP keeps one more, and per-token target masks and indices: 33 B a token)
+        loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
+        moments.append((weights, at_loss, held, loss + ring))  # the first micro-batch's: no gradient yet
+        if layout.microbatches > k:  # a later one's: every gradient exists
+            moments.append((weights + grads, at_loss + P32 * root * fsdp, held, loss + ring))
     if layout.microbatches > k:  # the schedule holds k micro-batches again once every gradient exists
-        moments.append((weights + grads, int(k * acts), max(loss, back)))
-    else:  # in the first backward gradients appear as the activations go: the head's first, then a
-        # block's at a time, the embedding's last (its peak: at the last block, at the first, or at the end)
-        g = -(-blk // shards) * P32
-        head = -(-(cfg.vocab * cfg.d // tp + cfg.d) // shards) * P32 if last else 0
-        emb = grads - head - n * g
-        moments.append((weights, int((k - 1) * acts + max(blocks + head + g, grads - emb + P32 * sp + a,
-                                                          grads)), back))
-    state, activations, transient = max(moments, key=lambda m: sum(m))
+        moments.append((weights + grads, in_block + (g_root + g_block) * fsdp, held, back + ring))
+    else:  # in the first backward the gradients appear as the first micro-batch's activations go: the
+        # head's first, then a block's at a time, the embedding's last: its peak at the last block, at the
+        # first, or at the end (activations and the gradients made so far, together)
+        mb0 = max(blocks + g_head + g_block, g_head + (n - 1) * g + g_block + P32 * sp + a, n * g + g_root)
+        moments.append((weights, in_block, int((k - 1) * acts) + mb0, back + ring))
+    state, gathered, activations, transient = max(moments, key=sum)
     return RankPlan(stage, state, gathered, activations, transient)
 
 
