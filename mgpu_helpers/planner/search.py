@@ -130,6 +130,9 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     shards = layout.dp_shard * layout.cp  # torchtitan shards parameters over dp_shard x cp ("dp_shard_cp")
     local = -(-params // shards)
     weights, grads = local * (P32 + 2 * P32), local * P32  # fp32 parameters and Adam's moments; gradients
+    # DTensor's row-wise embedding makes its gradient Partial: the whole vocabulary's rows on every TP rank
+    wide = P32 * (cfg.vocab * cfg.d - cfg.vocab * cfg.d // tp) if stage == 0 and tp > 1 else 0
+    grads += -(-wide // shards)
     if kernels == "cpu":  # Adam's step counters, one per parameter (a GPU's stay on the CPU), the loss's scalars
         weights += P32 * (9 * n + (stage == 0) + 2 * last + 4)
     blk = block_params(cfg, tp)
@@ -142,7 +145,7 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     at_loss = c * root * fsdp  # the loss's backward: no block is unsharded (each reshards after forward)
     in_block = (c * root + 2 * c * blk) * fsdp
     g, g_block = -(-blk // shards) * P32, P32 * blk  # a block's gradients: sharded, and as its backward makes them
-    g_root = P32 * root if fsdp else grads - n * g  # the root's, until the end of the backward (sharded: kept)
+    g_root = P32 * root + wide if fsdp else grads - n * g  # the root's, until the end of the backward
     g_head = P32 * (cfg.vocab * cfg.d // tp + cfg.d) if last else 0
     if not fsdp:
         g_block, g_head = g, -(-g_head // shards)
@@ -176,6 +179,8 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         # first, or at the end (activations and the gradients made so far, together)
         mb0 = max(blocks + g_head + g_block, g_head + (n - 1) * g + g_block + P32 * sp + a, n * g + g_root)
         moments.append((weights, in_block, int((k - 1) * acts) + mb0, back + ring))
+    # Adam's step (foreach): every gradient, and exp_avg_sq's square root, one fp32 tensor per parameter
+    moments.append((weights + grads, 0, 0, P32 * local))
     state, gathered, activations, transient = max(moments, key=sum)
     return RankPlan(stage, state, gathered, activations, transient)
 
