@@ -164,21 +164,42 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     ring = 0
     if layout.cp > 1:  # ring attention: the next rank's K and V chunk arrives while this one's is used
         ring = 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // tp
-    # the moments the step can peak at: (state, gathered, activations, transient)
+    # the moments the step can peak at: (state, gathered, activations, transient). Once the first
+    # micro-batch's backward is done every gradient exists, and the schedule holds k micro-batches again
+    # (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k)
+    m = layout.microbatches
+    later = int((k if m > k else k - 1) * acts) if m > 1 else None
+    if later is not None and stage > 0:  # with the last backward's gradient, sent, until the next receive
+        later += P32 * sp
     moments = []
     if last:  # the loss's backward: the log-softmax's gradient and its input's in fp32 (loss_parallel's
         # composite under TP keeps one more, and per-token target masks and indices: 33 B a token)
         loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
-        moments.append((weights, at_loss, held, loss + ring))  # the first micro-batch's: no gradient yet
-        if layout.microbatches > k:  # a later one's: every gradient exists
-            moments.append((weights + grads, at_loss + P32 * root * fsdp, held, loss + ring))
-    if layout.microbatches > k:  # the schedule holds k micro-batches again once every gradient exists
-        moments.append((weights + grads, in_block + (g_root + g_block) * fsdp, held, back + ring))
-    else:  # in the first backward the gradients appear as the first micro-batch's activations go: the
-        # head's first, then a block's at a time, the embedding's last: its peak at the last block, at the
-        # first, or at the end (activations and the gradients made so far, together)
-        mb0 = max(blocks + g_head + g_block, g_head + (n - 1) * g + g_block + P32 * sp + a, n * g + g_root)
-        moments.append((weights, in_block, int((k - 1) * acts) + mb0, back + ring))
+        # then the head's backward: the logits' gradient (in the log-softmax output's place) and the
+        # head's new weight gradient
+        head = max(loss, P32 * cfg.vocab * cfg.d // tp + c * tokens * cfg.d) + ring  # (and its input's)
+        moments.append((weights, at_loss, held, head))  # the first micro-batch's: no gradient yet
+        if later is not None:  # a later one's: every (sharded) gradient exists
+            moments.append((weights + grads, at_loss, later, head))
+    if later is not None:  # a later block's backward: a weight's new gradient waits to be added to its
+        # gradient (FSDP2: the block's, reduce-scattered, to the shard) while the residual stream's
+        # gradients and one T ffn / tp gradient are alive
+        new = g if fsdp else P32 * cfg.d * cfg.ffn // tp
+        adding = 2 * P32 * sp + c * tokens * cfg.ffn // tp + new
+        moments.append((weights + grads, in_block + (g_root + g_block) * fsdp, later, max(back, adding) + ring))
+        if stage == 0:  # the embedding's new gradient, at the end of the micro-batch's backward (its
+            # activations gone but the gradient received and the embedding output's)
+            emb_new = 0 if fsdp else P32 * cfg.vocab * cfg.d // tp + wide
+            moments.append((weights + grads, in_block + g_root * fsdp, later - int(acts), emb_new + 2 * P32 * sp))
+    # the first backward: the gradients appear as the first micro-batch's activations go: the head's
+    # first, then a block's at a time, the embedding's last: its peak at the last block, at the first,
+    # or at the end (activations and the gradients made so far, together). Within a block the
+    # feed-forward's gradients come first, while its activations are still held; the attention's come
+    # once the feed-forward's activations (its four T ffn / tp tensors, its norm's output) are gone
+    a_ffn = 0 if layout.checkpointing else c * (4 * tokens * cfg.ffn // tp + tokens * cfg.d)
+    in_blk = max(g_block * 3 * cfg.d * cfg.ffn // tp // blk, g_block - a_ffn)  # beyond a's
+    mb0 = max(blocks + g_head + in_blk, g_head + (n - 1) * g + P32 * sp + a + in_blk, n * g + g_root)
+    moments.append((weights, in_block, int((k - 1) * acts) + mb0, back + ring))
     # Adam's step (foreach): every gradient, and exp_avg_sq's square root, one fp32 tensor per parameter
     moments.append((weights + grads, 0, 0, P32 * local))
     state, gathered, activations, transient = max(moments, key=sum)
