@@ -102,7 +102,8 @@ def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: boo
 def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16) -> int:
     """Bytes alive only inside one block's backward: two ``T ffn / tp`` gradients of the SwiGLU (the
     product's, then its factors'), the residual stream's gradient arriving and the one leaving (fp32)."""
-    return 2 * c * tokens * cfg.ffn // tp + 2 * P32 * tokens * cfg.d // tp
+    sp_grad = c * tokens * cfg.d if tp > 1 else 0  # sequence parallel's gathered gradient, before its reduce-scatter
+    return 2 * c * tokens * cfg.ffn // tp + 2 * P32 * tokens * cfg.d // tp + sp_grad
 
 
 def in_flight(layout: Layout, stage: int) -> float:
@@ -185,12 +186,13 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         # gradient (FSDP2: the block's, reduce-scattered, to the shard) while the residual stream's
         # gradients and one T ffn / tp gradient are alive
         new = g if fsdp else P32 * cfg.d * cfg.ffn // tp
-        adding = 2 * P32 * sp + c * tokens * cfg.ffn // tp + new
+        adding = 2 * P32 * sp + c * tokens * cfg.ffn // tp + new + (c * tokens * cfg.d if tp > 1 else 0)
         moments.append((weights + grads, in_block + (g_root + g_block) * fsdp, later, max(back, adding) + ring))
         if stage == 0:  # the embedding's new gradient, at the end of the micro-batch's backward (its
-            # activations gone but the gradient received and the embedding output's)
+            # activations gone but the gradient received, the embedding output's, and the stage's output,
+            # which the schedule holds until the backward returns)
             emb_new = 0 if fsdp else P32 * cfg.vocab * cfg.d // tp + wide
-            moments.append((weights + grads, in_block + g_root * fsdp, later - int(acts), emb_new + 2 * P32 * sp))
+            moments.append((weights + grads, in_block + g_root * fsdp, later - int(acts), emb_new + 3 * P32 * sp))
     # the first backward: the gradients appear as the first micro-batch's activations go: the head's
     # first, then a block's at a time, the embedding's last: its peak at the last block, at the first,
     # or at the end (activations and the gradients made so far, together). Within a block the
