@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from .parallel import Layout, LlamaConfig, check_layout, stage_layers
 
 P32, BF16 = 4, 2
+DEBUG = False
 
 
 @dataclass
@@ -141,7 +142,9 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # FSDP2 (shards > 1): the root's parameters stay unsharded from its forward to the end of its backward
     # (the root does not reshard after forward), their unsharded gradients wait for the root's
     # reduce-scatter at the end of the backward; in a block's backward, that block and the prefetched
-    # next one are unsharded, and the block's unsharded gradients wait to be reduce-scattered
+    # next one are unsharded, the block's unsharded gradients wait to be reduce-scattered, and the
+    # previous block's reduce-scatter input is kept until this block's (``reduce_scatter_states``,
+    # ``reduce_scatter_max_input_buffers=1`` in torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)
     fsdp = shards > 1
     at_loss = c * root * fsdp  # the loss's backward: no block is unsharded (each reshards after forward)
     in_block = (c * root + 2 * c * blk) * fsdp
@@ -173,6 +176,9 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     if later is not None and stage > 0:  # with the last backward's gradient, sent, until the next receive
         later += P32 * sp
     moments = []
+    # the embedding's backward: the gradient received, the embedding output's, and the stage's output,
+    # which the schedule holds until the backward returns (TP: the output's gradient all-gathered)
+    out_grad = 3 * P32 * sp + (c * tokens * cfg.d if tp > 1 else 0)
     if last:  # the loss's backward: the log-softmax's gradient and its input's in fp32 (loss_parallel's
         # composite under TP keeps one more, and per-token target masks and indices: 33 B a token)
         loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
@@ -187,23 +193,27 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         # gradients and one T ffn / tp gradient are alive
         new = g if fsdp else P32 * cfg.d * cfg.ffn // tp
         adding = 2 * P32 * sp + c * tokens * cfg.ffn // tp + new + (c * tokens * cfg.d if tp > 1 else 0)
-        moments.append((weights + grads, in_block + (g_root + g_block) * fsdp, later, max(back, adding) + ring))
-        if stage == 0:  # the embedding's new gradient, at the end of the micro-batch's backward (its
-            # activations gone but the gradient received, the embedding output's, and the stage's output,
-            # which the schedule holds until the backward returns)
+        # (the micro-batch in backward has let go of its loss's and head's activations)
+        moments.append((weights + grads, in_block + (g_head + g_block) * fsdp, later - (acts - blocks),
+                        max(back, adding) + ring))
+        if stage == 0:  # the embedding's new gradient, at the end of the micro-batch's backward
             emb_new = 0 if fsdp else P32 * cfg.vocab * cfg.d // tp + wide
-            moments.append((weights + grads, in_block + g_root * fsdp, later - int(acts), emb_new + 3 * P32 * sp))
+            moments.append((weights + grads, (c * root + g_root) * fsdp, later - int(acts), emb_new + out_grad))
     # the first backward: the gradients appear as the first micro-batch's activations go: the head's
     # first, then a block's at a time, the embedding's last: its peak at the last block, at the first,
     # or at the end (activations and the gradients made so far, together). Within a block the
     # feed-forward's gradients come first, while its activations are still held; the attention's come
     # once the feed-forward's activations (its four T ffn / tp tensors, its norm's output) are gone
-    a_ffn = 0 if layout.checkpointing else c * (4 * tokens * cfg.ffn // tp + tokens * cfg.d)
+    # (with checkpointing: the recomputed ones, in ``back``)
+    a_ffn = c * (4 * tokens * cfg.ffn // tp + tokens * cfg.d)
     in_blk = max(g_block * 3 * cfg.d * cfg.ffn // tp // blk, g_block - a_ffn)  # beyond a's
-    mb0 = max(blocks + g_head + in_blk, g_head + (n - 1) * g + P32 * sp + a + in_blk, n * g + g_root)
+    prev = g_block * fsdp * (n > 1)  # FSDP2: past the last block, the previous block's wait to be reduce-scattered
+    mb0 = max(blocks + g_head + in_blk, g_head + (n - 1) * g + P32 * sp + a + in_blk + prev)
     moments.append((weights, in_block, int((k - 1) * acts) + mb0, back + ring))
+    moments.append((weights, c * root * fsdp, int((k - 1) * acts) + n * g + g_root, out_grad))  # at the end
     # Adam's step (foreach): every gradient, and exp_avg_sq's square root, one fp32 tensor per parameter
     moments.append((weights + grads, 0, 0, P32 * local))
+    if DEBUG: print(stage, [(x, sum(x)) for x in moments])
     state, gathered, activations, transient = max(moments, key=sum)
     return RankPlan(stage, state, gathered, activations, transient)
 
