@@ -2,24 +2,38 @@
 
 A traced plan per layout (``planner.parallel.plan_layout``) is exact but takes seconds for a toy and much
 longer for 405B; the search instead composes each rank's peak by arithmetic over the same layout, so that
-50+ layouts of a 405B model plan in well under a second. The terms, per rank of pipeline stage s (layers
-split as ``torch.tensor_split``: the first stages one more; the first holds the embedding, the last the
-final norm, head and loss):
+50+ layouts of a 405B model plan in well under a second. Per rank of pipeline stage s (layers split as
+``torch.tensor_split``: the first stages one more; the first holds the embedding, the last the final
+norm, head and loss), the peak is the largest of the moments a training step can peak at, each the sum of
+four terms (:class:`RankPlan`, the worst moment's):
 
 - **state**: the stage's parameters, TP-local (q/k/v/w1/w3 split by output rows, wo/w2 by input columns,
-  embedding and head by vocabulary, norms whole), then FSDP2's ``dp_shard`` chunk: fp32 parameters,
-  fp32 gradients, Adam's two fp32 moments (16 B/param), ``MixedPrecisionPolicy(bf16, fp32)``;
-- **gathered**: FSDP2's unsharded bf16 block being used plus the one prefetched, and one block's fp32
-  gradients waiting to be reduce-scattered (none at ``dp_shard=1``);
-- **activations**: what one block saves per micro-batch in bf16 (sequence-parallel norms' inputs
-  ``T d / tp``, the all-gathered norm outputs ``T d``, q/k/v, attention output, the SwiGLU's four
-  ``T ffn / tp`` tensors; with checkpointing only the block's input), times the stage's layers, times the
-  micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``, interleaved (torch's
-  ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)`` capped at ``m v``
-  (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first steady forward, in
-  chunks of ``layers / v``);
-- **transient**: the largest thing alive only inside one op: the last stage's fp32 logits and their
-  gradient over ``vocab / tp``, or one block's recomputed activations under checkpointing.
+  embedding and head by vocabulary, norms whole), then FSDP2's ``dp_shard`` chunk: fp32 parameters and
+  Adam's two fp32 moments (12 B/param) always, fp32 gradients (4 B/param) once the first micro-batch's
+  backward has made them (``zero_grad(set_to_none=True)`` frees them every step); under TP the
+  embedding's gradient is DTensor's Partial, the whole vocabulary's rows;
+- **gathered**: FSDP2's unsharded bf16 tensors: the root's own (embedding, norm, head: the root does not
+  reshard after forward) from its forward to the end of its backward, in a block's backward that block
+  and the prefetched next one, the gradients waiting to be reduce-scattered (none at ``dp_shard=1``);
+- **activations**: what the in-flight micro-batches hold: per micro-batch the stage's input and per block
+  its two residual-stream outputs (fp32), the all-gathered norm outputs ``T d``, q/k/v, the attention
+  output, the SwiGLU's four ``T ffn / tp`` tensors, the norms' and attention's per-row statistics (with
+  checkpointing only the block's output), and on the last stage the final norm's and the log-softmax's
+  fp32 output over ``vocab / tp``; micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``,
+  interleaved (torch's ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)``
+  capped at ``m v`` (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first
+  steady forward, in chunks of ``layers / v``); at a moment inside the first backward, the gradients
+  made so far with the activations not yet let go (feed-forward gradients first, then attention's);
+- **transient**: alive only inside one op or one backward: the loss's (the log-softmax's gradient and
+  its input's in fp32; ``loss_parallel``'s composite keeps one more and per-token indices), the head's
+  and the embedding's new weight gradient, a block's backward (two ``T ffn / tp`` gradients, the residual
+  stream's gradient arriving and leaving, sequence parallel's gathered gradient, a weight's new gradient
+  before it is accumulated), the recomputed block under checkpointing, Adam's foreach square root of
+  ``exp_avg_sq`` (4 B/param) in the step.
+
+The moments: the first micro-batch's loss backward (no gradient yet), the first backward's blocks and its
+end, a later micro-batch's loss, blocks and embedding backward (every gradient; the schedule holding
+``k`` micro-batches again under 1F1B with ``m > k``, else ``k - 1``), and Adam's step.
 
 **Context parallel** (``--cp``, arithmetic only: no run holds it yet): each rank keeps ``seq / cp`` tokens
 of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp`` mesh), and
@@ -32,13 +46,16 @@ backward and fp32 reduce-scatter of the stage; HSDP's all-reduce of the shard's 
 ``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary; CP's K/V ring
 (``cp - 1`` hops of the K and V chunk per block and micro-batch, forward, backward with dK/dV).
 
-Held against the traced plan (``parallel.plan_layout``, itself equal to the tracker on real ranks) with
-the compute in fp32 on the CPU, a 4-layer d=256 decoder: within -13% / +5% per rank over TP, PP (GPipe,
-1F1B, unequal stages), FSDP2 and checkpointing -- mostly under: CPU kernels' temporaries the terms leave
-out. tests/test_planner_search.py holds that, and the in-flight counts to the schedules
-the ranks run (``parallel.schedule_order``) and the stage parameters to the model's. The bf16 terms (a
-GPU's flash attention, FSDP2's bf16 gathers) are not held against a GPU run yet. Context parallel is
-planned by arithmetic only; expert parallel is not planned yet.
+Held against the traced plan (``parallel.plan_layout``, itself equal to the tracker on real ranks),
+like with like -- the trace computes in fp32 with the CPU's kernels, so the arithmetic with ``c=4,
+kernels="cpu"`` (torch's composite RMSNorm also saves its normalised input; the CPU's flash attention
+saves what a GPU's does) -- a 4-layer d=256 decoder over 17 layouts of 2 and 4 ranks (TP, PP GPipe and
+1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing): from 16 B to +7.4% over
+per rank, never under (the loosest: FSDP2's; with 2 of 8 key/value heads +8.7%).
+tests/test_planner_search.py holds that, and the in-flight counts to the schedules the ranks run
+(``parallel.schedule_order``) and the stage parameters to the model's. The bf16 terms (a GPU's flash
+attention, FSDP2's bf16 gathers) are not held against a GPU run yet. Context parallel and interleaved
+1F1B are planned by arithmetic only; expert parallel is not planned yet.
 """
 from __future__ import annotations
 
@@ -48,7 +65,6 @@ from dataclasses import dataclass
 from .parallel import Layout, LlamaConfig, check_layout, stage_layers
 
 P32, BF16 = 4, 2
-DEBUG = False
 
 
 @dataclass
@@ -122,9 +138,8 @@ def in_flight(layout: Layout, stage: int) -> float:
 
 def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int, c: int = BF16,
               kernels: str = "cuda") -> RankPlan:
-    """The rank's terms at its peak, the larger of two moments of the step (module docs): the first
-    backward of the step (no gradients yet: ``zero_grad(set_to_none=True)``), and a later one holding
-    every gradient."""
+    """The rank's terms at its peak: the largest of the moments of the step (module docs). ``kernels``:
+    "cuda", or "cpu" for the CPU's kernels (with ``c=4``: a plan traced on the CPU)."""
     tokens, tp = micro * seq // layout.cp, layout.tp
     n = stage_layers(cfg.layers, layout.pp)[stage]
     last = stage == layout.pp - 1
@@ -152,7 +167,7 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     g_root = P32 * root + wide if fsdp else grads - n * g  # the root's, until the end of the backward
     g_head = P32 * (cfg.vocab * cfg.d // tp + cfg.d) if last else 0
     if not fsdp:
-        g_block, g_head = g, -(-g_head // shards)
+        g_block = g
     sp = tokens * cfg.d // tp
     a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels)
     blocks = n * a + P32 * sp  # the blocks', and the stage's input (the embedding's output, or received)
@@ -172,7 +187,7 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # micro-batch's backward is done every gradient exists, and the schedule holds k micro-batches again
     # (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k)
     m = layout.microbatches
-    later = int((k if m > k else k - 1) * acts) if m > 1 else None
+    later = int((k if m > k else max(k - 1, 0)) * acts) if m > 1 else None
     if later is not None and stage > 0:  # with the last backward's gradient, sent, until the next receive
         later += P32 * sp
     moments = []
@@ -213,7 +228,6 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     moments.append((weights, c * root * fsdp, int((k - 1) * acts) + n * g + g_root, out_grad))  # at the end
     # Adam's step (foreach): every gradient, and exp_avg_sq's square root, one fp32 tensor per parameter
     moments.append((weights + grads, 0, 0, P32 * local))
-    if DEBUG: print(stage, [(x, sum(x)) for x in moments])
     state, gathered, activations, transient = max(moments, key=sum)
     return RankPlan(stage, state, gathered, activations, transient)
 
