@@ -114,8 +114,8 @@ def test_arithmetic_never_plans_below_the_traced_plan(layout):
     # kernels, so the arithmetic is asked for fp32 compute (c=4) and the CPU's kernels (torch's composite
     # RMSNorm also saves its normalised input; the CPU's flash attention saves what a GPU's does). Measured
     # over these 17 layouts (2 and 4 ranks): +0.0% (16 B over) .. +7.4% per rank, never under (the
-    # FSDP2 layouts are the loosest). Counting a GPipe schedule as 1F1B lands 14% to 44% under; the GPU's
-    # kernels' terms (kernels="cuda") against this CPU trace, 4.6% under on the whole model.
+    # FSDP2 layouts are the loosest). Counting a GPipe schedule as 1F1B, or the GPU's kernels' terms
+    # (kernels="cuda") against this CPU trace, lands under the bar.
     traced = plan_layout(MID, layout, 8, 128)
     stages = plan_ranks(MID, layout, 8, 128, c=4, kernels="cpu")
     for r, t in enumerate(traced):

@@ -51,7 +51,7 @@ like with like -- the trace computes in fp32 with the CPU's kernels, so the arit
 kernels="cpu"`` (torch's composite RMSNorm also saves its normalised input; the CPU's flash attention
 saves what a GPU's does) -- a 4-layer d=256 decoder over 17 layouts of 2 and 4 ranks (TP, PP GPipe and
 1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing): from 16 B to +7.4% over
-per rank, never under (the loosest: FSDP2's; with 2 of 8 key/value heads +8.7%).
+per rank, never under (the loosest: FSDP2's).
 tests/test_planner_search.py holds that, and the in-flight counts to the schedules the ranks run
 (``parallel.schedule_order``) and the stage parameters to the model's. The bf16 terms (a GPU's flash
 attention, FSDP2's bf16 gathers) are not held against a GPU run yet. Context parallel and interleaved
