@@ -98,18 +98,26 @@ def test_context_parallel_shares_the_tokens_and_the_state():
 
 
 MID = LlamaConfig(vocab=4096, d=256, layers=4, heads=4, kv_heads=4, ffn=688)
-TRACED = [Layout(), Layout(dp_shard=2), Layout(tp=2), Layout(pp=2, microbatches=4, schedule="gpipe"),
-          Layout(pp=4, microbatches=4), Layout(tp=2, checkpointing=True)]
+TRACED = [Layout(), Layout(dp_shard=2), Layout(tp=2), Layout(tp=4), Layout(tp=2, checkpointing=True),
+          Layout(pp=2, microbatches=4, schedule="gpipe"), Layout(pp=4, microbatches=4),
+          Layout(pp=3, microbatches=8),  # unequal stages: 2, 1, 1 blocks
+          Layout(pp=4, microbatches=8, schedule="gpipe"), Layout(dp_replicate=2, dp_shard=2),
+          Layout(tp=2, dp_shard=2), Layout(dp_shard=4, checkpointing=True), Layout(dp_shard=2, microbatches=2),
+          Layout(pp=2, dp_shard=2, microbatches=2), Layout(tp=2, pp=2, microbatches=4, schedule="gpipe"),
+          Layout(tp=2, pp=2, microbatches=4, checkpointing=True), Layout(pp=2, microbatches=2, checkpointing=True)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", TRACED, ids=lambda l: l.describe().replace(" ", "-"))
-def test_arithmetic_is_near_the_traced_plan(layout):
-    # the search's terms in fp32 against the traced run of the same layout (equal to the tracker on real
-    # ranks): measured -13% .. +5% per rank; the bar is -15% .. +10% (a schedule counted as 1F1B or a shard
-    # left out lands far outside it)
+def test_arithmetic_never_plans_below_the_traced_plan(layout):
+    # Like with like: the traced plan (equal to the tracker on real ranks) computes in fp32 with the CPU's
+    # kernels, so the arithmetic is asked for fp32 compute (c=4) and the CPU's kernels (torch's composite
+    # RMSNorm also saves its normalised input; the CPU's flash attention saves what a GPU's does). Measured
+    # over these 17 layouts (2 and 4 ranks): +0.0% (16 B over) .. +7.4% per rank, never under (the
+    # FSDP2 layouts are the loosest). Counting a GPipe schedule as 1F1B, or the GPU's kernels' terms
+    # (kernels="cuda") against this CPU trace, lands under the bar.
     traced = plan_layout(MID, layout, 8, 128)
-    stages = plan_ranks(MID, layout, 8, 128, c=4)
+    stages = plan_ranks(MID, layout, 8, 128, c=4, kernels="cpu")
     for r, t in enumerate(traced):
         a = stages[layout.coords(r)[0]].peak
-        assert -0.15 <= a / t - 1 <= 0.10, f"{layout.describe()} rank {r}: arithmetic {a:,} traced {t:,}"
+        assert t <= a <= 1.08 * t, f"{layout.describe()} rank {r}: arithmetic {a:,} traced {t:,} ({a / t - 1:+.1%})"

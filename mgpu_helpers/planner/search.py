@@ -2,24 +2,38 @@
 
 A traced plan per layout (``planner.parallel.plan_layout``) is exact but takes seconds for a toy and much
 longer for 405B; the search instead composes each rank's peak by arithmetic over the same layout, so that
-50+ layouts of a 405B model plan in well under a second. The terms, per rank of pipeline stage s (layers
-split as ``torch.tensor_split``: the first stages one more; the first holds the embedding, the last the
-final norm, head and loss):
+50+ layouts of a 405B model plan in well under a second. Per rank of pipeline stage s (layers split as
+``torch.tensor_split``: the first stages one more; the first holds the embedding, the last the final
+norm, head and loss), the peak is the largest of the moments a training step can peak at, each the sum of
+four terms (:class:`RankPlan`, the worst moment's):
 
 - **state**: the stage's parameters, TP-local (q/k/v/w1/w3 split by output rows, wo/w2 by input columns,
-  embedding and head by vocabulary, norms whole), then FSDP2's ``dp_shard`` chunk: fp32 parameters,
-  fp32 gradients, Adam's two fp32 moments (16 B/param), ``MixedPrecisionPolicy(bf16, fp32)``;
-- **gathered**: FSDP2's unsharded bf16 block being used plus the one prefetched, and one block's fp32
-  gradients waiting to be reduce-scattered (none at ``dp_shard=1``);
-- **activations**: what one block saves per micro-batch in bf16 (sequence-parallel norms' inputs
-  ``T d / tp``, the all-gathered norm outputs ``T d``, q/k/v, attention output, the SwiGLU's four
-  ``T ffn / tp`` tensors; with checkpointing only the block's input), times the stage's layers, times the
-  micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``, interleaved (torch's
-  ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)`` capped at ``m v``
-  (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first steady forward, in
-  chunks of ``layers / v``);
-- **transient**: the largest thing alive only inside one op: the last stage's fp32 logits and their
-  gradient over ``vocab / tp``, or one block's recomputed activations under checkpointing.
+  embedding and head by vocabulary, norms whole), then FSDP2's ``dp_shard`` chunk: fp32 parameters and
+  Adam's two fp32 moments (12 B/param) always, fp32 gradients (4 B/param) once the first micro-batch's
+  backward has made them (``zero_grad(set_to_none=True)`` frees them every step); under TP the
+  embedding's gradient is DTensor's Partial, the whole vocabulary's rows;
+- **gathered**: FSDP2's unsharded bf16 tensors: the root's own (embedding, norm, head: the root does not
+  reshard after forward) from its forward to the end of its backward, in a block's backward that block
+  and the prefetched next one, the gradients waiting to be reduce-scattered (none at ``dp_shard=1``);
+- **activations**: what the in-flight micro-batches hold: per micro-batch the stage's input and per block
+  its two residual-stream outputs (fp32), the all-gathered norm outputs ``T d``, q/k/v, the attention
+  output, the SwiGLU's four ``T ffn / tp`` tensors, the norms' and attention's per-row statistics (with
+  checkpointing only the block's output), and on the last stage the final norm's and the log-softmax's
+  fp32 output over ``vocab / tp``; micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``,
+  interleaved (torch's ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)``
+  capped at ``m v`` (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first
+  steady forward, in chunks of ``layers / v``); at a moment inside the first backward, the gradients
+  made so far with the activations not yet let go (feed-forward gradients first, then attention's);
+- **transient**: alive only inside one op or one backward: the loss's (the log-softmax's gradient and
+  its input's in fp32; ``loss_parallel``'s composite keeps one more and per-token indices), the head's
+  and the embedding's new weight gradient, a block's backward (two ``T ffn / tp`` gradients, the residual
+  stream's gradient arriving and leaving, sequence parallel's gathered gradient, a weight's new gradient
+  before it is accumulated), the recomputed block under checkpointing, Adam's foreach square root of
+  ``exp_avg_sq`` (4 B/param) in the step.
+
+The moments: the first micro-batch's loss backward (no gradient yet), the first backward's blocks and its
+end, a later micro-batch's loss, blocks and embedding backward (every gradient; the schedule holding
+``k`` micro-batches again under 1F1B with ``m > k``, else ``k - 1``), and Adam's step.
 
 **Context parallel** (``--cp``, arithmetic only: no run holds it yet): each rank keeps ``seq / cp`` tokens
 of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp`` mesh), and
@@ -32,13 +46,16 @@ backward and fp32 reduce-scatter of the stage; HSDP's all-reduce of the shard's 
 ``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary; CP's K/V ring
 (``cp - 1`` hops of the K and V chunk per block and micro-batch, forward, backward with dK/dV).
 
-Held against the traced plan (``parallel.plan_layout``, itself equal to the tracker on real ranks) with
-the compute in fp32 on the CPU, a 4-layer d=256 decoder: within -13% / +5% per rank over TP, PP (GPipe,
-1F1B, unequal stages), FSDP2 and checkpointing -- mostly under: CPU kernels' temporaries the terms leave
-out. tests/test_planner_search.py holds that, and the in-flight counts to the schedules
-the ranks run (``parallel.schedule_order``) and the stage parameters to the model's. The bf16 terms (a
-GPU's flash attention, FSDP2's bf16 gathers) are not held against a GPU run yet. Context parallel is
-planned by arithmetic only; expert parallel is not planned yet.
+Held against the traced plan (``parallel.plan_layout``, itself equal to the tracker on real ranks),
+like with like -- the trace computes in fp32 with the CPU's kernels, so the arithmetic with ``c=4,
+kernels="cpu"`` (torch's composite RMSNorm also saves its normalised input; the CPU's flash attention
+saves what a GPU's does) -- a 4-layer d=256 decoder over 17 layouts of 2 and 4 ranks (TP, PP GPipe and
+1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing): from 16 B to +7.4% over
+per rank, never under (the loosest: FSDP2's).
+tests/test_planner_search.py holds that, and the in-flight counts to the schedules the ranks run
+(``parallel.schedule_order``) and the stage parameters to the model's. The bf16 terms (a GPU's flash
+attention, FSDP2's bf16 gathers) are not held against a GPU run yet. Context parallel and interleaved
+1F1B are planned by arithmetic only; expert parallel is not planned yet.
 """
 from __future__ import annotations
 
@@ -79,16 +96,31 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> int:
     return p
 
 
-def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: bool, c: int = BF16) -> int:
+def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: bool, c: int = BF16,
+                      kernels: str = "cuda") -> int:
     """Bytes one block saves for backward per micro-batch of ``tokens`` (compute in ``c`` bytes per element,
-    bf16 by default; the residual stream fp32)."""
+    bf16 by default; the residual stream fp32): its two residual-stream outputs (the attention's sum, the
+    block's output; its input is the previous block's output or the stage's input), the all-gathered
+    norm outputs, q/k/v, the attention output, the SwiGLU's four ``T ffn / tp`` tensors. ``kernels="cpu"``:
+    as a CPU runs it -- torch's composite RMSNorm also saves each norm's normalised input
+    (``planner.cuda``: CUDA's fused kernel saves the input and one rstd per row)."""
     sp = tokens * cfg.d // tp
     if checkpointing:
-        return P32 * sp  # the block's input, kept by the checkpoint
+        return P32 * sp  # the block's output, the next checkpoint's input
     hd = cfg.d // cfg.heads
     qkv = tokens * (cfg.heads + 2 * cfg.kv_heads) * hd // tp
     attn_out = tokens * cfg.heads * hd // tp
-    return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + 4 * c * tokens * cfg.ffn // tp
+    norms = 2 * c * sp if kernels == "cpu" else 0
+    rows = P32 * (2 * tokens + tokens * cfg.heads) // tp  # the norms' rstd, the attention's log-sum-exp
+    return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + 4 * c * tokens * cfg.ffn // tp \
+        + norms + rows
+
+
+def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16) -> int:
+    """Bytes alive only inside one block's backward: two ``T ffn / tp`` gradients of the SwiGLU (the
+    product's, then its factors'), the residual stream's gradient arriving and the one leaving (fp32)."""
+    sp_grad = c * tokens * cfg.d if tp > 1 else 0  # sequence parallel's gathered gradient, before its reduce-scatter
+    return 2 * c * tokens * cfg.ffn // tp + 2 * P32 * tokens * cfg.d // tp + sp_grad
 
 
 def in_flight(layout: Layout, stage: int) -> float:
@@ -104,30 +136,99 @@ def in_flight(layout: Layout, stage: int) -> float:
     return chunks / v
 
 
-def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int, c: int = BF16) -> RankPlan:
-    tokens = micro * seq // layout.cp
+def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int, c: int = BF16,
+              kernels: str = "cuda") -> RankPlan:
+    """The rank's terms at its peak: the largest of the moments of the step (module docs). ``kernels``:
+    "cuda", or "cpu" for the CPU's kernels (with ``c=4``: a plan traced on the CPU)."""
+    tokens, tp = micro * seq // layout.cp, layout.tp
     n = stage_layers(cfg.layers, layout.pp)[stage]
+    last = stage == layout.pp - 1
     params = stage_params(cfg, layout, stage)
     shards = layout.dp_shard * layout.cp  # torchtitan shards parameters over dp_shard x cp ("dp_shard_cp")
-    state = -(-params // shards) * (P32 + P32 + 2 * P32)
-    gathered = 0
-    if shards > 1:
-        blk = block_params(cfg, layout.tp)
-        gathered = 2 * c * blk + P32 * blk
-    a = block_activations(cfg, layout.tp, tokens, layout.checkpointing, c)
-    acts = n * a
-    if stage == 0:
-        acts += P32 * tokens * cfg.d // layout.tp  # the embedding's output
-    if stage == layout.pp - 1:
-        acts += P32 * tokens * cfg.d // layout.tp + c * tokens * cfg.d  # final norm's input, gathered output
-    activations = int(in_flight(layout, stage) * acts)
-    transient = 0
-    if stage == layout.pp - 1:
-        transient = 2 * P32 * tokens * cfg.vocab // layout.tp  # fp32 logits and their gradient
-    if layout.checkpointing:
-        transient = max(transient, block_activations(cfg, layout.tp, tokens, False, c))
+    local = -(-params // shards)
+    weights, grads = local * (P32 + 2 * P32), local * P32  # fp32 parameters and Adam's moments; gradients
+    # DTensor's row-wise embedding makes its gradient Partial: the whole vocabulary's rows on every TP rank
+    wide = P32 * (cfg.vocab * cfg.d - cfg.vocab * cfg.d // tp) if stage == 0 and tp > 1 else 0
+    grads += -(-wide // shards)
+    if kernels == "cpu":  # Adam's step counters, one per parameter (a GPU's stay on the CPU), the loss's scalars
+        weights += P32 * (9 * n + (stage == 0) + 2 * last + 4)
+    blk = block_params(cfg, tp)
+    root = params - n * blk  # the embedding, final norm and head: the root FSDP2 module's own
+    # FSDP2 (shards > 1): the root's parameters stay unsharded from its forward to the end of its backward
+    # (the root does not reshard after forward), their unsharded gradients wait for the root's
+    # reduce-scatter at the end of the backward; in a block's backward, that block and the prefetched
+    # next one are unsharded, the block's unsharded gradients wait to be reduce-scattered, and the
+    # previous block's reduce-scatter input is kept until this block's (``reduce_scatter_states``,
+    # ``reduce_scatter_max_input_buffers=1`` in torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)
+    fsdp = shards > 1
+    at_loss = c * root * fsdp  # the loss's backward: no block is unsharded (each reshards after forward)
+    in_block = (c * root + 2 * c * blk) * fsdp
+    g, g_block = -(-blk // shards) * P32, P32 * blk  # a block's gradients: sharded, and as its backward makes them
+    g_root = P32 * root + wide if fsdp else grads - n * g  # the root's, until the end of the backward
+    g_head = P32 * (cfg.vocab * cfg.d // tp + cfg.d) if last else 0
+    if not fsdp:
+        g_block = g
+    sp = tokens * cfg.d // tp
+    a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels)
+    blocks = n * a + P32 * sp  # the blocks', and the stage's input (the embedding's output, or received)
+    acts = blocks
+    if last:  # the final norm's gathered output and rstd (on a CPU its normalised input); log-softmax's output
+        acts += c * tokens * cfg.d + P32 * tokens // tp + (c * sp if kernels == "cpu" else 0) \
+            + P32 * tokens * cfg.vocab // tp + 2 * P32  # (and the loss, before and after its 1 / m)
+    k = in_flight(layout, stage)
+    held = int(k * acts)
+    back = block_backward(cfg, tp, tokens, c)
+    if layout.checkpointing:  # the block being recomputed holds its activations through its backward
+        back += block_activations(cfg, tp, tokens, False, c, kernels)
+    ring = 0
     if layout.cp > 1:  # ring attention: the next rank's K and V chunk arrives while this one's is used
-        transient += 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp
+        ring = 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // tp
+    # the moments the step can peak at: (state, gathered, activations, transient). Once the first
+    # micro-batch's backward is done every gradient exists, and the schedule holds k micro-batches again
+    # (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k)
+    m = layout.microbatches
+    later = int((k if m > k else max(k - 1, 0)) * acts) if m > 1 else None
+    if later is not None and stage > 0:  # with the last backward's gradient, sent, until the next receive
+        later += P32 * sp
+    moments = []
+    # the embedding's backward: the gradient received, the embedding output's, and the stage's output,
+    # which the schedule holds until the backward returns (TP: the output's gradient all-gathered)
+    out_grad = 3 * P32 * sp + (c * tokens * cfg.d if tp > 1 else 0)
+    if last:  # the loss's backward: the log-softmax's gradient and its input's in fp32 (loss_parallel's
+        # composite under TP keeps one more, and per-token target masks and indices: 33 B a token)
+        loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
+        # then the head's backward: the logits' gradient (in the log-softmax output's place) and the
+        # head's new weight gradient
+        head = max(loss, P32 * cfg.vocab * cfg.d // tp + c * tokens * cfg.d) + ring  # (and its input's)
+        moments.append((weights, at_loss, held, head))  # the first micro-batch's: no gradient yet
+        if later is not None:  # a later one's: every (sharded) gradient exists
+            moments.append((weights + grads, at_loss, later, head))
+    if later is not None:  # a later block's backward: a weight's new gradient waits to be added to its
+        # gradient (FSDP2: the block's, reduce-scattered, to the shard) while the residual stream's
+        # gradients and one T ffn / tp gradient are alive
+        new = g if fsdp else P32 * cfg.d * cfg.ffn // tp
+        adding = 2 * P32 * sp + c * tokens * cfg.ffn // tp + new + (c * tokens * cfg.d if tp > 1 else 0)
+        # (the micro-batch in backward has let go of its loss's and head's activations)
+        moments.append((weights + grads, in_block + (g_head + g_block) * fsdp, later - (acts - blocks),
+                        max(back, adding) + ring))
+        if stage == 0:  # the embedding's new gradient, at the end of the micro-batch's backward
+            emb_new = 0 if fsdp else P32 * cfg.vocab * cfg.d // tp + wide
+            moments.append((weights + grads, (c * root + g_root) * fsdp, later - int(acts), emb_new + out_grad))
+    # the first backward: the gradients appear as the first micro-batch's activations go: the head's
+    # first, then a block's at a time, the embedding's last: its peak at the last block, at the first,
+    # or at the end (activations and the gradients made so far, together). Within a block the
+    # feed-forward's gradients come first, while its activations are still held; the attention's come
+    # once the feed-forward's activations (its four T ffn / tp tensors, its norm's output) are gone
+    # (with checkpointing: the recomputed ones, in ``back``)
+    a_ffn = c * (4 * tokens * cfg.ffn // tp + tokens * cfg.d)
+    in_blk = max(g_block * 3 * cfg.d * cfg.ffn // tp // blk, g_block - a_ffn)  # beyond a's
+    prev = g_block * fsdp * (n > 1)  # FSDP2: past the last block, the previous block's wait to be reduce-scattered
+    mb0 = max(blocks + g_head + in_blk, g_head + (n - 1) * g + P32 * sp + a + in_blk + prev)
+    moments.append((weights, in_block, int((k - 1) * acts) + mb0, back + ring))
+    moments.append((weights, c * root * fsdp, int((k - 1) * acts) + n * g + g_root, out_grad))  # at the end
+    # Adam's step (foreach): every gradient, and exp_avg_sq's square root, one fp32 tensor per parameter
+    moments.append((weights + grads, 0, 0, P32 * local))
+    state, gathered, activations, transient = max(moments, key=sum)
     return RankPlan(stage, state, gathered, activations, transient)
 
 
@@ -157,11 +258,13 @@ def comm_bytes(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: in
     return int(total)
 
 
-def plan_ranks(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, c: int = BF16) -> list[RankPlan]:
+def plan_ranks(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, c: int = BF16,
+               kernels: str = "cuda") -> list[RankPlan]:
     """One :class:`RankPlan` per pipeline stage (TP, CP and data-parallel ranks of a stage are alike);
-    ``c``: bytes per element of the compute (bf16: 2; 4 to compare with an fp32 traced plan)."""
+    ``c``: bytes per element of the compute (bf16: 2); ``kernels``: "cuda", or "cpu" with ``c=4`` to
+    compare with a plan traced on the CPU in fp32."""
     micro = check_layout(cfg, layout, global_batch, seq)
-    return [rank_plan(cfg, layout, s, micro, seq, c) for s in range(layout.pp)]
+    return [rank_plan(cfg, layout, s, micro, seq, c, kernels) for s in range(layout.pp)]
 
 
 def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(1,), schedules=("1f1b",),

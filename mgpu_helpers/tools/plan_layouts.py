@@ -79,9 +79,9 @@ def render(r) -> str:
                    f"{'stage %d (%d-%d)' % (row['worst_stage'], *row['worst_ranks']):>19} | {row['comm'] / G:>13.2f} | "
                    f"{'yes' if row['fits'] else 'no'}")
     n = sum(row["fits"] for row in r["rows"])
-    out += ["", f"{n} of {len(r['rows'])} layouts fit; peak = the worst rank's tensors (planner.search: state, "
-            "gathered FSDP2 blocks, in-flight activations, the largest transient); comm = bytes one rank sends "
-            "per step"]
+    out += ["", f"{n} of {len(r['rows'])} layouts fit; peak = the worst rank's tensors at its worst moment "
+            "(planner.search: state, gathered FSDP2 tensors, activations, transients); comm = bytes one rank "
+            "sends per step"]
     return "\n".join(out)
 
 
