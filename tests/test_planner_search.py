@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from mgpu_helpers.planner.budget import budget
 from mgpu_helpers.planner.parallel import (LLAMA3, Layout, Llama, LlamaConfig, plan_layout, schedule_order,
                                            stage_layers)
 from mgpu_helpers.planner.search import in_flight, plan_ranks, search, stage_params
@@ -72,6 +73,27 @@ def test_cli_prints_the_fitting_layouts(capsys):
                        "--gpu-memory", "80GB", "--json")
     rows = json.loads(out)["rows"]
     assert rows and all(r["gpus"] == 64 and len(r["stage_peaks"]) == 4 for r in rows)
+
+
+def test_cli_fits_by_the_device_total_and_lists_only_what_fits(capsys):
+    """A layout fits when the device holds it -- tensors plus planner.budget's lines (the allocator's reserve
+    above all), as the data-parallel plans -- not when the tensors alone are under the capacity."""
+    argv = ["llama3-70b", "--gpus", "16,32,64", "--tp", "1,2,4,8", "--pp", "1,2,4", "--global-batch", "32",
+            "--seq", "8192", "--gpu", "H100-80GB"]
+    code, out, _ = run(capsys, *argv, "--json")
+    r = json.loads(out)
+    for row in r["rows"]:
+        assert row["device"] == budget(row["peak"], world_size=row["gpus"], gpu="H100-80GB").total
+        assert row["fits"] == (row["device"] <= r["capacity"])
+    # the budget's lines turn some layouts whose tensors alone would fit into "no"
+    assert any(row["peak"] <= r["capacity"] and not row["fits"] for row in r["rows"])
+    code, out, _ = run(capsys, *argv)
+    listed = [line for line in out.splitlines() if " | " in line and "layout" not in line]
+    assert code == 0 and listed and all(line.endswith("| yes") for line in listed)
+    assert f"{sum(row['fits'] for row in r['rows'])} of {len(r['rows'])} layouts fit" in out
+    code, out, _ = run(capsys, "llama3-70b", "--gpus", "8", "--global-batch", "32", "--seq", "8192", "--gpu",
+                       "H100-80GB", "--tp", "1")
+    assert code == 1 and "none of" in out and "| no" in out
 
 
 @pytest.mark.parametrize("argv,msg", [

@@ -289,8 +289,11 @@ def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(
                 yield L, gb
 
 
-def search(cfg: LlamaConfig, *, capacity: int, seq: int, **grid) -> list[dict]:
-    """Rows for every layout of the grid, sorted: fewest GPUs, then most tokens per step, then least traffic."""
+def search(cfg: LlamaConfig, *, capacity: int, seq: int, device_total=lambda peak, gpus: peak, **grid) -> list[dict]:
+    """Rows for every layout of the grid, sorted: fewest GPUs, then most tokens per step, then least traffic.
+    A layout fits when ``device_total(worst rank's tensor peak, GPUs)`` -- what the device holds: for
+    ``mgpu-plan``, ``planner.budget``'s lines (allocator reserve, cuBLAS, CUDA context, NCCL) -- is at most
+    ``capacity``."""
     rows = []
     seen = set()
     for L, gb in layouts(cfg, seq=seq, **grid):
@@ -302,10 +305,11 @@ def search(cfg: LlamaConfig, *, capacity: int, seq: int, **grid) -> list[dict]:
         micro = gb // (L.dp * L.microbatches)
         comm = max(comm_bytes(cfg, L, s, micro, seq) for s in range(L.pp))
         per_stage = L.world // L.pp  # the mesh is (pp, dp_replicate, dp_shard, tp): a stage's ranks are contiguous
-        rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard,
+        device = device_total(worst.peak, L.world)
+        rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard, device=device,
                          worst_ranks=(worst.stage * per_stage, (worst.stage + 1) * per_stage - 1), tokens=gb * seq, peak=worst.peak,
                          worst_stage=worst.stage, stage_peaks=[r.peak for r in ranks], comm=comm,
-                         fits=worst.peak <= capacity, parts=worst))
+                         fits=device <= capacity, parts=worst))
     rows.sort(key=lambda r: (r["gpus"], -r["tokens"], not r["fits"], r["comm"], r["peak"]))
     return rows
 

@@ -59,7 +59,9 @@ def run(a, ints) -> dict:
         check_grid(cfg, seq=seq, **grid)
     except ValueError as e:
         raise PlanInputError(str(e)) from None
-    rows = search(cfg, capacity=capacity - db.budget(0, world_size=2).total, seq=seq, **grid)
+    gpu = a.gpu if a.gpu in db.GPUS else None
+    rows = search(cfg, capacity=capacity, seq=seq, **grid,  # fits: the device total, as the data-parallel plans
+                  device_total=lambda peak, n: db.budget(peak, world_size=n, allocator=a.allocator, gpu=gpu).total)
     shard = _ints(a.dp_shard, "--dp-shard")
     if shard:
         rows = [r for r in rows if r["dp_shard"] in shard]
@@ -70,18 +72,22 @@ def run(a, ints) -> dict:
 
 
 def render(r) -> str:
+    """The layouts that fit (all when none does: the closest first tells what is missing)."""
     G = 2 ** 30
-    out = [f"model: {r['model']} {r['config']}; seq {r['seq']}; GPU {r['capacity'] / G:.1f} GiB "
-           f"(fits: the worst rank's tensors plus the device budget's fixed lines)", "",
-           f"{'layout':<34} {'gpus':>4} {'tokens/step':>11} | {'peak GiB':>8} {'worst rank':>19} | {'comm GiB/rank':>13} | fits"]
-    for row in r["rows"]:
-        out.append(f"{row['layout']:<34} {row['gpus']:>4} {row['tokens']:>11,} | {row['peak'] / G:>8.2f} "
-                   f"{'stage %d (%d-%d)' % (row['worst_stage'], *row['worst_ranks']):>19} | {row['comm'] / G:>13.2f} | "
-                   f"{'yes' if row['fits'] else 'no'}")
-    n = sum(row["fits"] for row in r["rows"])
-    out += ["", f"{n} of {len(r['rows'])} layouts fit; peak = the worst rank's tensors at its worst moment "
-            "(planner.search: state, gathered FSDP2 tensors, activations, transients); comm = bytes one rank "
-            "sends per step"]
+    fit = [row for row in r["rows"] if row["fits"]]
+    shown = fit or sorted(r["rows"], key=lambda row: row["device"])[:10]
+    out = [f"model: {r['model']} {r['config']}; seq {r['seq']}; GPU {r['capacity'] / G:.1f} GiB", "",
+           f"{'layout':<34} {'gpus':>4} {'tokens/step':>11} | {'tensors GiB':>11} {'device GiB':>10} "
+           f"{'worst rank':>19} | {'comm GiB/rank':>13} | fits"]
+    for row in shown:
+        out.append(f"{row['layout']:<34} {row['gpus']:>4} {row['tokens']:>11,} | {row['peak'] / G:>11.2f} "
+                   f"{row['device'] / G:>10.2f} {'stage %d (%d-%d)' % (row['worst_stage'], *row['worst_ranks']):>19} "
+                   f"| {row['comm'] / G:>13.2f} | {'yes' if row['fits'] else 'no'}")
+    out += ["", (f"{len(fit)} of {len(r['rows'])} layouts fit (listed: fewest GPUs, then most tokens per step, then "
+                 "least traffic)" if fit else f"none of {len(r['rows'])} layouts fits: the closest {len(shown)} by device total are listed"),
+            "tensors: the worst rank's tensors at its worst moment (planner.search: state, gathered FSDP2 tensors, "
+            "activations, transients); device: plus the allocator's reserve, cuBLAS, the CUDA context and NCCL "
+            "(planner.budget, as the data-parallel plans); comm: bytes one rank sends per step"]
     return "\n".join(out)
 
 
