@@ -304,7 +304,7 @@ def search(cfg: LlamaConfig, *, capacity: int, seq: int, **grid) -> list[dict]:
         per_stage = L.world // L.pp  # the mesh is (pp, dp_replicate, dp_shard, tp): a stage's ranks are contiguous
         rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard,
                          worst_ranks=(worst.stage * per_stage, (worst.stage + 1) * per_stage - 1), tokens=gb * seq, peak=worst.peak,
-                         worst_stage=worst.stage, stage_peaks=[r.peak for r in ranks], comm=comm,
+                         worst_stage=worst.stage, stage_peaks=[r.peak for r in ranks], microbatches=L.microbatches, comm=comm,
                          fits=worst.peak <= capacity, parts=worst))
     rows.sort(key=lambda r: (r["gpus"], -r["tokens"], not r["fits"], r["comm"], r["peak"]))
     return rows
