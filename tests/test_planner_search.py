@@ -52,8 +52,8 @@ def test_sharding_and_checkpointing_lower_the_peak():
 
 
 def test_search_sorts_fewest_gpus_first_and_finds_a_fit():
-    rows = search(LLAMA3["llama3-405b"], capacity=80 * 10**9, seq=8192, gpus=(64, 128), tp=(4, 8), pp=(4, 8),
-                  global_batch=(128,))
+    rows = search(LLAMA3["llama3-405b"], capacity=80 * 10**9, seq=8192, gpus=(64, 128, 256), tp=(4, 8),
+                  pp=(4, 8, 16), global_batch=(128,))
     assert [r["gpus"] for r in rows] == sorted(r["gpus"] for r in rows)
     assert any(r["fits"] for r in rows) and not all(r["fits"] for r in rows)
 

@@ -384,10 +384,11 @@ def _measure_rank(rank, world, cfg, layout, global_batch, seq):
     return mt.peak_bytes
 
 
-def measure_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -> list[int]:
-    """Each rank's measured peak (the course's ``MemoryTracker``) of the layout's steady step, on real ranks."""
+def measure_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, backend: str = "auto") -> list[int]:
+    """Each rank's measured peak (the course's ``MemoryTracker``) of the layout's steady step, on real ranks
+    (``backend``: as ``run_ranks``; "gloo" measures on CPU ranks, like the plan, on a machine with GPUs too)."""
     from ..runtime.launch import run_ranks
-    return run_ranks(_measure_rank, layout.world, cfg, layout, global_batch, seq, timeout=600)
+    return run_ranks(_measure_rank, layout.world, cfg, layout, global_batch, seq, backend=backend, timeout=600)
 
 
 def distinct_ranks(cfg: LlamaConfig, layout: Layout) -> dict:

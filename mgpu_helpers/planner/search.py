@@ -62,6 +62,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from .budget import budget
 from .parallel import Layout, LlamaConfig, check_layout, stage_layers
 
 P32, BF16 = 4, 2
@@ -276,8 +277,7 @@ def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(
             continue
         shard = n // (t * p * c * r)
         # default micro-batches: pp, 2pp, 4pp (pp = 1: none) and one sample each (gradient accumulation)
-        ms = microbatches or sorted({p, 2 * p, 4 * p} - {2, 4} if p == 1 else {p, 2 * p, 4 * p}
-                                    | {max(1, gb // (shard * r))})
+        ms = microbatches or sorted(({1} if p == 1 else {p, 2 * p, 4 * p}) | {max(1, gb // (shard * r))})
         for m in ms:
             for sched in ([sch] if p > 1 else ["1f1b"]):
                 L = Layout(tp=t, pp=p, cp=c, dp_replicate=r, dp_shard=shard, schedule=sched, microbatches=m,
@@ -289,11 +289,17 @@ def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(
                 yield L, gb
 
 
-def search(cfg: LlamaConfig, *, capacity: int, seq: int, device_total=lambda peak, gpus: peak, **grid) -> list[dict]:
+def on_gpu(gpu: str | None = None, allocator: str = "default"):
+    """``search``'s ``device_total`` as ``mgpu-plan`` counts it: a rank's tensors plus ``planner.budget``'s lines
+    for this GPU (the allocator's reserve, cuBLAS's workspaces, the CUDA context, NCCL's buffers)."""
+    return lambda peak, gpus: budget(peak, world_size=gpus, allocator=allocator, gpu=gpu).total
+
+
+def search(cfg: LlamaConfig, *, capacity: int, seq: int, device_total=None, **grid) -> list[dict]:
     """Rows for every layout of the grid, sorted: fewest GPUs, then most tokens per step, then least traffic.
-    A layout fits when ``device_total(worst rank's tensor peak, GPUs)`` -- what the device holds: for
-    ``mgpu-plan``, ``planner.budget``'s lines (allocator reserve, cuBLAS, CUDA context, NCCL) -- is at most
-    ``capacity``."""
+    A layout fits when ``device_total(worst rank's tensor peak, GPUs)`` (default :func:`on_gpu`: what the device
+    holds, not the tensors alone) is at most ``capacity``."""
+    device_total = device_total or on_gpu()
     rows = []
     seen = set()
     for L, gb in layouts(cfg, seq=seq, **grid):
@@ -308,8 +314,8 @@ def search(cfg: LlamaConfig, *, capacity: int, seq: int, device_total=lambda pea
         device = device_total(worst.peak, L.world)
         rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard, device=device,
                          worst_ranks=(worst.stage * per_stage, (worst.stage + 1) * per_stage - 1), tokens=gb * seq, peak=worst.peak,
-                         worst_stage=worst.stage, stage_peaks=[r.peak for r in ranks], comm=comm,
-                         fits=device <= capacity, parts=worst))
+                         worst_stage=worst.stage, stage_peaks=[r.peak for r in ranks], microbatches=L.microbatches,
+                         comm=comm, fits=device <= capacity, parts=worst))
     rows.sort(key=lambda r: (r["gpus"], -r["tokens"], not r["fits"], r["comm"], r["peak"]))
     return rows
 

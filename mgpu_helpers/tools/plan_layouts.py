@@ -9,7 +9,7 @@ import os
 
 from mgpu_helpers.planner import budget as db
 from mgpu_helpers.planner.parallel import LLAMA3, SCHEDULES, LlamaConfig
-from mgpu_helpers.planner.search import check_grid, search
+from mgpu_helpers.planner.search import check_grid, on_gpu, search
 from mgpu_helpers.tools.plan_sources import PlanInputError
 
 FLAGS = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "schedule", "microbatches", "global_batch")
@@ -59,9 +59,8 @@ def run(a, ints) -> dict:
         check_grid(cfg, seq=seq, **grid)
     except ValueError as e:
         raise PlanInputError(str(e)) from None
-    gpu = a.gpu if a.gpu in db.GPUS else None
     rows = search(cfg, capacity=capacity, seq=seq, **grid,  # fits: the device total, as the data-parallel plans
-                  device_total=lambda peak, n: db.budget(peak, world_size=n, allocator=a.allocator, gpu=gpu).total)
+                  device_total=on_gpu(a.gpu if a.gpu in db.GPUS else None, a.allocator))
     shard = _ints(a.dp_shard, "--dp-shard")
     if shard:
         rows = [r for r in rows if r["dp_shard"] in shard]
