@@ -143,3 +143,19 @@ def test_arithmetic_never_plans_below_the_traced_plan(layout):
     for r, t in enumerate(traced):
         a = stages[layout.coords(r)[0]].peak
         assert t <= a <= 1.08 * t, f"{layout.describe()} rank {r}: arithmetic {a:,} traced {t:,} ({a / t - 1:+.1%})"
+
+
+def test_gpu_arithmetic_refuses_what_it_does_not_plan():
+    # fp32 with grouped heads runs SDPA's math kernel on a GPU (its [b, h, T, T] probabilities): refused
+    with pytest.raises(ValueError, match="math kernel"):
+        plan_ranks(LlamaConfig(32000, 2048, 8, 16, 4, 5632), Layout(), 4, 2048, c=4)
+
+
+@pytest.mark.parametrize("layout, measured_mib", [(Layout(), 15301.9), (Layout(microbatches=4), 10532.7)])
+def test_bf16_without_fsdp_counts_autocasts_copies(layout, measured_mib):
+    # bf16 at dp_shard=1 is torch.autocast over fp32 parameters: each linear keeps its cast weight and
+    # its own cast of the fp32 norm output. measured_mib: rank_step's max_memory_allocated on an H100
+    # (bench/plan_layouts_gpu.py); without these casts the arithmetic was 10.3% / 9.5% under it
+    cfg = LlamaConfig(vocab=32000, d=2048, layers=8, heads=16, kv_heads=4, ffn=5632)
+    peak = plan_ranks(cfg, layout, 4, 2048)[0].peak / 2**20
+    assert abs(peak / measured_mib - 1) < 1e-4, (peak, measured_mib)

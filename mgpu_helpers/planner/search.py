@@ -19,7 +19,9 @@ four terms (:class:`RankPlan`, the worst moment's):
   its two residual-stream outputs (fp32), the all-gathered norm outputs ``T d``, q/k/v, the attention
   output, the SwiGLU's four ``T ffn / tp`` tensors, the norms' and attention's per-row statistics (with
   checkpointing only the block's output), and on the last stage the final norm's and the log-softmax's
-  fp32 output over ``vocab / tp``; micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``,
+  fp32 output over ``vocab / tp`` (without FSDP2, bf16 compute is ``torch.autocast`` over the fp32
+  parameters, as torchtitan runs it: each linear's cast weight, and q/k/v's and w1/w3's own casts of
+  the fp32 norm output, three ``T d`` more per block); micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``,
   interleaved (torch's ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)``
   capped at ``m v`` (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first
   steady forward, in chunks of ``layers / v``); at a moment inside the first backward, the gradients
@@ -53,8 +55,12 @@ saves what a GPU's does) -- a 4-layer d=256 decoder over 17 layouts of 2 and 4 r
 1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing): from 16 B to +7.4% over
 per rank, never under (the loosest: FSDP2's).
 tests/test_planner_search.py holds that, and the in-flight counts to the schedules the ranks run
-(``parallel.schedule_order``) and the stage parameters to the model's. The bf16 terms (a GPU's flash
-attention, FSDP2's bf16 gathers) are not held against a GPU run yet. Context parallel and interleaved
+(``parallel.schedule_order``) and the stage parameters to the model's. On one H100 (NCCL, world size 1;
+``bench/plan_layouts_gpu.py``: 0.5B decoder, 4 x 2048 tokens, with and without checkpointing and with 2
+and 4 micro-batches) the default bf16 arithmetic equals ``rank_step``'s ``max_memory_allocated`` under
+autocast within 9 KiB (flash attention, fused RMSNorm), and ``c=4`` its fp32 step within 1 KiB where
+the heads are not grouped (grouped heads in fp32 run SDPA's math kernel: refused). FSDP2's bf16 gathers
+(``dp_shard > 1``) are not held against GPUs yet. Context parallel and interleaved
 1F1B are planned by arithmetic only; expert parallel is not planned yet.
 """
 from __future__ import annotations
@@ -98,13 +104,17 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> int:
 
 
 def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: bool, c: int = BF16,
-                      kernels: str = "cuda") -> int:
+                      kernels: str = "cuda", autocast: bool = False) -> int:
     """Bytes one block saves for backward per micro-batch of ``tokens`` (compute in ``c`` bytes per element,
     bf16 by default; the residual stream fp32): its two residual-stream outputs (the attention's sum, the
     block's output; its input is the previous block's output or the stage's input), the all-gathered
     norm outputs, q/k/v, the attention output, the SwiGLU's four ``T ffn / tp`` tensors. ``kernels="cpu"``:
     as a CPU runs it -- torch's composite RMSNorm also saves each norm's normalised input
-    (``planner.cuda``: CUDA's fused kernel saves the input and one rstd per row)."""
+    (``planner.cuda``: CUDA's fused kernel saves the input and one rstd per row). ``autocast``: the block
+    runs under ``torch.autocast`` over fp32 parameters (no FSDP2 to gather bf16 copies): each linear saves
+    its own cast of the weight (their bf16 copies: cast per forward, kept by the graph) and of its input --
+    RMSNorm runs in fp32 under autocast, so q, k and v each keep a cast of the attention norm's output,
+    w1 and w3 of the feed-forward norm's: three ``T d`` casts more than one per norm."""
     sp = tokens * cfg.d // tp
     if checkpointing:
         return P32 * sp  # the block's output, the next checkpoint's input
@@ -113,8 +123,9 @@ def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: boo
     attn_out = tokens * cfg.heads * hd // tp
     norms = 2 * c * sp if kernels == "cpu" else 0
     rows = P32 * (2 * tokens + tokens * cfg.heads) // tp  # the norms' rstd, the attention's log-sum-exp
+    casts = c * (3 * tokens * cfg.d + block_params(cfg, tp) - 2 * cfg.d) if autocast else 0
     return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + 4 * c * tokens * cfg.ffn // tp \
-        + norms + rows
+        + norms + rows + casts
 
 
 def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16) -> int:
@@ -170,17 +181,21 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     if not fsdp:
         g_block = g
     sp = tokens * cfg.d // tp
-    a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels)
+    # bf16 compute with no FSDP2 to gather bf16 copies: torch.autocast over the fp32 parameters (as
+    # torchtitan runs a model FSDP2 does not wrap); its casts are saved per micro-batch (block_activations)
+    autocast = c < P32 and not fsdp
+    a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels, autocast)
     blocks = n * a + P32 * sp  # the blocks', and the stage's input (the embedding's output, or received)
     acts = blocks
     if last:  # the final norm's gathered output and rstd (on a CPU its normalised input); log-softmax's output
         acts += c * tokens * cfg.d + P32 * tokens // tp + (c * sp if kernels == "cpu" else 0) \
-            + P32 * tokens * cfg.vocab // tp + 2 * P32  # (and the loss, before and after its 1 / m)
+            + P32 * tokens * cfg.vocab // tp + 2 * P32 \
+            + (c * cfg.vocab * cfg.d // tp if autocast else 0)  # (the loss before and after its 1 / m; the head's cast)
     k = in_flight(layout, stage)
     held = int(k * acts)
     back = block_backward(cfg, tp, tokens, c)
     if layout.checkpointing:  # the block being recomputed holds its activations through its backward
-        back += block_activations(cfg, tp, tokens, False, c, kernels)
+        back += block_activations(cfg, tp, tokens, False, c, kernels, autocast)
     ring = 0
     if layout.cp > 1:  # ring attention: the next rank's K and V chunk arrives while this one's is used
         ring = 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // tp
@@ -265,6 +280,11 @@ def plan_ranks(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, c:
     ``c``: bytes per element of the compute (bf16: 2); ``kernels``: "cuda", or "cpu" with ``c=4`` to
     compare with a plan traced on the CPU in fp32."""
     micro = check_layout(cfg, layout, global_batch, seq)
+    if kernels == "cuda" and c == P32 and cfg.kv_heads != cfg.heads:
+        # memory-efficient and cuDNN attention refuse fp32 with grouped heads: math runs, saving each
+        # block's [b, heads, T, T] fp32 probabilities (H100, torch 2.11: +34% over this arithmetic)
+        raise ValueError(f"c=4 on a GPU with grouped heads ({cfg.heads} query, {cfg.kv_heads} key/value) runs "
+                         "SDPA's math kernel, which this arithmetic does not plan: plan bf16 compute (c=2)")
     return [rank_plan(cfg, layout, s, micro, seq, c, kernels) for s in range(layout.pp)]
 
 
