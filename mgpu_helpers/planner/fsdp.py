@@ -24,16 +24,19 @@ from torch import nn
 
 from .accounting import FakeTracker
 
-PRECISION_POLICY = {"fsdp-mixed": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+def largest_block_list(model: nn.Module):
+    """The model's blocks: its largest non-empty ``nn.ModuleList`` ([] if none), what FSDP2 wraps "per block"
+    and checkpointing wraps one by one."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    return max(lists, key=len) if lists else []
 
 
 def fsdp_blocks(model: nn.Module) -> list:
-    """The modules FSDP2 wraps one by one ("per block"): the blocks of the model's largest ``nn.ModuleList``."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
+    blocks = list(largest_block_list(model))
+    if not blocks:
         raise ValueError("fsdp_units='blocks': the model has no nn.ModuleList of blocks to wrap one by one "
                          "with fully_shard; pass fsdp_units='root' to shard the whole model as one unit")
-    return list(max(lists, key=len))
+    return blocks
 
 
 def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_after_forward=None, prefetch=1,
@@ -51,12 +54,12 @@ def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_af
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
-    elif precision in PRECISION_POLICY:
-        kw["mp_policy"] = MixedPrecisionPolicy(**PRECISION_POLICY[precision])
+    elif precision == "fsdp-mixed":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     blocks = fsdp_blocks(model) if fsdp_units == "blocks" else []
-    as_int = not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int)
+    as_int = type(reshard_after_forward) is int  # an int k, not a bool (True == 1 in Python, not to FSDP2)
     # An int makes fully_shard reshape the mesh's rank tensor (a real tensor) into the post-forward mesh:
     # under the planner's FakeTensorMode that op must run outside the fake mode; the parameters stay fake.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -148,8 +151,7 @@ def rank_groups(model_fn, world_size, fsdp_units="blocks", reshard_after_forward
             fsdp_blocks(model)
         rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
     groups = {}
-    k = reshard_after_forward if not isinstance(reshard_after_forward, bool) and isinstance(
-        reshard_after_forward, int) else None
+    k = reshard_after_forward if type(reshard_after_forward) is int else None  # not a bool
     for r in range(world_size):
         key = (shard_rows(rows, world_size, r), shard_rows(rows, k, r % k) if k else None)
         groups.setdefault(key, []).append(r)
