@@ -9,13 +9,9 @@ also holds, per process (rank):
     ``CUBLAS_WORKSPACE_CONFIG`` defaults; a training step has two handles, the forward's thread and
     autograd's backward thread: 64 MiB measured on the H200, each of 2 and 4 ranks too) and cuDNN's
     convolution workspaces (one convolution runs at a time, so the largest counts);
-  * **the caching allocator's rounding and reserve.** A block larger than a request is not split when the
-    rest is small (<= 1 MiB), and counts whole in ``max_memory_allocated``; segments are never given back,
-    so what is reserved is what the order of requests left behind. ``planner.allocator`` replays the traced
-    step's requests through the allocator's rules and gives both (the "allocator rounding" and
-    "allocator reserve" lines); without a trace (notebook 11's calculator) the reserve is a calibrated
-    fraction. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` grows one segment per pool, every block
-    splits (no rounding line) and the reserve shrinks to fragmentation inside that segment;
+  * **the caching allocator's rounding and reserve**: ``planner.allocator`` replays the traced step's
+    requests through the allocator's rules (the "allocator rounding" and "allocator reserve" lines);
+    without a trace (notebook 11's calculator) the reserve is a calibrated fraction;
   * **the CUDA context** (driver state, kernels of torch, cuBLAS and cuDNN loaded), used before any tensor;
   * **NCCL's buffers** when the process group spans N > 1 GPUs (channels' buffers per peer).
 
@@ -144,8 +140,8 @@ def sources_for(gpu: str | None, arch: str) -> dict:
     if gpu == MEASURED_ON:
         return out
     where = f"on {gpu}" if gpu else "on a GPU given by its capacity (Hopper assumed: the larger workspace)"
-    one = CUBLAS_WORKSPACE["hopper" if arch == "hopper" else "other"]
-    out["cuBLAS workspace"] = (f"torch's default CUBLAS_WORKSPACE_CONFIG for {arch}: {one / MiB:g} MiB per handle, "
+    out["cuBLAS workspace"] = (f"torch's default CUBLAS_WORKSPACE_CONFIG for {arch}: "
+                               f"{cublas_workspaces(arch)[0] / MiB:g} MiB per handle, "
                                "two handles (forward thread + autograd's backward thread: 2 x 32 MiB measured on "
                                "the H200)")
     out["CUDA context"] = (f"carried over from the H200 (747.6-767.6 MiB, torch 2.11+cu130, lazy module loading): "
@@ -237,13 +233,11 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
                 sources["allocator reserve (conv nets)"]
         lines.append(("allocator reserve", reserve, source))
         lines.append(("reserve margin", int(REPLAY_MARGIN[allocator] * allocated), sources["reserve margin"]))
-    elif allocator == "expandable":
-        reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
-        reserve += EXPANDABLE_PAGE
-        lines.append(("allocator reserve", reserve, sources["allocator reserve (expandable)"]))
     else:
-        reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
-        lines.append(("allocator reserve", reserve, sources["allocator reserve"]))
+        expandable = allocator == "expandable"
+        reserve = int(RESERVE_FRACTION[allocator, kind] * allocated) + (EXPANDABLE_PAGE if expandable else 0)
+        source = sources["allocator reserve (expandable)" if expandable else "allocator reserve"]
+        lines.append(("allocator reserve", reserve, source))
     lines.append(("CUDA context", CONTEXT_BYTES, sources["CUDA context"]))
     if world_size > 1:
         lines.append(("NCCL buffers", NCCL_BYTES, sources["NCCL buffers"]))
