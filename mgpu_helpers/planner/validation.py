@@ -72,6 +72,8 @@ def wrap(model, method, precision="fp32", device="cpu", mesh=None, **options):
 
 
 def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, options):
+    """This rank's steady step of ``method``: ``peak`` (the tracker's), ``start``/``start_prev`` (at the start
+    of the last two steps), on the CPU ``allocator``."""
     torch.manual_seed(0)
     device = rank_device()
     x, y = (t.to(device) for t in batch)  # made before the tracker starts: not counted, as in plan()
@@ -100,13 +102,6 @@ def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, opti
     return out
 
 
-def measure(model_fn, batch, *, loss_fn, method, world_size, precision="fp32", **options):
-    """Each rank's measured figures of the steady step of ``method`` on ``world_size`` ranks: ``peak`` (the
-    tracker's), ``start``/``start_prev`` (at the start of the last two steps), on the CPU ``allocator``."""
-    return run_ranks(_measure_rank, world_size, model_fn, batch, loss_fn, method, precision, options,
-                     timeout=600)
-
-
 def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_sizes=(2, 4),
              precisions=("fp32",), tolerance=None, **options):
     """Rows ``{model, method, world, precision, rank, measured, planned, error, steady, allocator, held}`` for
@@ -122,8 +117,7 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
             if precision == "fsdp-mixed" and not method.startswith("fsdp2"):
                 continue  # MixedPrecisionPolicy is FSDP2's
             for n in world_sizes:
-                got = measure(model_fn, batch, loss_fn=loss_fn, method=method, world_size=n,
-                              precision=precision, **options)
+                got = run_ranks(_measure_rank, n, model_fn, batch, loss_fn, method, precision, options, timeout=600)
                 device = "cuda" if "allocator" not in got[0] else "cpu"
                 bar = tolerance if tolerance is not None else (0.02 if device == "cuda" else 0.0)
                 p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, world_size=n, device=device,

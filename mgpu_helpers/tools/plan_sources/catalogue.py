@@ -149,6 +149,8 @@ def trains(cfg, seq: int = 32, checkpointing: bool = False) -> str | None:
     ``checkpointing``: None if it trains, else why not (one line)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from .hf import text_config
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -156,7 +158,8 @@ def trains(cfg, seq: int = 32, checkpointing: bool = False) -> str | None:
             model.train()
             if checkpointing:
                 model.gradient_checkpointing_enable()
-            x = torch.randint(0, min(VOCAB, _vocab(cfg)) - 8, (2, seq))
+            vocab = int(getattr(text_config(cfg), "vocab_size", VOCAB) or VOCAB)
+            x = torch.randint(0, min(VOCAB, vocab) - 8, (2, seq))
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
         if loss is None or not torch.isfinite(loss):
@@ -165,11 +168,6 @@ def trains(cfg, seq: int = 32, checkpointing: bool = False) -> str | None:
     except Exception as e:  # noqa: BLE001 - what transformers raises is the reason the family is skipped
         text = str(e).strip().splitlines()
         return f"{type(e).__name__}: {text[0][:200] if text else ''}"
-
-
-def _vocab(cfg) -> int:
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return int(getattr(text, "vocab_size", VOCAB) or VOCAB)
 
 
 def causal_lm_types() -> list:

@@ -33,6 +33,11 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_at
 _FLASH = ("flash_attention_2", "flash_attention_3")
 
 
+def text_config(cfg):
+    """The language model's config (a multimodal config nests it)."""
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
 def _transformers():
     try:
         import transformers
@@ -138,7 +143,7 @@ UNPADDED = ("every row of the batch is one sequence of --seq tokens (no padding,
 
 def _experts(cfg):
     """(experts, experts per token) of a mixture-of-experts config, else None."""
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config(cfg)
     for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_num_experts"):
         v = getattr(text, k, None)
         if isinstance(v, int) and v > 1:
@@ -161,8 +166,7 @@ def _default_attention(cfg) -> str:
 
 def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
     transformers, cfg = read_config(path)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    vocab = int(getattr(text_config(cfg), "vocab_size", 0) or 0)
     if attn is not None and attn not in ATTENTION:
         raise PlanInputError(f"--attn {attn!r}: one of {', '.join(ATTENTION)}")
     build_attn = "sdpa" if attn in _FLASH else attn  # planned as SDPA's flash kernel (planner.cuda)
