@@ -41,15 +41,10 @@ def fsdp_blocks(model: nn.Module) -> list:
 
 def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_after_forward=None, prefetch=1,
                offload=False, mp_policy=None):
-    """``fully_shard`` ``model`` as the plan says (shared by the planner and the real runs):
-    each block then the root (``fsdp_units="blocks"``) or the root alone (``"root"``);
-    ``reshard_after_forward=None`` is FSDP2's default (True for blocks, False for the root); an int k
-    reshards each block to k ranks after forward, the root keeping FSDP2's default (with ``"root"``, the
-    root is the unit and takes k);
-    ``prefetch``: units all-gathered ahead (1 = FSDP2's default; k > 1 sets k explicitly both ways);
-    ``precision="fsdp-mixed"``: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
-    ``mp_policy``: a ``MixedPrecisionPolicy`` (overrides ``precision``'s);
-    ``offload``: ``CPUOffloadPolicy(pin_memory=False)``."""
+    """``fully_shard`` ``model`` with plan()'s FSDP2 options (shared by the planner and the real runs); an int
+    ``reshard_after_forward`` k applies to each block, the root keeping FSDP2's default (with ``"root"``, the
+    root is the unit and takes k); ``prefetch`` k > 1 sets k explicitly both ways; ``mp_policy`` overrides
+    ``precision``'s; ``offload``: ``CPUOffloadPolicy(pin_memory=False)``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:

@@ -24,7 +24,7 @@ from ..runtime.fake_world import fake_world
 from ..runtime.tracker import CATEGORIES, CUDA_BLOCK
 from .accounting import FakeTracker
 from .cuda import CudaKernels, recompute_contexts
-from .fsdp import largest_block_list
+from .fsdp import FSDPFakeTracker, apply_fsdp, largest_block_list, step_on_shards
 
 # the memory layouts (planner.layouts.LAYOUTS) a step is traced in; the others are derived from these
 TRACED_LAYOUTS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")
@@ -241,8 +241,6 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
     kernels = kernels or device.type
     if fsdp is not None:  # the mesh is made outside the fake mode (it reads real rank tensors)
         from torch.distributed.device_mesh import init_device_mesh
-
-        from .fsdp import FSDPFakeTracker, apply_fsdp
         mesh = init_device_mesh(device.type, (fsdp["world_size"],))
         fsdp_options = {k: v for k, v in fsdp.items() if k not in ("world_size", "rank")}
     # kernels="cuda": attention, RMSNorm, dropout, cross-entropy run as on a GPU, on any host (planner.cuda)
@@ -267,12 +265,10 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
             step_precision = "fp32" if precision == "fsdp-mixed" else precision  # the policy casts, not autocast
             tracker = FSDPFakeTracker
         opt = make_optimizer(model, optimizer)
-        if fsdp is not None:
-            from .fsdp import step_on_shards
-            step_on_shards(opt)
         if fsdp is None:
             warm_up(model, opt)
         else:  # FSDP2's lazy init, its unsharded storages and Adam's state come from a real step
+            step_on_shards(opt)
             for _ in range(FSDP_WARM_UP_STEPS):
                 train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches)
         params = getattr(opt, "global_params", None) or [p for g in opt.param_groups for p in g["params"]]
@@ -286,10 +282,8 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
                       if isinstance(v, torch.Tensor) and v.device.type == device.type] if p in opt.state else []
                      for g in opt.param_groups for p in g["params"]]
         params = [_local(p) for p in params]
-        states = [_local(v) for s in opt.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.device.type == device.type]
         sizes = dict(param_sizes=[(p.numel(), p.element_size()) for p in params],
-                     state_sizes=[(v.numel(), v.element_size()) for v in states],
+                     state_sizes=[size for sizes in per_param for size in sizes],
                      grad_bytes_per_elem=params[0].element_size() if params else 4, param_state_sizes=per_param,
                      unit_numel=unit_numel, n_params=n_params)
     trace = Trace(  # outside the fake mode: a real tensor

@@ -103,11 +103,11 @@ def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, opti
 
 
 def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_sizes=(2, 4),
-             precisions=("fp32",), tolerance=None, **options):
+             precisions=("fp32",), **options):
     """Rows ``{model, method, world, precision, rank, measured, planned, error, steady, allocator, held}`` for
     every combination (``error`` = planned / measured - 1: negative is an under-estimate, the dangerous
-    direction; ``held``: within ``tolerance``; by default 0 -- to the byte -- on the CPU, 2% on a GPU, whose
-    allocator rounds blocks and adds kernels' workspaces). Plans are of the ranks' device: the CPU under
+    direction; ``held``: to the byte on the CPU, within 2% on a GPU, whose allocator rounds blocks and adds
+    kernels' workspaces). Plans are of the ranks' device: the CPU under
     gloo, a GPU under NCCL."""
     from .budget import cublas_workspaces
     from .plans import plan
@@ -119,7 +119,7 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
             for n in world_sizes:
                 got = run_ranks(_measure_rank, n, model_fn, batch, loss_fn, method, precision, options, timeout=600)
                 device = "cuda" if "allocator" not in got[0] else "cpu"
-                bar = tolerance if tolerance is not None else (0.02 if device == "cuda" else 0.0)
+                bar = 0.02 if device == "cuda" else 0.0
                 p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, world_size=n, device=device,
                          **METHODS[method], **options)
                 if p.rank_peaks and len(p.rank_peaks) != n:
