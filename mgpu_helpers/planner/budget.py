@@ -5,10 +5,8 @@ also holds, per process (rank):
 
   * **kernel workspaces** -- allocated through PyTorch's caching allocator, so inside
     ``max_memory_allocated``, but owned by no tensor, so invisible to a fake-tensor trace: cuBLAS's
-    workspaces (torch's default per handle and stream: 32 MiB on Hopper, 8.125 MiB before it -- torch's
-    ``CUBLAS_WORKSPACE_CONFIG`` defaults; a training step has two handles, the forward's thread and
-    autograd's backward thread: 64 MiB measured on the H200, each of 2 and 4 ranks too) and cuDNN's
-    convolution workspaces (one convolution runs at a time, so the largest counts);
+    workspaces (:data:`CUBLAS_WORKSPACE`) and cuDNN's convolution workspaces (one convolution runs at a
+    time, so the largest counts);
   * **the caching allocator's rounding and reserve**: ``planner.allocator`` replays the traced step's
     requests through the allocator's rules (the "allocator rounding" and "allocator reserve" lines);
     without a trace (notebook 11's calculator) the reserve is a calibrated fraction;
@@ -19,9 +17,7 @@ Each line says where its figure comes from (:data:`SOURCES`). Figures measured o
 (torch 2.11.0+cu130, driver 580.159.04; README's notebook 02 row);
 ``bench/plan_gpu.py`` re-measures every line on a GPU and prints what to set here. Where a figure is a
 range, the upper end is used: an under-estimate is the dangerous direction (the plan says "fits", the run
-dies). :data:`GPUS` holds real capacities in bytes (what ``nvidia-smi`` and ``torch.cuda.mem_get_info``
-report as total), and :func:`parse_memory` reads sizes with units required: ``80GB`` is 80e9 bytes,
-``80GiB`` is 80 * 2**30.
+dies).
 """
 from __future__ import annotations
 
@@ -53,6 +49,8 @@ NO_NATIVE_BF16 = ("volta", "turing")
 # --- calibrated figures (the H200 of this course unless said otherwise) -------------------------------
 CONTEXT_BYTES = 768 * MiB           # CUDA context + cuBLAS/cuDNN loaded: used minus reserved, 747.6-767.6 MiB
 NCCL_BYTES = 558 * MiB               # one NCCL process group's buffers, unseen by torch's counters
+# cuBLAS's workspace per handle and stream (torch's CUBLAS_WORKSPACE_CONFIG defaults); a training step has two
+# handles, the forward's thread and autograd's backward thread: 64 MiB measured on the H200, on each of 2 and 4 ranks
 CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}
 # cuDNN convolution workspace as a fraction of the largest convolution's largest activation (input or
 # output, in its compute dtype). Measured on the H200: ~112 MB (fp32) / ~62 MB (bf16) at batch 64 x 224^2, where a

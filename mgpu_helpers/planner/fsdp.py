@@ -8,12 +8,10 @@ prefetched in backward, gradients are reduce-scattered through a flat buffer, an
 unsharded trace were 12-20% low against real steps. So the planner runs FSDP2 itself:
 ``fully_shard`` per block + root (or root only) on a model built under ``FakeTensorMode``, inside a fake
 process group (``init_process_group("fake")``: collectives do nothing, shapes are right) of the planned
-world size and rank, then traces three steps and counts the last with the planner's fake-storage
-tracker, seeded with FSDP2's unsharded storages so that their ``resize_`` re-growth is seen. The model
-is the caller's, so whatever FSDP2 does with it -- frozen or tied parameters, uneven shards -- is planned.
-
-Ranks differ only by their shards' sizes (``torch.chunk`` along dim 0: the first ranks get the full
-chunks); ranks whose shards are equal in every parameter share one trace.
+world size and rank, then traces two steps and counts the second (``trace.FSDP_WARM_UP_STEPS``) with the
+planner's fake-storage tracker, seeded with FSDP2's unsharded storages so that their ``resize_`` re-growth
+is seen. The model is the caller's, so whatever FSDP2 does with it -- frozen or tied parameters, uneven
+shards -- is planned; ranks whose shards are equal in every parameter share one trace (:func:`rank_groups`).
 """
 from __future__ import annotations
 
@@ -133,7 +131,8 @@ def shard_rows(sizes, world_size, rank):
 
 
 def rank_groups(model_fn, world_size, fsdp_units="blocks", reshard_after_forward=None):
-    """Ranks grouped by identical shard sizes: ``[[ranks...], ...]`` (one trace per group); with an int
+    """Ranks grouped by identical shard sizes (``torch.chunk`` along dim 0: the first ranks get the full chunks):
+    ``[[ranks...], ...]`` (one trace per group); with an int
     ``reshard_after_forward`` k, by their post-forward shards over k ranks too (rank r is r % k of its
     group of k). Builds the model (fake) first, so a model that cannot be wrapped as asked fails before
     anything is traced."""

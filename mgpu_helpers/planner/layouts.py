@@ -29,9 +29,6 @@ ranks differ -- every rank is planned, the worst reported); stage 2 the course's
 ``Zero2``: gradients reduce-scattered as each unit finishes, then sharded, by rule); stage 3 FSDP2
 ``fully_shard`` per block + root (``planner.fsdp``: run, not ruled). ``world_size=1`` plans the
 unwrapped step at stages 0-2 (no one wraps one device in DDP); stage 3 runs FSDP2 even at one rank.
-
-What no tensor owns is not in a CPU plan (the tracker's accounting); for a GPU, cuDNN's workspace and flash
-attention's buffers are calibrated lines in ``planner.accounting``, beside the tracker that adds them.
 """
 from __future__ import annotations
 

@@ -4,9 +4,8 @@
                     methods=("ddp", "zero1", "fsdp2"), world_sizes=(2, 4))
     print(table(rows))
 
-A *method* is what torch runs (``METHODS``): ``ddp`` (DistributedDataParallel, default buckets),
-``zero1`` (ZeroRedundancyOptimizer over DDP), ``fsdp2`` (``fully_shard`` per block of the largest
-``nn.ModuleList``, then the root) and ``fsdp2-root`` (the root only); each maps to plan() options.
+A *method* is what torch runs (:data:`METHODS`: DDP, ZeroRedundancyOptimizer over DDP, FSDP2 per block or
+root only), each mapped to plan() options.
 
 **The measurement** is the course's ``MemoryTracker`` on each rank's device (``rank_device()``: a GPU per
 rank under NCCL, the CPU under gloo), entered before the model is built (the batch is made before, as the

@@ -5,14 +5,12 @@ A user of transformers trains with ``loss = model(input_ids=x, labels=x).loss`` 
 with the model's own ``gradient_checkpointing_enable()`` (non-reentrant by default in transformers 5), steps
 AdamW, and gets the attention implementation transformers picks (``sdpa`` where the family supports it,
 else ``eager``). :class:`UserStep` is that model as the planner's ``train_step`` calls it: tokens in, the
-model's loss out (``model_loss`` passes it through), ``gradient_checkpointing_enable`` the model's own.
+model's loss out (``output_loss`` passes it through), ``gradient_checkpointing_enable`` the model's own.
 
 Mixture-of-experts layers: transformers 5 runs the experts as one grouped matmul over every (token, chosen
 expert) row (``experts_implementation="grouped_mm"``, its default on an sm80+ GPU), whose tensors do not
-depend on which expert a token goes to; the plan says so. Families whose experts loop over the experts hit
-(data-dependent sizes) are traced with the tokens spread evenly over the experts, or with ``--moe-imbalance F``
-times the even share to the busiest expert (at most every token; the others share the rest), and the plan
-says which (``planner.dynamic``).
+depend on the routing; families that loop over the experts hit are traced with the routing
+``planner.dynamic`` states (``--moe-imbalance``). The plan's assumptions say which.
 """
 from __future__ import annotations
 
@@ -72,11 +70,6 @@ def read_config(path: Path):
     except Exception as e:  # noqa: BLE001 - the family's own validation: its message says what is wrong
         raise PlanInputError(f"{file}: this {d['model_type']} config is inconsistent: {type(e).__name__}: "
                              f"{first_line(e)}") from None
-
-
-def model_loss(out, targets):
-    """The loss ``UserStep`` already computed (the model's own, from ``labels=``)."""
-    return out
 
 
 class UserStep(nn.Module):
