@@ -1,8 +1,7 @@
 """The plan: per-rank memory of a training step before anything is allocated (``planner.plan``).
 
-**The step** (``planner.trace.train_step``): optimizer state already made, gradients None; per
-micro-batch ``loss_fn(model(x), y) / micro_batches`` and backward; ``opt.step()``; ``zero_grad``.
-Counted from before the model was built: the tensors, as ``MemoryTracker`` counts them (on the CPU, to the
+**The step**: ``planner.trace.train_step`` from the steady state (optimizer state made, gradients None),
+counted from before the model was built: the tensors, as ``MemoryTracker`` counts them (on the CPU, to the
 byte); not the batch (it exists before the model); on a GPU (``kernels="cuda"``) cuDNN's workspace and flash
 attention's buffers. ``batch`` is one rank's batch.
 
