@@ -104,10 +104,8 @@ def warm_up(model: nn.Module, opt) -> None:
 
 
 def train_step(model, opt, batch, loss_fn, *, precision="fp32", micro_batches=1, mark=lambda label: None):
-    """One training step, exactly as the planner defines it: for each of ``micro_batches`` equal slices
-    of ``batch = (inputs, targets)``, ``loss_fn(model(x), y) / micro_batches`` (forward and loss inside
-    autocast for the autocast precisions; the output dropped once the loss exists) and backward; then
-    ``opt.step()`` and ``opt.zero_grad(set_to_none=True)``. ``mark(label)`` is called at each phase."""
+    """One training step, exactly as the planner defines it (forward and loss under autocast for the autocast
+    layouts; the output dropped once the loss exists). ``mark(label)`` is called at each phase."""
     inputs, targets = batch
     dtype = _AUTOCAST.get(precision)
     device_type = next(model.parameters()).device.type
