@@ -120,7 +120,7 @@ def _cycle():
 def test_the_walker_sees_imports():  # the graph is not empty by mistake
     assert "mgpu_helpers.planner.trace" in GRAPH["mgpu_helpers.planner"]
     assert "mgpu_helpers.planner.accounting" in GRAPH["mgpu_helpers.planner.trace"]
-    assert "mgpu_helpers.planner.fsdp" in GRAPH["mgpu_helpers.planner.trace"]  # inside a function
+    assert "mgpu_helpers.planner.budget" in GRAPH["mgpu_helpers.planner.plans"]  # inside a function
     assert "mgpu_helpers.runtime.tracker" in GRAPH["mgpu_helpers.planner.trace"]  # relative, two dots
 
 

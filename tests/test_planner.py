@@ -64,10 +64,11 @@ def _hf_gpt_neox():
     """A family the planner was not tuned on, as its users step it: ``model(input_ids=x, labels=x).loss``, its
     own ``gradient_checkpointing_enable()`` (``plan_sources.hf.UserStep``)."""
     transformers = pytest.importorskip("transformers")
-    from mgpu_helpers.tools.plan_sources.hf import UserStep, model_loss
+    from mgpu_helpers.tools.plan_sources import output_loss
+    from mgpu_helpers.tools.plan_sources.hf import UserStep
     cfg = transformers.GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                                      intermediate_size=256, max_position_embeddings=128)
-    return lambda: UserStep(transformers.AutoModelForCausalLM.from_config(cfg)), token_batch(4, 64, 512), model_loss
+    return lambda: UserStep(transformers.AutoModelForCausalLM.from_config(cfg)), token_batch(4, 64, 512), output_loss
 
 
 @pytest.mark.parametrize("model", [*MODELS, "hf gpt_neox"])

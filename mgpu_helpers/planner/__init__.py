@@ -2,9 +2,7 @@
 
     plan(model_fn, batch, loss_fn=..., precision="bf16-autocast", zero_stage=3, world_size=8)
 
-plans what torch runs, in a named memory layout (:data:`LAYOUTS`; ``plan.layout``): stage 0 DDP with its
-gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP, stage 2 the course's ZeRO-2, stage 3 FSDP2
-``fully_shard`` per block + root, each with torch's defaults (:data:`OPTIONS`). Its clients are ``mgpu-plan``
+plans what torch runs at each ZeRO stage in a named memory layout (``layouts``). Its clients are ``mgpu-plan``
 (``tools/plan_cli``, ``tools/plan_sources``), notebook 11 (its face: ``mgpu_helpers.capstone``), notebook 12
 (``fsdp_practice.plan_knobs``) and the benches.
 

@@ -24,8 +24,7 @@ from ..runtime.tracker import MemoryTracker
 # --- accounting over fake storages -------------------------------------------------------------------
 
 class FakeTracker(MemoryTracker):
-    """``MemoryTracker`` over fake tensors on ``device``: counts their (meta) storages. Enter it inside the
-    ``FakeTensorMode`` that made the model."""
+    """Enter it inside the ``FakeTensorMode`` that made the model."""
 
     def __init__(self, model, optimizer, device, round_to, kernels=None):
         super().__init__(model, optimizer, device="cpu", round_to=round_to)

@@ -5,17 +5,11 @@ also holds, per process (rank):
 
   * **kernel workspaces** -- allocated through PyTorch's caching allocator, so inside
     ``max_memory_allocated``, but owned by no tensor, so invisible to a fake-tensor trace: cuBLAS's
-    workspaces (torch's default per handle and stream: 32 MiB on Hopper, 8.125 MiB before it -- torch's
-    ``CUBLAS_WORKSPACE_CONFIG`` defaults; a training step has two handles, the forward's thread and
-    autograd's backward thread: 64 MiB measured on the H200, each of 2 and 4 ranks too) and cuDNN's
-    convolution workspaces (one convolution runs at a time, so the largest counts);
-  * **the caching allocator's rounding and reserve.** A block larger than a request is not split when the
-    rest is small (<= 1 MiB), and counts whole in ``max_memory_allocated``; segments are never given back,
-    so what is reserved is what the order of requests left behind. ``planner.allocator`` replays the traced
-    step's requests through the allocator's rules and gives both (the "allocator rounding" and
-    "allocator reserve" lines); without a trace (notebook 11's calculator) the reserve is a calibrated
-    fraction. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` grows one segment per pool, every block
-    splits (no rounding line) and the reserve shrinks to fragmentation inside that segment;
+    workspaces (:data:`CUBLAS_WORKSPACE`) and cuDNN's convolution workspaces (one convolution runs at a
+    time, so the largest counts);
+  * **the caching allocator's rounding and reserve**: ``planner.allocator`` replays the traced step's
+    requests through the allocator's rules (the "allocator rounding" and "allocator reserve" lines);
+    without a trace (notebook 11's calculator) the reserve is a calibrated fraction;
   * **the CUDA context** (driver state, kernels of torch, cuBLAS and cuDNN loaded), used before any tensor;
   * **NCCL's buffers** when the process group spans N > 1 GPUs (channels' buffers per peer).
 
@@ -23,9 +17,7 @@ Each line says where its figure comes from (:data:`SOURCES`). Figures measured o
 (torch 2.11.0+cu130, driver 580.159.04; README's notebook 02 row);
 ``bench/plan_gpu.py`` re-measures every line on a GPU and prints what to set here. Where a figure is a
 range, the upper end is used: an under-estimate is the dangerous direction (the plan says "fits", the run
-dies). :data:`GPUS` holds real capacities in bytes (what ``nvidia-smi`` and ``torch.cuda.mem_get_info``
-report as total), and :func:`parse_memory` reads sizes with units required: ``80GB`` is 80e9 bytes,
-``80GiB`` is 80 * 2**30.
+dies).
 """
 from __future__ import annotations
 
@@ -57,6 +49,8 @@ NO_NATIVE_BF16 = ("volta", "turing")
 # --- calibrated figures (the H200 of this course unless said otherwise) -------------------------------
 CONTEXT_BYTES = 768 * MiB           # CUDA context + cuBLAS/cuDNN loaded: used minus reserved, 747.6-767.6 MiB
 NCCL_BYTES = 558 * MiB               # one NCCL process group's buffers, unseen by torch's counters
+# cuBLAS's workspace per handle and stream (torch's CUBLAS_WORKSPACE_CONFIG defaults); a training step has two
+# handles, the forward's thread and autograd's backward thread: 64 MiB measured on the H200, on each of 2 and 4 ranks
 CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}
 # cuDNN convolution workspace as a fraction of the largest convolution's largest activation (input or
 # output, in its compute dtype). Measured on the H200: ~112 MB (fp32) / ~62 MB (bf16) at batch 64 x 224^2, where a
@@ -144,8 +138,8 @@ def sources_for(gpu: str | None, arch: str) -> dict:
     if gpu == MEASURED_ON:
         return out
     where = f"on {gpu}" if gpu else "on a GPU given by its capacity (Hopper assumed: the larger workspace)"
-    one = CUBLAS_WORKSPACE["hopper" if arch == "hopper" else "other"]
-    out["cuBLAS workspace"] = (f"torch's default CUBLAS_WORKSPACE_CONFIG for {arch}: {one / MiB:g} MiB per handle, "
+    out["cuBLAS workspace"] = (f"torch's default CUBLAS_WORKSPACE_CONFIG for {arch}: "
+                               f"{cublas_workspaces(arch)[0] / MiB:g} MiB per handle, "
                                "two handles (forward thread + autograd's backward thread: 2 x 32 MiB measured on "
                                "the H200)")
     out["CUDA context"] = (f"carried over from the H200 (747.6-767.6 MiB, torch 2.11+cu130, lazy module loading): "
@@ -237,13 +231,11 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
                 sources["allocator reserve (conv nets)"]
         lines.append(("allocator reserve", reserve, source))
         lines.append(("reserve margin", int(REPLAY_MARGIN[allocator] * allocated), sources["reserve margin"]))
-    elif allocator == "expandable":
-        reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
-        reserve += EXPANDABLE_PAGE
-        lines.append(("allocator reserve", reserve, sources["allocator reserve (expandable)"]))
     else:
-        reserve = int(RESERVE_FRACTION[allocator, kind] * allocated)
-        lines.append(("allocator reserve", reserve, sources["allocator reserve"]))
+        expandable = allocator == "expandable"
+        reserve = int(RESERVE_FRACTION[allocator, kind] * allocated) + (EXPANDABLE_PAGE if expandable else 0)
+        source = sources["allocator reserve (expandable)" if expandable else "allocator reserve"]
+        lines.append(("allocator reserve", reserve, source))
     lines.append(("CUDA context", CONTEXT_BYTES, sources["CUDA context"]))
     if world_size > 1:
         lines.append(("NCCL buffers", NCCL_BYTES, sources["NCCL buffers"]))

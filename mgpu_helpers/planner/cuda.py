@@ -21,13 +21,10 @@ made the difference:
 - autocast's lists: CUDA runs pow, exp, layer_norm, softmax, sum ... in fp32; CPU autocast does not list
   them (GPT-2 and ConvNeXt in bf16 autocast planned 9.8% and 6.8% below otherwise).
 
-Under ``kernels="cuda"`` the trace runs each as CUDA does (``CudaKernels``): attention goes to the kernel
-CUDA would choose (``cuda_backend``: torch's ``sdp_utils.cpp`` rules for sm80 and newer, torch 2.11-2.13)
-and runs that kernel's own op on the fake tensors, whose meta function gives the tensors it returns and
-saves; RMSNorm and dropout run as the fused kernels' ops; cross-entropy and the ops of CUDA autocast's
-fp32 lists are cast as CUDA autocast casts them (``cuda_autocast_policy``).
-``bench/planner_gpu_diag.py`` compares ``cuda_backend`` with torch's own choice on a real GPU, and a trace
-so made with one under torch's own CUDA dispatch.
+Under ``kernels="cuda"`` (:class:`CudaKernels`) each runs as CUDA runs it: attention as the op of the kernel
+CUDA would choose (:func:`cuda_backend`: torch's ``sdp_utils.cpp`` rules for sm80 and newer, torch
+2.11-2.13), whose meta function gives the tensors it returns and saves. ``bench/planner_gpu_diag.py`` holds
+``cuda_backend`` and such a trace against torch's own choice and CUDA dispatch on a real GPU.
 """
 from __future__ import annotations
 

@@ -25,12 +25,11 @@ it, so ``mgpu-plan`` traces without it first and again within it only when a tra
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 aten = torch.ops.aten
 _SELECT = {aten.nonzero.default, aten.masked_select.default}
@@ -90,23 +89,15 @@ class DynamicSizes(TorchDispatchMode):
         return out
 
 
-_ACTIVE: list = []
 DATA_DEPENDENT = (torch._subclasses.fake_tensor.DataDependentOutputException,
                   torch._subclasses.fake_tensor.DynamicOutputShapeException)
 
 
-@contextlib.contextmanager
-def dynamic_sizes(moe_imbalance: float = 1.0):
-    """Within it, fake traces answer data-dependent ops with representative values (:class:`DynamicSizes`);
-    :func:`active` is the mode, for the source to say how many experts and tokens the step has."""
-    mode = DynamicSizes(moe_imbalance)
-    _ACTIVE.append(mode)
-    try:
-        with mode:
-            yield mode
-    finally:
-        _ACTIVE.pop()
+def dynamic_sizes(moe_imbalance: float = 1.0) -> DynamicSizes:
+    """The mode to enter: within it, fake traces answer data-dependent ops with representative values."""
+    return DynamicSizes(moe_imbalance)
 
 
 def active():
-    return _ACTIVE[-1] if _ACTIVE else None
+    """The :class:`DynamicSizes` in force, if any: the source tells it how many experts and tokens the step has."""
+    return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, DynamicSizes)), None)

@@ -8,12 +8,10 @@ prefetched in backward, gradients are reduce-scattered through a flat buffer, an
 unsharded trace were 12-20% low against real steps. So the planner runs FSDP2 itself:
 ``fully_shard`` per block + root (or root only) on a model built under ``FakeTensorMode``, inside a fake
 process group (``init_process_group("fake")``: collectives do nothing, shapes are right) of the planned
-world size and rank, then traces three steps and counts the last with the planner's fake-storage
-tracker, seeded with FSDP2's unsharded storages so that their ``resize_`` re-growth is seen. The model
-is the caller's, so whatever FSDP2 does with it -- frozen or tied parameters, uneven shards -- is planned.
-
-Ranks differ only by their shards' sizes (``torch.chunk`` along dim 0: the first ranks get the full
-chunks); ranks whose shards are equal in every parameter share one trace.
+world size and rank, then traces two steps and counts the second (``trace.FSDP_WARM_UP_STEPS``) with the
+planner's fake-storage tracker, seeded with FSDP2's unsharded storages so that their ``resize_`` re-growth
+is seen. The model is the caller's, so whatever FSDP2 does with it -- frozen or tied parameters, uneven
+shards -- is planned; ranks whose shards are equal in every parameter share one trace (:func:`rank_groups`).
 """
 from __future__ import annotations
 
@@ -24,39 +22,37 @@ from torch import nn
 
 from .accounting import FakeTracker
 
-PRECISION_POLICY = {"fsdp-mixed": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+def largest_block_list(model: nn.Module):
+    """The model's blocks: its largest non-empty ``nn.ModuleList`` ([] if none), what FSDP2 wraps "per block"
+    and checkpointing wraps one by one."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    return max(lists, key=len) if lists else []
 
 
 def fsdp_blocks(model: nn.Module) -> list:
-    """The modules FSDP2 wraps one by one ("per block"): the blocks of the model's largest ``nn.ModuleList``."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
+    blocks = list(largest_block_list(model))
+    if not blocks:
         raise ValueError("fsdp_units='blocks': the model has no nn.ModuleList of blocks to wrap one by one "
                          "with fully_shard; pass fsdp_units='root' to shard the whole model as one unit")
-    return list(max(lists, key=len))
+    return blocks
 
 
 def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_after_forward=None, prefetch=1,
                offload=False, mp_policy=None):
-    """``fully_shard`` ``model`` as the plan says (shared by the planner and the real runs):
-    each block then the root (``fsdp_units="blocks"``) or the root alone (``"root"``);
-    ``reshard_after_forward=None`` is FSDP2's default (True for blocks, False for the root); an int k
-    reshards each block to k ranks after forward, the root keeping FSDP2's default (with ``"root"``, the
-    root is the unit and takes k);
-    ``prefetch``: units all-gathered ahead (1 = FSDP2's default; k > 1 sets k explicitly both ways);
-    ``precision="fsdp-mixed"``: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
-    ``mp_policy``: a ``MixedPrecisionPolicy`` (overrides ``precision``'s);
-    ``offload``: ``CPUOffloadPolicy(pin_memory=False)``."""
+    """``fully_shard`` ``model`` with plan()'s FSDP2 options (shared by the planner and the real runs); an int
+    ``reshard_after_forward`` k applies to each block, the root keeping FSDP2's default (with ``"root"``, the
+    root is the unit and takes k); ``prefetch`` k > 1 sets k explicitly both ways; ``mp_policy`` overrides
+    ``precision``'s; ``offload``: ``CPUOffloadPolicy(pin_memory=False)``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
-    elif precision in PRECISION_POLICY:
-        kw["mp_policy"] = MixedPrecisionPolicy(**PRECISION_POLICY[precision])
+    elif precision == "fsdp-mixed":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     blocks = fsdp_blocks(model) if fsdp_units == "blocks" else []
-    as_int = not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int)
+    as_int = type(reshard_after_forward) is int  # an int k, not a bool (True == 1 in Python, not to FSDP2)
     # An int makes fully_shard reshape the mesh's rank tensor (a real tensor) into the post-forward mesh:
     # under the planner's FakeTensorMode that op must run outside the fake mode; the parameters stay fake.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -135,7 +131,8 @@ def shard_rows(sizes, world_size, rank):
 
 
 def rank_groups(model_fn, world_size, fsdp_units="blocks", reshard_after_forward=None):
-    """Ranks grouped by identical shard sizes: ``[[ranks...], ...]`` (one trace per group); with an int
+    """Ranks grouped by identical shard sizes (``torch.chunk`` along dim 0: the first ranks get the full chunks):
+    ``[[ranks...], ...]`` (one trace per group); with an int
     ``reshard_after_forward`` k, by their post-forward shards over k ranks too (rank r is r % k of its
     group of k). Builds the model (fake) first, so a model that cannot be wrapped as asked fails before
     anything is traced."""
@@ -148,8 +145,7 @@ def rank_groups(model_fn, world_size, fsdp_units="blocks", reshard_after_forward
             fsdp_blocks(model)
         rows = [p.shape[0] if p.dim() else 1 for p in model.parameters()]
     groups = {}
-    k = reshard_after_forward if not isinstance(reshard_after_forward, bool) and isinstance(
-        reshard_after_forward, int) else None
+    k = reshard_after_forward if type(reshard_after_forward) is int else None  # not a bool
     for r in range(world_size):
         key = (shard_rows(rows, world_size, r), shard_rows(rows, k, r % k) if k else None)
         groups.setdefault(key, []).append(r)

@@ -29,9 +29,6 @@ ranks differ -- every rank is planned, the worst reported); stage 2 the course's
 ``Zero2``: gradients reduce-scattered as each unit finishes, then sharded, by rule); stage 3 FSDP2
 ``fully_shard`` per block + root (``planner.fsdp``: run, not ruled). ``world_size=1`` plans the
 unwrapped step at stages 0-2 (no one wraps one device in DDP); stage 3 runs FSDP2 even at one rank.
-
-What no tensor owns is not in a CPU plan (the tracker's accounting); for a GPU, cuDNN's workspace and flash
-attention's buffers are calibrated lines in ``planner.accounting``, beside the tracker that adds them.
 """
 from __future__ import annotations
 
@@ -100,19 +97,6 @@ def check_args(zero_stage, world_size, precision, options):
     return o
 
 
-def check_trace_args(kw):
-    from .trace import OPTIMIZERS
-    if kw["optimizer"] not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kw['optimizer']!r}")
-    k = kw["micro_batches"]
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {k!r}")
-    if not callable(kw["model_fn"]) or not callable(kw["loss_fn"]):
-        raise TypeError(f"{'model_fn' if not callable(kw['model_fn']) else 'loss_fn'} must be callable")
-
-
-
-
 def zero_partition(numels, world_size):
     """``ZeroRedundancyOptimizer``'s partition of one parameter group: parameter indices per rank
     (its ``_partition_parameters``: sorted by size, biggest first, stable; each to the first rank holding
@@ -127,6 +111,15 @@ def zero_partition(numels, world_size):
 
 def padded_bytes(sizes, n, block):
     return sum(-(-(-(-numel // n) * e) // block) * block for numel, e in sizes)
+
+
+def model_state(trace, state_sizes, n=1):
+    """Parameters, gradients and optimizer state of ``trace``'s step in ``n`` equal shards (1: whole), in
+    allocator blocks."""
+    grads = [(numel, trace.grad_bytes_per_elem) for numel, _ in trace.param_sizes]
+    return {"parameters": padded_bytes(trace.param_sizes, n, trace.round_to),
+            "gradients": padded_bytes(grads, n, trace.round_to),
+            "optimizer": padded_bytes(state_sizes, n, trace.round_to)}
 
 
 def zero_mixed(trace):
@@ -152,13 +145,12 @@ def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=F
     else:
         t, state_sizes = trace.timeline.to(torch.float64).clone(), trace.state_sizes
     n, block, s = world_size, trace.round_to, zero_stage if world_size > 1 else -1
-    grads = [(numel, trace.grad_bytes_per_elem) for numel, _ in trace.param_sizes]
-    full = {"p": padded_bytes(trace.param_sizes, 1, block), "g": padded_bytes(grads, 1, block), "o": padded_bytes(state_sizes, 1, block)}
-    state = {"parameters": full["p"], "gradients": full["g"], "optimizer": full["o"]}
+    full = model_state(trace, state_sizes)
+    state = dict(full)
     in_step = torch.tensor([ph == "step" for ph in trace.phases])
     bwd = torch.tensor([ph.startswith("backward") for ph in trace.phases])
     if s in (0, 1):  # DDP's buckets: a flat copy of every gradient, from construction on
-        buckets = padded_bytes([(sum(g for g, _ in grads), trace.grad_bytes_per_elem)], 1, block)
+        buckets = padded_bytes([(sum(numel for numel, _ in trace.param_sizes), trace.grad_bytes_per_elem)], 1, block)
         if gradient_as_bucket_view:  # the gradients live in the buckets: all of them, all step. Each new
             # gradient autograd makes lives beside its bucket view until added into it and freed; counted
             # until the next one is made (an upper bound: the trace does not mark the add)
@@ -176,17 +168,17 @@ def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=F
         per_param = trace.param_state_sizes if layout != "zero-mixed" else [[sz] for sz in state_sizes]
         own = sum(padded_bytes(per_param[i], 1, block) for i in mine)
         own_p = padded_bytes([trace.param_sizes[i] for i in mine], 1, block)
-        t[:, _O] -= full["o"] - own
-        t[in_step, _X] *= own_p / full["p"] if full["p"] else 1.0
+        t[:, _O] -= full["optimizer"] - own
+        t[in_step, _X] *= own_p / full["parameters"] if full["parameters"] else 1.0
         state["optimizer"] = own
     if s == 2:  # the course's ZeRO-2: state and gradients in equal flat shards
-        part = {"g": padded_bytes(grads, n, block), "o": padded_bytes(state_sizes, n, block), "p": padded_bytes(trace.param_sizes, n, block)}
-        t[:, _O] *= part["o"] / full["o"] if full["o"] else 1.0
-        t[in_step, _X] *= part["p"] / full["p"] if full["p"] else 1.0
-        g, r = t[:, _G].clone(), part["g"] / full["g"] if full["g"] else 1.0
+        part = model_state(trace, state_sizes, n)
+        t[:, _O] *= part["optimizer"] / full["optimizer"] if full["optimizer"] else 1.0
+        t[in_step, _X] *= part["parameters"] / full["parameters"] if full["parameters"] else 1.0
+        g, r = t[:, _G].clone(), part["gradients"] / full["gradients"] if full["gradients"] else 1.0
         unit = -(-trace.unit_numel * trace.grad_bytes_per_elem // block) * block
         t[:, _G] = g * r  # in backward the unit being reduced is still whole (never more than made so far)
         t[bwd, _G] += torch.clamp(g[bwd] * (1 - r), max=unit)
-        state["optimizer"], state["gradients"] = part["o"], part["g"]
+        state["optimizer"], state["gradients"] = part["optimizer"], part["gradients"]
     state["total"] = sum(state.values())
     return t, state

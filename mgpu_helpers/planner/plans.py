@@ -1,29 +1,16 @@
 """The plan: per-rank memory of a training step before anything is allocated (``planner.plan``).
 
-    plan(model_fn, batch, loss_fn=..., precision="bf16-autocast", zero_stage=3, world_size=8)
+**The step**: ``planner.trace.train_step`` from the steady state (optimizer state made, gradients None),
+counted from before the model was built: the tensors, as ``MemoryTracker`` counts them (on the CPU, to the
+byte); not the batch (it exists before the model); on a GPU (``kernels="cuda"``) cuDNN's workspace and flash
+attention's buffers. ``batch`` is one rank's batch.
 
-plans what torch runs, in a named memory layout (``planner.layouts``: ``LAYOUTS``; ``plan.layout``):
-stage 0 DDP with its gradient buckets, stage 1 ``ZeroRedundancyOptimizer`` over DDP (per rank: its
-partition is uneven), stage 2 the course's ZeRO-2, stage 3 FSDP2 ``fully_shard`` per block + root with
-FSDP2's defaults; options (``OPTIONS``) set what torch lets one set.
-
-**The step** (``planner.trace.train_step``): optimizer state already made, gradients None; per
-micro-batch ``loss_fn(model(x), y) / micro_batches`` and backward; ``opt.step()``; ``zero_grad``.
-Counted from before the model was built: parameters, gradients, optimizer state, activations,
-temporaries: the tensors, as ``MemoryTracker`` counts them (on the CPU, to the byte); not the batch (it
-exists before the model); on a GPU (``kernels="cuda"``) cuDNN's workspace and flash attention's buffers. ``batch`` is one
-rank's batch. Optimizers: foreach ``Adam(lr=1e-3)``, ``SGD`` with or without momentum.
-
-**How.** Stages 0-2: one unsharded step traced under fake tensors (``planner.trace``: the course's
-tracker over fake storages, so at one rank it *is* the tracker's figure), then each rank's timeline by
-rule (``planner.layouts.rank_timeline``): DDP's buckets added (a flat copy of the gradients; with
-``gradient_as_bucket_view=True`` the gradients live in them all step), ZeroRedundancyOptimizer's
-rank keeping its parameters' state and stepping only them, ZeRO-2's state and gradients in equal shards
-plus one unit's whole gradients in backward; the peak taken again (it moves: unsharded a 7B step peaks in
-Adam's step, sharded in backward). Stage 3: FSDP2 itself, run on the fake model in a fake process group
-(``planner.fsdp``), one trace per group of ranks with equal shards. Held against the tracker on real
-steps on 2 and 4 ranks (``planner.validation``, bench/planner_ranks.py). What a device holds beyond the
-tensors (allocator reserve, CUDA context, NCCL's buffers) is ``planner.budget``'s: :attr:`Plan.device_bytes`.
+**How.** Stages 0-2: one unsharded step traced under fake tensors, then each rank's timeline by rule
+(``planner.layouts.rank_timeline``) and the peak taken again (it moves: unsharded a 7B step peaks in
+Adam's step, sharded in backward). Stage 3: FSDP2 itself on the fake model (``planner.fsdp``), one trace
+per group of ranks with equal shards. Held against the tracker on real steps on 2 and 4 ranks
+(``planner.validation``, bench/planner_ranks.py); what a device holds beyond the tensors is
+``planner.budget``'s (:attr:`Plan.device_bytes`).
 """
 from __future__ import annotations
 
@@ -33,10 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.tracker import CATEGORIES, MemoryTracker
-from .layouts import LAYOUTS, METHOD, padded_bytes, check_args, check_trace_args, rank_timeline
-from .trace import Trace, apply_checkpointing, make_optimizer, trace_step, train_step, warm_up
-
-# --- plans -----------------------------------------------------------------------------------------
+from .layouts import LAYOUTS, METHOD, check_args, model_state, rank_timeline
+from .trace import Trace, apply_checkpointing, check_step_args, make_optimizer, trace_step, train_step, warm_up
 
 @dataclass(frozen=True)
 class Plan:
@@ -112,10 +97,7 @@ def _fsdp_plan(trace_kw, world_size, options, config, layout):
     per_rank = [None] * world_size
     for ranks in rank_groups(trace_kw["model_fn"], world_size, fsdp["fsdp_units"], fsdp["reshard_after_forward"]):
         tr = trace_step(**trace_kw, fsdp=dict(fsdp, world_size=world_size, rank=ranks[0]))
-        block = tr.round_to
-        state = {"parameters": padded_bytes(tr.param_sizes, 1, block),
-                 "gradients": padded_bytes([(n, tr.grad_bytes_per_elem) for n, _ in tr.param_sizes], 1, block),
-                 "optimizer": padded_bytes(tr.state_sizes, 1, block)}
+        state = model_state(tr, tr.state_sizes)
         state["total"] = sum(state.values())
         p = _from_timeline(tr.timeline.to(torch.float64), tr.phases, state, config, tr.n_params, layout,
                            f"{METHOD[3]} ({'per block + root' if fsdp['fsdp_units'] == 'blocks' else 'root only'})")
@@ -152,7 +134,6 @@ def plan_from_trace(trace: Trace, zero_stage: int = 0, world_size: int = 1, **op
     return _worst(plans)
 
 
-
 def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_stage=0, world_size=1,
          micro_batches=1, checkpointing=False, device=None, round_to=None, **options) -> Plan:
     """Per-rank memory of one steady-state training step of ``model_fn()`` on ``batch`` (module docs).
@@ -175,22 +156,16 @@ def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_s
     ``param_dtype=bf16, reduce_dtype=fp32``); ``offload=False`` (``CPUOffloadPolicy``: on a CPU plan,
     host and device are the same memory, so the figure is their sum)."""
     o = check_args(zero_stage, world_size, precision, options)  # before tracing: fail fast, nothing half-done
-    return _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size, micro_batches,
-                 checkpointing, device, round_to, o)
-
-
-def _plan(model_fn, batch, loss_fn, optimizer, precision, zero_stage, world_size, micro_batches, checkpointing,
-          device, round_to, o) -> Plan:
+    check_step_args(model_fn, loss_fn, optimizer, micro_batches)
     trace_kw = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                     micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to)
-    if zero_stage == 3:
-        check_trace_args(trace_kw)
+    if zero_stage == 3:  # no unsharded trace: FSDP2 runs from trace_kw (plan_from_trace)
         trace = Trace(timeline=torch.zeros(1, len(CATEGORIES), dtype=torch.int64), phases=["forward"], n_params=0,
                       param_sizes=[], state_sizes=[], grad_bytes_per_elem=4, unit_numel=0, round_to=1,
                       config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
                                   checkpointing=checkpointing, device=device, layout=precision), source=trace_kw)
-        return plan_from_trace(trace, zero_stage, world_size, **o)
-    trace = trace_step(**trace_kw)
+    else:
+        trace = trace_step(**trace_kw)
     return plan_from_trace(trace, zero_stage, world_size, **o)
 
 

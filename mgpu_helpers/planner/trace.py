@@ -5,10 +5,6 @@ data -- and runs one steady-state training step (:func:`train_step`, the same co
 under :class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at fake storages. Nothing
 real is allocated, so a 7B-parameter step traces on a laptop in seconds.
 
-Why a subclass (``accounting``): ``MemoryTracker`` counts storages on its device, and a fake tensor's
-storage lives on ``meta`` whatever device the tensor claims, so the tracker sees nothing under a fake mode. ``FakeTracker`` counts meta storages of tensors that claim the planned device -- same
-categories, same rules, same 512-byte rounding -- which is why the planner equals the tracker on a real step.
-
 The device is the machine's: fake CUDA tensors need a CUDA build (on a CPU build their in-place ops and
 CUDA autocast refuse), and CPU and CUDA autocast cast a few ops differently, so the planner traces
 ``"cuda"`` where CUDA is available and ``"cpu"`` elsewhere (``device=`` overrides). On CUDA, Adam's
@@ -28,6 +24,7 @@ from ..runtime.fake_world import fake_world
 from ..runtime.tracker import CATEGORIES, CUDA_BLOCK
 from .accounting import FakeTracker
 from .cuda import CudaKernels, recompute_contexts
+from .fsdp import FSDPFakeTracker, apply_fsdp, largest_block_list, step_on_shards
 
 # the memory layouts (planner.layouts.LAYOUTS) a step is traced in; the others are derived from these
 TRACED_LAYOUTS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16")
@@ -57,10 +54,9 @@ def apply_checkpointing(model: nn.Module) -> nn.Module:
     if callable(own):
         own()
         return model
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
+    blocks = largest_block_list(model)
+    if not blocks:
         raise ValueError("checkpointing=True: the model has no nn.ModuleList of blocks to checkpoint")
-    blocks = max(lists, key=len)
     for i, block in enumerate(blocks):
         if not isinstance(block, Checkpointed):
             blocks[i] = Checkpointed(block)
@@ -108,10 +104,8 @@ def warm_up(model: nn.Module, opt) -> None:
 
 
 def train_step(model, opt, batch, loss_fn, *, precision="fp32", micro_batches=1, mark=lambda label: None):
-    """One training step, exactly as the planner defines it: for each of ``micro_batches`` equal slices
-    of ``batch = (inputs, targets)``, ``loss_fn(model(x), y) / micro_batches`` (forward and loss inside
-    autocast for the autocast precisions; the output dropped once the loss exists) and backward; then
-    ``opt.step()`` and ``opt.zero_grad(set_to_none=True)``. ``mark(label)`` is called at each phase."""
+    """One training step, exactly as the planner defines it (forward and loss under autocast for the autocast
+    layouts; the output dropped once the loss exists). ``mark(label)`` is called at each phase."""
     inputs, targets = batch
     dtype = _AUTOCAST.get(precision)
     device_type = next(model.parameters()).device.type
@@ -152,6 +146,16 @@ class Trace:
     fsdp_plans: dict = field(default_factory=dict, repr=False, compare=False)  # plans.plan_from_trace's ZeRO-3 plans
 
 
+def check_step_args(model_fn, loss_fn, optimizer, micro_batches):
+    """The step's arguments, checked before anything is built (plan() checks them before tracing too)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    if not callable(model_fn) or not callable(loss_fn):
+        raise TypeError(f"{'model_fn' if not callable(model_fn) else 'loss_fn'} must be callable")
+
+
 def _fake_batch(batch, device):
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2
             and all(isinstance(t, torch.Tensor) for t in batch)):
@@ -187,8 +191,7 @@ def _check_fake(model):
 
 
 def _units(model, params):
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    blocks = max(lists, key=len) if lists else []
+    blocks = largest_block_list(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     rest = sum(p.numel() for p in params if id(p) not in in_blocks)
@@ -210,19 +213,12 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
                   micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to,
                   kernels=kernels)
     traced = {"zero-mixed": "bf16"}.get(precision, precision)  # planner.layouts.zero_mixed: rules over bf16
-
-    def once():
-        if fsdp is None:
-            return _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing, device,
-                          round_to, None, kernels)
-        if torch.distributed.is_initialized():
-            raise RuntimeError("plan(zero_stage=3) runs FSDP2 in a fake process group of its own; call plan() "
-                               "outside an initialised process group (e.g. in the notebook, not inside ranks)")
-        with fake_world(fsdp["world_size"], fsdp["rank"]):
-            return _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing,
-                          device, round_to, fsdp, kernels)
-
-    trace = once()
+    if fsdp is not None and torch.distributed.is_initialized():
+        raise RuntimeError("plan(zero_stage=3) runs FSDP2 in a fake process group of its own; call plan() "
+                           "outside an initialised process group (e.g. in the notebook, not inside ranks)")
+    with fake_world(fsdp["world_size"], fsdp["rank"]) if fsdp is not None else contextlib.nullcontext():
+        trace = _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing, device, round_to,
+                       fsdp, kernels)
     trace.config["layout"] = precision
     trace.source = source
     return trace
@@ -237,19 +233,12 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
     if precision not in TRACED_LAYOUTS and not (fsdp is not None and precision == "fsdp-mixed"):
         raise ValueError(f"precision must be one of {TRACED_LAYOUTS}" + (" (or 'fsdp-mixed' under FSDP2)" if fsdp is None
                          else "") + f", got {precision!r}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
-    if not callable(model_fn) or not callable(loss_fn):
-        raise TypeError(f"{'model_fn' if not callable(model_fn) else 'loss_fn'} must be callable")
+    check_step_args(model_fn, loss_fn, optimizer, micro_batches)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     round_to = round_to or (CUDA_BLOCK if device.type == "cuda" else 1)
     kernels = kernels or device.type
     if fsdp is not None:  # the mesh is made outside the fake mode (it reads real rank tensors)
         from torch.distributed.device_mesh import init_device_mesh
-
-        from .fsdp import FSDPFakeTracker, apply_fsdp
         mesh = init_device_mesh(device.type, (fsdp["world_size"],))
         fsdp_options = {k: v for k, v in fsdp.items() if k not in ("world_size", "rank")}
     # kernels="cuda": attention, RMSNorm, dropout, cross-entropy run as on a GPU, on any host (planner.cuda)
@@ -274,12 +263,10 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
             step_precision = "fp32" if precision == "fsdp-mixed" else precision  # the policy casts, not autocast
             tracker = FSDPFakeTracker
         opt = make_optimizer(model, optimizer)
-        if fsdp is not None:
-            from .fsdp import step_on_shards
-            step_on_shards(opt)
         if fsdp is None:
             warm_up(model, opt)
         else:  # FSDP2's lazy init, its unsharded storages and Adam's state come from a real step
+            step_on_shards(opt)
             for _ in range(FSDP_WARM_UP_STEPS):
                 train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches)
         params = getattr(opt, "global_params", None) or [p for g in opt.param_groups for p in g["params"]]
@@ -293,10 +280,8 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
                       if isinstance(v, torch.Tensor) and v.device.type == device.type] if p in opt.state else []
                      for g in opt.param_groups for p in g["params"]]
         params = [_local(p) for p in params]
-        states = [_local(v) for s in opt.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.device.type == device.type]
         sizes = dict(param_sizes=[(p.numel(), p.element_size()) for p in params],
-                     state_sizes=[(v.numel(), v.element_size()) for v in states],
+                     state_sizes=[size for sizes in per_param for size in sizes],
                      grad_bytes_per_elem=params[0].element_size() if params else 4, param_state_sizes=per_param,
                      unit_numel=unit_numel, n_params=n_params)
     trace = Trace(  # outside the fake mode: a real tensor

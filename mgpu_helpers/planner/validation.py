@@ -4,9 +4,8 @@
                     methods=("ddp", "zero1", "fsdp2"), world_sizes=(2, 4))
     print(table(rows))
 
-A *method* is what torch runs (``METHODS``): ``ddp`` (DistributedDataParallel, default buckets),
-``zero1`` (ZeroRedundancyOptimizer over DDP), ``fsdp2`` (``fully_shard`` per block of the largest
-``nn.ModuleList``, then the root) and ``fsdp2-root`` (the root only); each maps to plan() options.
+A *method* is what torch runs (:data:`METHODS`: DDP, ZeroRedundancyOptimizer over DDP, FSDP2 per block or
+root only), each mapped to plan() options.
 
 **The measurement** is the course's ``MemoryTracker`` on each rank's device (``rank_device()``: a GPU per
 rank under NCCL, the CPU under gloo), entered before the model is built (the batch is made before, as the
@@ -72,6 +71,8 @@ def wrap(model, method, precision="fp32", device="cpu", mesh=None, **options):
 
 
 def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, options):
+    """This rank's steady step of ``method``: ``peak`` (the tracker's), ``start``/``start_prev`` (at the start
+    of the last two steps), on the CPU ``allocator``."""
     torch.manual_seed(0)
     device = rank_device()
     x, y = (t.to(device) for t in batch)  # made before the tracker starts: not counted, as in plan()
@@ -100,19 +101,12 @@ def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, opti
     return out
 
 
-def measure(model_fn, batch, *, loss_fn, method, world_size, precision="fp32", **options):
-    """Each rank's measured figures of the steady step of ``method`` on ``world_size`` ranks: ``peak`` (the
-    tracker's), ``start``/``start_prev`` (at the start of the last two steps), on the CPU ``allocator``."""
-    return run_ranks(_measure_rank, world_size, model_fn, batch, loss_fn, method, precision, options,
-                     timeout=600)
-
-
 def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_sizes=(2, 4),
-             precisions=("fp32",), tolerance=None, **options):
+             precisions=("fp32",), **options):
     """Rows ``{model, method, world, precision, rank, measured, planned, error, steady, allocator, held}`` for
     every combination (``error`` = planned / measured - 1: negative is an under-estimate, the dangerous
-    direction; ``held``: within ``tolerance``; by default 0 -- to the byte -- on the CPU, 2% on a GPU, whose
-    allocator rounds blocks and adds kernels' workspaces). Plans are of the ranks' device: the CPU under
+    direction; ``held``: to the byte on the CPU, within 2% on a GPU, whose allocator rounds blocks and adds
+    kernels' workspaces). Plans are of the ranks' device: the CPU under
     gloo, a GPU under NCCL."""
     from .budget import cublas_workspaces
     from .plans import plan
@@ -122,10 +116,9 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
             if precision == "fsdp-mixed" and not method.startswith("fsdp2"):
                 continue  # MixedPrecisionPolicy is FSDP2's
             for n in world_sizes:
-                got = measure(model_fn, batch, loss_fn=loss_fn, method=method, world_size=n,
-                              precision=precision, **options)
+                got = run_ranks(_measure_rank, n, model_fn, batch, loss_fn, method, precision, options, timeout=600)
                 device = "cuda" if "allocator" not in got[0] else "cpu"
-                bar = tolerance if tolerance is not None else (0.02 if device == "cuda" else 0.0)
+                bar = 0.02 if device == "cuda" else 0.0
                 p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, world_size=n, device=device,
                          **METHODS[method], **options)
                 if p.rank_peaks and len(p.rank_peaks) != n:

@@ -28,7 +28,8 @@ from torch import nn
 
 from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
-from mgpu_helpers.planner import TRACED_LAYOUTS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
+from mgpu_helpers.tools.plan_sources.base import first_line
+from mgpu_helpers.planner import OPTIMIZERS, TRACED_LAYOUTS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
 from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
 from mgpu_helpers.runtime.plots import fmt_bytes
 
@@ -69,7 +70,7 @@ def parse_args(argv):
     ap.add_argument("--micro-batches", help="micro-batch counts (default: 1,2,4 that divide --batch)")
     ap.add_argument("--precision", help=f"{', '.join(TRACED_LAYOUTS)}, comma-separated, or all (default: bf16-autocast; "
                     f"fp16-autocast on GPUs without native bf16: {', '.join(db.NO_NATIVE_BF16)})")
-    ap.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "momentum"),
+    ap.add_argument("--optimizer", choices=OPTIMIZERS,
                     help="(default: adamw for a Hugging Face model, as its users train; adam otherwise)")
     ap.add_argument("--attn", choices=ATTENTION, help="a Hugging Face model's attention implementation "
                     "(default: the one transformers picks, as on a GPU)")
@@ -95,16 +96,8 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def check_counts(a) -> None:
-    """The counts, before a batch is built of them (a negative one would reach torch as a traceback)."""
-    if a.batch < 1 or (a.seq is not None and a.seq < 1):
-        raise PlanInputError("--batch and --seq must be >= 1")
-    if a.jobs < 0:
-        raise PlanInputError(f"--jobs {a.jobs}: a process count >= 1 (0 or left out: chosen by model size)")
-
-
 def settings(a):
-    """Validated settings, before anything is traced: bad input fails here, fast (the counts: check_counts)."""
+    """Validated settings, before anything is traced: bad input fails here, fast (the counts: run)."""
     if a.gpu is None and a.gpu_memory is None:
         raise PlanInputError("give the GPU: --gpu NAME (" + ", ".join(db.GPUS) + ") or --gpu-memory SIZE (80GB, 80GiB)")
     if a.gpu:
@@ -185,7 +178,7 @@ def _plans_of(a, s, prec, ck, k):
         raise PlanInputError(f"{source.name}: {e}") from None
     except Exception as e:
         raise PlanInputError(f"tracing {source.name} ({prec}, checkpointing {ck}, {k} micro-batches) failed: "
-                             f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}") from None
+                             f"{type(e).__name__}: {first_line(e)}") from None
     conv = max(convs, default=0)
     rep = db.replayed(trace, [t.numel() * t.element_size() for t in batch], arch=s["arch"], allocator=a.allocator)
     plans = []
@@ -213,10 +206,6 @@ def _plans_of(a, s, prec, ck, k):
     return trace.n_params, plans
 
 
-def _job(args):
-    return _plans_of(*args)
-
-
 def _parameters(source) -> int:
     """The model's parameter count, built on the meta device (no memory; 0 if it cannot be built so)."""
     try:
@@ -228,8 +217,12 @@ def _parameters(source) -> int:
 
 def run(a):
     source = resolve(a.model, a.attn, a.moe_imbalance)  # bad input fails here, before any worker starts,
-    # the model first (a wrong model is the error to see, even when --gpu is missing too)
-    check_counts(a)
+    # the model first (a wrong model is the error to see, even when --gpu is missing too), then the counts
+    # before a batch is built of them (a negative one would reach torch as a traceback)
+    if a.batch < 1 or (a.seq is not None and a.seq < 1):
+        raise PlanInputError("--batch and --seq must be >= 1")
+    if a.jobs < 0:
+        raise PlanInputError(f"--jobs {a.jobs}: a process count >= 1 (0 or left out: chosen by model size)")
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     s = settings(a)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
@@ -243,9 +236,9 @@ def run(a):
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            results = list(tqdm(pool.map(_job, jobs), **bar))
+            results = list(tqdm(pool.map(_plans_of, *zip(*jobs)), **bar))
     else:
-        results = [_job(j) for j in tqdm(jobs, **bar)]
+        results = [_plans_of(*j) for j in tqdm(jobs, **bar)]
     results = [r for r in results if r is not None]
     n_params, traced = (results[0][0] if results else 0), len(results)
     plans = [p for _, ps in results for p in ps]
@@ -297,16 +290,14 @@ def render_text(r):
                    f"{p['step_cost']:>5.2f} | {p['peak_set_by']}{mark}")
     out += ["", "tensors: the step's tensors at their peak; alloc: what max_memory_allocated shows; device: what "
             "the process takes on the GPU (fits compares it with the capacity)", COST, ""]
+    best = r["plans"][r["cheapest"]] if r["cheapest"] is not None else min(r["plans"], key=lambda p: p["device_total"])
+    what = (f"{best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, checkpointing "
+            f"{'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es)")
     if r["cheapest"] is None:
-        best = min(r["plans"], key=lambda p: p["device_total"])
         out.append(f"nothing fits {fmt_bytes(cap)} per GPU; the smallest plan needs {fmt_bytes(best['device_total'])} "
-                   f"({best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, checkpointing "
-                   f"{'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es)):")
+                   f"({what}):")
     else:
-        best = r["plans"][r["cheapest"]]
-        out.append(f"cheapest plan that fits: {best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, "
-                   f"checkpointing {'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es) "
-                   f"(fewest GPUs, then the lowest cost). Per GPU:")
+        out.append(f"cheapest plan that fits: {what} (fewest GPUs, then the lowest cost). Per GPU:")
     for ln in best["lines"]:
         out.append(f"  {ln['name']:<22} {fmt_bytes(ln['bytes']):>11}   {ln['source']}")
         if ln["name"] == "allocated by tensors":
@@ -362,21 +353,17 @@ def save_plot(r, path):
 def main(argv=None):
     a = parse_args(argv)
     from mgpu_helpers.tools import plan_layouts
-    if plan_layouts.wanted(a):
-        try:
-            r = plan_layouts.run(a, _ints)
-        except (PlanInputError, ValueError) as e:
-            print(f"mgpu-plan: error: {e}", file=sys.stderr)
-            return 2
-        print(plan_layouts.to_json(r) if a.json else plan_layouts.render(r))
-        return 0 if any(row["fits"] for row in r["rows"]) else 1
+    layouts = plan_layouts.wanted(a)
     try:
-        r = run(a)
+        r = plan_layouts.run(a, _ints) if layouts else run(a)
     except (PlanInputError, ValueError) as e:  # ValueError: the planner's and planner.budget's own checks
         if os.environ.get("MGPU_PLAN_DEBUG"):
             raise
         print(f"mgpu-plan: error: {e}", file=sys.stderr)
         return 2
+    if layouts:
+        print(plan_layouts.to_json(r) if a.json else plan_layouts.render(r))
+        return 0 if any(row["fits"] for row in r["rows"]) else 1
     print(json.dumps(r, indent=1) if a.json else render_text(r))
     if a.plot:
         save_plot(r, a.plot)

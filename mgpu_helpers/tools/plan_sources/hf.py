@@ -5,14 +5,12 @@ A user of transformers trains with ``loss = model(input_ids=x, labels=x).loss`` 
 with the model's own ``gradient_checkpointing_enable()`` (non-reentrant by default in transformers 5), steps
 AdamW, and gets the attention implementation transformers picks (``sdpa`` where the family supports it,
 else ``eager``). :class:`UserStep` is that model as the planner's ``train_step`` calls it: tokens in, the
-model's loss out (``model_loss`` passes it through), ``gradient_checkpointing_enable`` the model's own.
+model's loss out (``output_loss`` passes it through), ``gradient_checkpointing_enable`` the model's own.
 
 Mixture-of-experts layers: transformers 5 runs the experts as one grouped matmul over every (token, chosen
 expert) row (``experts_implementation="grouped_mm"``, its default on an sm80+ GPU), whose tensors do not
-depend on which expert a token goes to; the plan says so. Families whose experts loop over the experts hit
-(data-dependent sizes) are traced with the tokens spread evenly over the experts, or with ``--moe-imbalance F``
-times the even share to the busiest expert (at most every token; the others share the rest), and the plan
-says which (``planner.dynamic``).
+depend on the routing; families that loop over the experts hit are traced with the routing
+``planner.dynamic`` states (``--moe-imbalance``). The plan's assumptions say which.
 """
 from __future__ import annotations
 
@@ -31,6 +29,11 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_at
 # flash-attention kernels keep what torch's own flash kernel keeps (output, one log-sum-exp per row, the
 # inputs): planned as SDPA's flash kernel, which takes fp16/bf16 only, as flash-attention does
 _FLASH = ("flash_attention_2", "flash_attention_3")
+
+
+def text_config(cfg):
+    """The language model's config (a multimodal config nests it)."""
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def _transformers():
@@ -67,11 +70,6 @@ def read_config(path: Path):
     except Exception as e:  # noqa: BLE001 - the family's own validation: its message says what is wrong
         raise PlanInputError(f"{file}: this {d['model_type']} config is inconsistent: {type(e).__name__}: "
                              f"{first_line(e)}") from None
-
-
-def model_loss(out, targets):
-    """The loss ``UserStep`` already computed (the model's own, from ``labels=``)."""
-    return out
 
 
 class UserStep(nn.Module):
@@ -138,7 +136,7 @@ UNPADDED = ("every row of the batch is one sequence of --seq tokens (no padding,
 
 def _experts(cfg):
     """(experts, experts per token) of a mixture-of-experts config, else None."""
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config(cfg)
     for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_num_experts"):
         v = getattr(text, k, None)
         if isinstance(v, int) and v > 1:
@@ -161,8 +159,7 @@ def _default_attention(cfg) -> str:
 
 def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
     transformers, cfg = read_config(path)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    vocab = int(getattr(text_config(cfg), "vocab_size", 0) or 0)
     if attn is not None and attn not in ATTENTION:
         raise PlanInputError(f"--attn {attn!r}: one of {', '.join(ATTENTION)}")
     build_attn = "sdpa" if attn in _FLASH else attn  # planned as SDPA's flash kernel (planner.cuda)
