@@ -43,7 +43,9 @@ def _mistake(ex: str, named: str):
 def test_every_check_has_its_mistakes_and_its_edge_cases():
     for notebook in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"):  # every check, in the table or not
         _load(notebook)
-    assert sorted(REGISTRY) == sorted(EXERCISES) == sorted(EDGES)
+    course = sorted(ex for ex, check in REGISTRY.items()  # not the made-up checks other test files register
+                    if type(check).__module__.startswith("mgpu_helpers.checks."))
+    assert course == sorted(EXERCISES) == sorted(EDGES)
 
 
 @pytest.mark.parametrize("ex", [marked(ex, id=ex) for ex in ORDER])
