@@ -329,7 +329,10 @@ def main(job, jobfd=None):
     tasks = spec.get("tasks") if spec["namespace"] or uid else None
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "pytest", os.path.join(work, spec["notebook"]), "--nbval", "--nbval-current-env",
-           f"--nbval-cell-timeout={spec['cell_timeout']}", "--nbval-kernel-startup-timeout=60",
+           f"--nbval-cell-timeout={spec['cell_timeout']}",
+           # a kernel's start (importing torch) is not the learner's: on busy cores it took over nbval's 60 s
+           # default and every cell errored; the notebook's own timeout bounds it
+           f"--nbval-kernel-startup-timeout={max(60, int(spec['notebook_timeout']))}",
            "-p", "no:cacheprovider", "-p", "mgpu_helpers.tools.grading.nbplugin", f"--mgpu-report-fd={wfd}",
            f"--mgpu-output-cap={spec['output_cap']}", f"--mgpu-output-cap-total={spec['output_cap_total']}",
            *([f"--mgpu-max-tasks={tasks}"] if tasks else []),
