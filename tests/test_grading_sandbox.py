@@ -27,6 +27,7 @@ from mgpu_helpers.tools.grading.execute import _repo, needed_paths, processes_bo
 
 FIX = Path(__file__).parent / "grading_fixtures"
 NB = "90_fixture.ipynb"
+PROBE = "91_probe.ipynb"  # its own name: test_grading.py grades 90_fixture beside it under pytest -n, and ps shows both
 REPO = Path(__file__).resolve().parent.parent
 SANDBOXED = sandbox()[0] is not None
 LIMIT = 96 + 4 * (os.cpu_count() or 1)
@@ -107,7 +108,7 @@ def probed(tmp_path_factory):
     sol, pkg, hid, sub, out = (tmp / n for n in ("solutions", "pkg", "hidden", "submissions", "out"))
     for d in (sol, pkg, hid, sub / "probe"):
         d.mkdir(parents=True)
-    shutil.copy(FIX / f"{NB}.json", sol / NB)
+    shutil.copy(FIX / f"{NB}.json", sol / PROBE)
     shutil.copy(FIX / "fixture_course.py", pkg / "fixture_course.py")
     shutil.copy(FIX / "hidden_checks.py", hid / "hidden_checks.py")
     # A second checkout of the course, outside the repository and HOME, in two places.
@@ -127,7 +128,7 @@ def probed(tmp_path_factory):
     nb = release_notebook(nbformat.reads((FIX / f"{NB}.json").read_text(), as_version=4))
     _exercise(nb, "90.1").source = WALK.replace("@ALLOWED@", repr(allowed)).replace("@SECRETS@", repr(secrets))
     _exercise(nb, "90.2").source = FORKS.replace("@LIMIT@", str(LIMIT))
-    (sub / "probe" / NB).write_text(nbformat.writes(nb))
+    (sub / "probe" / PROBE).write_text(nbformat.writes(nb))
     try:
         rc = grade_main([str(sub), "--out", str(out), "--solutions", str(sol), "--hidden", str(hid), "--import-path",
                          str(pkg), "--timeout", "120", "--key", "k", "--max-processes", str(LIMIT)])
@@ -190,7 +191,7 @@ def test_sandbox_process_tree_is_gone_afterwards(probed):
         pytest.skip("no ps here")
     for _ in range(20):  # the kernel tears the namespace down after pid 1 exits: under load, a moment later
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-        if f"mgpu-grade/work/{NB}" not in ps:
+        if f"mgpu-grade/work/{PROBE}" not in ps:
             break
         time.sleep(0.5)
-    assert f"mgpu-grade/work/{NB}" not in ps
+    assert f"mgpu-grade/work/{PROBE}" not in ps
