@@ -3,31 +3,24 @@ live on ``rank_device()``.
 
 An NCCL-only group has no CPU backend: ``dist.all_reduce(torch.arange(4))`` raises "No backend type associated
 with device type cpu"; on gloo CPU ranks the same call works. So that code which works here also works on
-GPUs, every gloo CPU rank (``enable``, called by the launcher) judges which tensors would be *host* tensors on
-a GPU machine, and its collectives and send/recv refuse them with :class:`ContractError`, naming the tensor
-(shape, dtype, where it was made) and the call. A ``TorchFunctionMode`` sees every torch call of the rank:
+GPUs, every gloo CPU rank (``enable``, called by the launcher) judges, in a ``TorchFunctionMode`` that sees
+every torch call, which tensors would be *host* tensors on a GPU machine; its collectives and send/recv refuse
+them with :class:`ContractError`, naming the tensor (shape, dtype, where it was made) and the call.
 
 - **host**: handed to the rank by the caller (``run_ranks(fn, n, x)``); made by a factory (``torch.tensor``,
   ``zeros``, ``from_numpy``, ``nn.Linear``'s parameters...) with no device or a string device (``"cpu"``);
   ``.cpu()`` and ``.to("cpu")`` (a fresh alias: the original keeps its judgement); an op whose tensor inputs
   are all host; an ``nn.Parameter`` of host data.
 - **device**: made with a ``torch.device`` object (``device=rank_device()``, ``device=x.device``); moved with
-  ``.to(rank_device())`` (on the CPU the same tensor, which is then device); an op with any device input;
-  any tensor the mode never saw (made in C++: autograd's gradients, a backend's buffers).
+  ``.to(rank_device())``; an op with any device input; any tensor the mode never saw (made in C++).
 - an in-place op (``x.add_()``, ``out=``, ``dist.recv`` into a buffer) keeps its tensor's judgement.
 
 ``dcp.async_save`` refuses to run unless the launch asked for a CPU backend (``run_ranks(...,
 cpu_backend=True)``), as torch does on an NCCL-only group. Collectives called from torch's own code (FSDP2,
-DTensor, DDP's Python parts) are not judged: torch places their buffers itself.
-
-Blind spots (it may pass code that fails on GPUs, never the reverse): tensors made in other threads (a mode is
-per thread); a host tensor moved with ``.to(rank_device())`` turns device *in place*, so the original passes;
-``device=torch.device("cpu")`` spelt out counts as device; collectives made in C++ (DDP's reducer) and through
-``torch.ops._c10d_functional``; a collective taken into a variable before the rank started; host parameters
-only ever computed with, never sent.
-
-Off with ``MGPU_CONTRACT=0``. Cost: one Python call per torch op, 2 to 8 microseconds on a 2-core machine (an
-8-layer MLP of width 64: 0.99 ms a step without, 1.59 ms with; at width 512, within the noise).
+DTensor, DDP) are not judged: torch places their buffers itself. Blind spots (it may pass code that fails on
+GPUs, never the reverse): tensors made in other threads (a mode is per thread); a host tensor moved with
+``.to(rank_device())``, which on the CPU turns device in place; ``device=torch.device("cpu")`` spelt out;
+collectives made in C++ or through ``torch.ops._c10d_functional``. Off with ``MGPU_CONTRACT=0``.
 """
 import os
 import sys
@@ -42,8 +35,8 @@ _TAG = "_mgpu_host"  # the attribute a host tensor carries: where it was made (a
 _active = False
 _cpu_backend = False  # whether the launch asked for a CPU backend beside the GPU's (run_ranks(cpu_backend=True))
 
-# Collectives and point-to-point calls whose tensor arguments must be on the rank's device.
-# (Those a torch lacks are skipped: all_gather_single / reduce_scatter_single are torch 2.13's names.)
+# Collectives and point-to-point calls whose tensor arguments must be on the rank's device (those a torch lacks
+# are skipped).
 CALLS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_coalesced",
          "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
          "reduce_scatter_single", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
@@ -124,30 +117,14 @@ class _HostMode(TorchFunctionMode):
     def _origin(func, args, kwargs, out):
         """Where ``out`` was made if it is host, None if device, False to leave it as it is (in place)."""
         if kwargs and "device" in kwargs:
-            device = kwargs["device"]
-            return f"{_name(func)} in {_where()}" if _on_host(device) else None
+            return f"{_name(func)} in {_where()}" if _on_host(kwargs["device"]) else None
         if func is _TO and len(args) > 1 and isinstance(args[1], torch.device):
             return None  # .to(rank_device()), Module.to(rank_device())
         origin = None  # the first host input's: the data, before the weights it met
-        for a in args:
-            if isinstance(a, _Tensor):
-                if a is out:  # in place (x.add_(), out=): the tensor keeps its judgement
-                    return False
-                tag = getattr(a, _TAG, None)
-                if tag is None:
-                    return None
-                origin = origin or tag
-            elif isinstance(a, (list, tuple)):  # torch.cat([...]), torch.stack([...])
-                for t in a:
-                    if isinstance(t, _Tensor):
-                        tag = getattr(t, _TAG, None)
-                        if tag is None:
-                            return None
-                        origin = origin or tag
-        if kwargs:
-            for t in kwargs.values():
+        for a in (*args, *(kwargs or {}).values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):  # torch.cat([...]), torch.stack([...])
                 if isinstance(t, _Tensor):
-                    if t is out:
+                    if t is out:  # in place (x.add_(), out=): the tensor keeps its judgement
                         return False
                     tag = getattr(t, _TAG, None)
                     if tag is None:
@@ -251,9 +228,8 @@ def enable(cpu_backend=False):
     _active, _cpu_backend = True, cpu_backend
     if _SAVER in sys.modules:
         saver = sys.modules[_SAVER]
-        saver.async_save = _async_save(saver.async_save)
-        if "torch.distributed.checkpoint" in sys.modules:
-            sys.modules["torch.distributed.checkpoint"].async_save = saver.async_save
+        saver.async_save = _async_save(saver.async_save)  # its package is imported first: it has the name too
+        sys.modules["torch.distributed.checkpoint"].async_save = saver.async_save
     else:
         sys.meta_path.insert(0, _PatchSaver())
     c10d = dist.distributed_c10d
@@ -279,9 +255,6 @@ def mark_host(value, origin: str, _depth: int = 0):
     elif isinstance(value, torch.nn.Module):
         for t in (*value.parameters(), *value.buffers()):
             _tag(t, origin)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            mark_host(v, origin, _depth + 1)
-    elif isinstance(value, dict):
-        for v in value.values():
+    elif isinstance(value, (list, tuple, dict)):
+        for v in value.values() if isinstance(value, dict) else value:
             mark_host(v, origin, _depth + 1)

@@ -8,29 +8,22 @@
 
 As a script, ``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2 -m my.module`` (try
 ``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.runtime.launch``). ``describe(2)`` says how 2 ranks
-would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving
-``timeout`` s raises ``RankTimeout`` (a TimeoutError) saying where each hung rank was; every way out (Ctrl-C
-too) kills and joins every child. launch_watch.py watches the running ranks.
+would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving ``timeout`` s
+raises ``RankTimeout`` saying where each hung rank was (launch_watch.py); every way out, Ctrl-C too, kills and
+joins every child.
 
-**Backends and the device contract.** ``backend="auto"`` gives each rank, by what the machine has:
+``backend="auto"`` gives each rank, by what the machine has:
 
-- one GPU per rank: an NCCL group, ``rank_device()`` = ``cuda:LOCAL_RANK``. NCCL has no CPU backend (a CPU
-  tensor in a collective raises "No backend type associated with device type cpu"), so models and batches
-  live on ``rank_device()`` and results go back as Python values or ``.cpu()`` tensors.
-- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``, each rank under ``contract.py``: a
-  tensor that would be a host tensor on a GPU machine raises ``ContractError`` in a collective or send/recv.
-- ``MGPU_SHARED_GPU=1`` and at least one GPU but fewer than ranks (tests on one lent GPU): a CUDA-only gloo
-  group, ``init_process_group("cuda:gloo")``, every rank on GPU 0 (NCCL refuses two ranks on one GPU). Like
-  NCCL it has no CPU backend; but on an H100 (torch 2.11) only its all_reduce, broadcast, reduce,
-  all_gather(_into_tensor), reduce_scatter(_tensor) and all_to_all_single ran, while send/recv failed ("Bad
-  address") and ``DTensor.full_tensor()`` killed the ranks (SIGSEGV): such a cell needs one GPU per rank
-  (bench/RESULTS.md, 2026-12-06).
+- one GPU per rank: NCCL, ``rank_device()`` = ``cuda:LOCAL_RANK``. NCCL has no CPU backend, so models and
+  batches live on ``rank_device()`` and results go back as Python values or ``.cpu()`` tensors.
+- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``, under ``contract.py``: a tensor that
+  would be a host tensor on a GPU machine raises ``ContractError`` in a collective or send/recv.
+- ``MGPU_SHARED_GPU=1`` with fewer GPUs than ranks (tests on one lent GPU): ``init_process_group("cuda:gloo")``,
+  every rank on GPU 0 (NCCL refuses two ranks on one GPU); send/recv and DTensor fail there (bench/RESULTS.md).
 
-``cpu_backend=True`` adds a CPU backend beside NCCL, ``init_process_group("cuda:nccl,cpu:gloo")`` as torchtitan
-does: ``dcp.async_save`` refuses a group without one ("A CPU backend must be enabled for async save",
-torch/distributed/checkpoint/state_dict_saver.py). Object collectives need none. Off by default, so that a
-CPU tensor in a collective fails on GPUs as the contract says instead of taking a slow gloo detour; with it
-``dist.get_backend()`` returns the whole string: ask ``rank_device()`` for the device.
+``cpu_backend=True`` adds a CPU backend beside NCCL (``"cuda:nccl,cpu:gloo"``, as torchtitan does), which
+``dcp.async_save`` needs. Off by default, so that a CPU tensor in a collective fails on GPUs as the contract says;
+with it ``dist.get_backend()`` returns the whole string: ask ``rank_device()`` for the device.
 """
 import contextlib, datetime, faulthandler, io, linecache, multiprocessing as mp, os, pickle, signal  # noqa: E401
 import pkgutil
@@ -85,9 +78,8 @@ def _cuda(backend):
 
 
 def _note(note):
-    # Once per process, and on stderr: a notebook's compared stdout stays the same on CPU, 1 and N GPUs.
-    # MGPU_FALLBACK_NOTE=0 silences it: the test run sets it, since nbval compares stderr too and the
-    # note appears only on machines with fewer GPUs than ranks.
+    # Once per process, on stderr: stdout stays the same on CPU, 1 and N GPUs. MGPU_FALLBACK_NOTE=0 (the
+    # test run) silences it, since nbval compares stderr too.
     global _noted
     if note and not _noted and os.environ.get("MGPU_FALLBACK_NOTE", "1") != "0":
         _noted = True
@@ -95,17 +87,14 @@ def _note(note):
 
 
 def _start_method(backend, threads=None):
-    # Fork starts 2 ranks in 0.1 s, spawn in 2.3 s (2 cores, torch 2.13). But forked children can't use CUDA
-    # once the parent asked for it, nor run backward once a CUDA build's autograd started per-GPU threads
-    # (H200), and GNU OpenMP hangs a forked child's first parallel op if the parent ran one: fork only
-    # without a GPU, 1 thread per rank. Otherwise a forkserver: a fresh interpreter that imported torch
-    # and never touches CUDA nor runs a parallel op: 0.5 s against 5 s for spawn (H200).
+    # Fork is the fastest, but forked children can't use CUDA once the parent did, nor run backward once a
+    # CUDA build's autograd started its threads, and GNU OpenMP hangs a forked child's first parallel op if
+    # the parent ran one: fork only on a CPU build, 1 thread per rank. Otherwise a forkserver, which imported
+    # torch and never touches CUDA: far faster than spawn.
     if os.environ.get("MGPU_START_METHOD"):  # tests, debugging: fork, forkserver or spawn
         return os.environ["MGPU_START_METHOD"]
     if not sys.platform.startswith("linux"):
         return "spawn"  # macOS: fork and forkserver children may crash in system frameworks
-    # A CUDA build counts as "with a GPU" even with none visible: forked ranks still hit "Unable to handle
-    # autograd's threading in combination with fork-based multiprocessing" once the caller ran a backward.
     fork_ok = (backend == "gloo" and not torch.backends.cuda.is_built() and not torch.cuda.is_initialized()
                and torch.cuda.device_count() == 0 and (threads or 1) == 1)
     return "fork" if fork_ok else "forkserver"
@@ -114,14 +103,10 @@ def _start_method(backend, threads=None):
 def _context(method):
     ctx = mp.get_context(method)
     if method == "forkserver":  # what the server imports once (no effect once it runs)
+        # A child re-runs the caller's __main__ module by name (not a `python -m pkg` main), and imports
+        # every module a rank may need, in every rank of every launch unless the server has it.
         main = getattr(sys.modules["__main__"].__spec__, "name", None)
-        # A child re-runs the caller's __main__ module by name (a kernel's imports take 0.5 s): preloaded,
-        # that costs nothing. `python -m pkg` mains (pkg.__main__) are not re-run.
         extra = [main] if main and not main.endswith("__main__") else []
-        # Also every module a rank of this course may import: the server starts once per kernel and a module
-        # it lacks is imported again in every rank of every launch -- torch._dynamo alone costs 1.4 s per
-        # rank (notebook 04: 147 s on an H200 with only the first notebook's modules preloaded). None
-        # touches CUDA.
         extra += sorted(m for m in sys.modules if m.startswith("mgpu_helpers.")) + _RANK_MODULES
         ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", __name__] + extra)
     return ctx
@@ -189,9 +174,7 @@ def rank_device():
 
 def _setup_rank(local_rank, backend, threads, cpu_backend=False):
     global _device
-    if _cuda(backend):
-        # "cuda:gloo" (MGPU_SHARED_GPU=1): every rank on GPU 0. Before anything touches CUDA, else every
-        # NCCL rank uses GPU 0.
+    if _cuda(backend):  # before anything touches CUDA; "cuda:gloo" (MGPU_SHARED_GPU=1): every rank on GPU 0
         _device = torch.device("cuda", 0 if "cuda:gloo" in backend else local_rank)
         torch.cuda.set_device(_device)
     else:
@@ -214,23 +197,19 @@ class _JobPickler(cloudpickle.Pickler):
 def _ship(fn, args):
     """fn and args by value: plain pickle names notebook functions __main__.fn, unknown to a new process."""
     buf, _JobPickler.files = io.BytesIO(), set()
-    try:
-        _JobPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args))
-    except AttributeError:  # cloudpickle < 3 lacks _code_reduce: tracebacks then show no source
-        buf = io.BytesIO(cloudpickle.dumps((fn, args)))
+    _JobPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, args))
     return pickle.dumps((buf.getvalue(), {f: linecache.getlines(f) for f in _JobPickler.files}))
 
 
 def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn, dump, job, parent_pid,
                cpu_backend=False):
-    """One rank: set up, run fn, send ("ok", pickled result) or ("err", time, summary, traceback)."""
+    """One rank: set up, run fn, send its result or its error (launch_watch.collect reads them)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it kills us
     # On a timeout the caller asks for our Python stack before it kills us (see launch_watch).
     faulthandler.register(DUMP_SIGNAL, file=dump.fileno(), all_threads=True)
     if sys.platform.startswith("linux"):
-        # Die with our parent, the caller or its forkserver (which exits with the caller): a kernel
-        # restart SIGKILLs it, and a rank blocked in a collective would outlive it until the group
-        # timeout. 1 = PR_SET_PDEATHSIG.
+        # Die with our parent (the caller, or its forkserver): a rank blocked in a collective would outlive a
+        # killed kernel until the group timeout. 1 = PR_SET_PDEATHSIG.
         __import__("ctypes").CDLL(None).prctl(1, signal.SIGKILL)
         if parent_pid is not None and os.getppid() != parent_pid:
             os._exit(1)  # the caller died before prctl took effect
@@ -244,7 +223,7 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
         fn, args = job
         for i, arg in enumerate(args):  # the caller's tensors, on the CPU on every machine (contract.py)
             contract.mark_host(arg, f"the caller: argument {i + 3} of run_ranks")
-        conn.send_bytes(pickle.dumps(("go",)))  # imports done: the caller's timeout starts when all said so
+        conn.send_bytes(pickle.dumps({"kind": "go"}))  # imports done: the caller's timeout starts when all said so
         timeout, store = datetime.timedelta(seconds=pg_timeout), dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         # Wait until every rank's init returned: a rank whose fn did no collective could otherwise exit
@@ -254,18 +233,16 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
         result = fn(rank, world_size, *args)
         if dist.is_initialized():
             dist.destroy_process_group()
-        # Plain pickle, not the pipe's ForkingPickler: torch registers reducers there that put tensors
-        # in shared memory owned by this process, gone once it exits; plain pickle copies the bytes.
-        # cloudpickle takes what plain pickle refuses (lambdas, classes made inside fn).
+        # Plain pickle copies tensors' bytes (the pipe's ForkingPickler would share memory that dies with this
+        # process); cloudpickle takes what it refuses (lambdas, classes made inside fn).
         try:
-            msg = ("ok", pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+            msg = {"kind": "ok", "result": pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)}
         except Exception:
-            msg = ("ok", cloudpickle.dumps(result))
+            msg = {"kind": "ok", "result": cloudpickle.dumps(result)}
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: the caller must hear of them
-        # Sent before anything is torn down, so it precedes the errors this rank's death causes in its
-        # peers; the timestamp (CLOCK_MONOTONIC, system-wide) orders errors that arrive together.
+        # Sent before anything is torn down; the time (CLOCK_MONOTONIC, system-wide) orders errors (launch_watch).
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
-        msg = ("err", time.monotonic(), f"{type(e).__name__}: {e}", tb)
+        msg = {"kind": "err", "time": time.monotonic(), "what": f"{type(e).__name__}: {e}", "traceback": tb}
     conn.send_bytes(pickle.dumps(msg))
     conn.close()
 
@@ -275,7 +252,6 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
     by rank. ``backend``, ``cpu_backend``: the module docstring. Each rank gets ``threads`` torch threads
     (default: 1 for forked ranks, else cores // world_size). Raises RankError, or RankTimeout after ``timeout`` s.
     """
-    # a learner's slip, said before any process starts (0 ranks divided by zero; -1 returned [] silently)
     if not callable(fn):
         raise TypeError(f"run_ranks: the first argument must be the function each rank runs, got "
                         f"{type(fn).__name__}")
@@ -287,12 +263,10 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
     ctx = _context(method)
     threads = _threads(method, world_size, threads)
     job = (fn, args) if method == "fork" else _ship(fn, args)  # forked ranks inherit fn and args
-    # The ranks' group times out after the launch does, so our TimeoutError names the hung ranks
-    # first; theirs is a backstop (gloo's default, 30 minutes, kept orphans alive).
+    # The group times out after the launch, so our RankTimeout names the hung ranks first.
     pg_timeout = (timeout if timeout is not None else 1800) + 5
-    # Rendezvous through a FileStore in a fresh temp file: no port to choose, hence none to race for,
-    # and nothing listens here. A TCPStore here (port 0) was dropped: in 1 launch in 15 its server never
-    # answered a rank's handshake (libuv and legacy backends alike), hanging the launch.
+    # Rendezvous through a FileStore in a fresh temp file: no port to choose, none to race for (a TCPStore
+    # on port 0 sometimes never answered a rank's handshake).
     fd, store_path = tempfile.mkstemp(prefix="mgpu-rdzv-")
     os.close(fd)
     procs, conns, dumps = [], [], []
@@ -311,9 +285,7 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
                 procs[-1].start()
                 writer.close()  # now only the child holds it, so the child's exit shows as EOF on reader
                 dump_writer.close()
-        # The timeout runs from when every rank has started (collect: each says "go" after its imports):
-        # a forkserver's first start (its preloads: 9-10 s on the H200 host) or a spawned rank importing
-        # dynamo under load (15+ s) is not the ranks' time.
+        # The timeout runs from when every rank said "go" (after its imports): a cold start is not theirs.
         return collect(procs, conns, dumps, timeout)
     finally:
         for p in procs:
@@ -343,9 +315,7 @@ def torchrun_main(fn, *args, backend="auto", timeout=300.0, cpu_backend=False):
                             timeout=datetime.timedelta(seconds=timeout))
     try:
         result = fn(rank, world_size, *args)
-        # No rank tears its group down while a peer still talks to it (gloo aborted a rank at exit under load:
-        # "terminate called without an active exception").
-        dist.barrier()
+        dist.barrier()  # no rank tears its group down while a peer still talks to it (gloo aborted under load)
     finally:
         dist.destroy_process_group() if dist.is_initialized() else None
     print(result, flush=True) if rank == 0 else None

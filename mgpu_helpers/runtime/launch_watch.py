@@ -14,6 +14,7 @@ import re
 import sys
 import sysconfig
 import time
+import traceback
 from multiprocessing.connection import wait
 from signal import SIGUSR1 as DUMP_SIGNAL, Signals
 
@@ -97,12 +98,7 @@ def _receive(proc, conn):
     seen = time.monotonic()
     if conn.poll():
         try:
-            msg = pickle.loads(conn.recv_bytes())
-            if msg[0] == "go":
-                return {"kind": "go"}
-            if msg[0] == "ok":
-                return {"kind": "ok", "result": msg[1]}
-            return {"kind": "err", "time": msg[1], "what": msg[2], "traceback": msg[3], "seen": seen}
+            return {**pickle.loads(conn.recv_bytes()), "seen": seen}
         except EOFError:
             pass
     elif proc.exitcode is None:
@@ -163,9 +159,7 @@ def _timed_out(procs, dumps, running, timeout, why=""):
     for r in running:
         frames, launcher = _frames(texts[r])
         if frames:
-            stacks[r] = "".join(f'  File "{file}", line {n}, in {fn}\n' + (
-                f"    {linecache.getline(file, n).strip()}\n" if linecache.getline(file, n) else "")
-                for file, n, fn in frames)
+            stacks[r] = "".join(traceback.format_list([(file, n, fn, None) for file, n, fn in frames]))
         lines.append(f"  rank {r} " + _where(frames, launcher))
     return RankTimeout("\n".join(lines), running, stacks)
 

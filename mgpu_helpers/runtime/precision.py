@@ -1,27 +1,19 @@
 """The reduced precision a lesson trains in on this device, decided in one place.
 
-    from mgpu_helpers.runtime.precision import training_precision
     p = training_precision()                        # this process's device: cuda if visible, else cpu
     print(p.why)                                    # one line: what was chosen and why
     scaler = torch.amp.GradScaler(p.device_type, enabled=p.needs_scaler)
     with torch.autocast(p.device_type, dtype=p.dtype):
         loss = model(x)...
 
-* A GPU of compute capability 8.0 or newer (A100, H100, L4, ...) computes bf16 natively: bf16 autocast, no
-  loss scaling (bf16 has fp32's exponent range, so gradients do not underflow).
-* An older NVIDIA GPU (T4 = 7.5, V100 = 7.0) has fp16 tensor cores but no bf16 units: fp16 autocast with
-  ``torch.amp.GradScaler``, which is then not optional (fp16's smallest normal is 6.1e-5: small gradients
-  round to subnormals or zero without a loss scale). ``torch.cuda.is_bf16_supported()`` still answers True
-  there: its default ``including_emulation=True`` only tries to create a bf16 tensor
-  (torch/cuda/__init__.py); bf16 math then runs without tensor cores. This module asks
-  ``including_emulation=False``, which is the compute capability test.
-* ROCm GPUs: bf16 (``is_bf16_supported`` returns True for every HIP device).
-* A CPU: bf16 autocast (``torch.autocast("cpu")``'s default dtype), no scaler.
+A GPU of compute capability 8.0 or newer (A100, H100, L4, ...) computes bf16 natively: bf16 autocast, no loss
+scaling (bf16 has fp32's exponent range). An older NVIDIA GPU (T4 = 7.5, V100 = 7.0) has no bf16 units: fp16
+autocast with ``torch.amp.GradScaler``, which is then required (small fp16 gradients round to zero).
+``torch.cuda.is_bf16_supported()`` answers True there, counting emulation by default (torch/cuda/__init__.py),
+so this module reads the compute capability instead. ROCm GPUs and CPUs: bf16, no scaler.
 
-``MGPU_GPU_CAPABILITY=7.5`` (the environment variable, ``MAJOR.MINOR``) makes the decision on a CUDA device as if
-the GPU had that compute capability: the course behaves as on a T4 (fp16 + GradScaler) on any GPU, through
-this same decision, and ``why`` says where the capability came from. A CPU ignores it; a value that is not
-``MAJOR.MINOR`` is a ValueError.
+``MGPU_GPU_CAPABILITY=7.5`` (``MAJOR.MINOR``) decides on a CUDA device as if the GPU had that compute
+capability (the course as on a T4, on any GPU); ``why`` says so. A CPU ignores it.
 """
 from __future__ import annotations
 

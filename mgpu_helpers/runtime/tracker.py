@@ -14,19 +14,15 @@ through the timeline and the peak breakdown.
 
 Rounding: CUDA's caching allocator counts 512-byte blocks; ``round_to=None`` counts exact bytes on the CPU
 and blocks on CUDA, ``round_to=512`` on the CPU predicts a GPU. Not seen: kernels' own scratch (cuBLAS
-workspace; an fp32 ``sum`` over 2048 rows took 64 MiB on an H200) and allocator slack
-(bench/tracker_vs_cuda.py: within 14 KiB, fp32 peaks 2.3-2.6% low). On CUDA ``current_bytes``/``peak_bytes``
-read the allocator, less what was allocated at entry beyond the model and optimizer; the breakdowns'
-``other`` absorbs the difference (``accounted_bytes``: the tensors alone).
-Storages re-grown with ``UntypedStorage.resize_`` count from the ``with`` on (FSDP2 frees its unsharded
-parameters with ``resize_(0)`` and re-grows them).
+workspace) and allocator slack (bench/tracker_vs_cuda.py). On CUDA ``current_bytes``/``peak_bytes`` read the
+allocator, less what was allocated at entry beyond the model and optimizer; the breakdowns' ``other`` absorbs
+the difference (``accounted_bytes``: the tensors alone).
 
 Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``, whose design this follows (a weakref per
-storage, ``resize_`` patched, DTensor decomposed, fake-mode ops skipped)? It labels a tensor by *when* it was
-made (foreach Adam's sqrt temporary shows as optimizer state, inputs as activations); it counts a tensor
-made before entry once an in-place op touches it; it raises on a second forward unless reset; it has no
-timeline, phases, peak reset or rounding off CUDA; and it takes ~1.4 s to import. ``per_module=True`` runs
-it alongside for per-module figures: ``mt.module_tracker.display_modulewise_snapshots(depth=2, units="MiB")``.
+storage, ``resize_`` patched for FSDP2, DTensor decomposed, fake-mode ops skipped)? It labels a tensor by *when*
+it was made, not by its role; it counts a tensor made before entry once an in-place op touches it; it has no
+timeline, phases, peak reset or rounding off CUDA. ``per_module=True`` runs it alongside for per-module
+figures: ``mt.module_tracker.display_modulewise_snapshots(depth=2, units="MiB")``.
 """
 from __future__ import annotations
 
