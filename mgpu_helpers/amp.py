@@ -9,22 +9,7 @@ dynamic loss scaling (exercise 6.1, checked against ``torch.amp.GradScaler``), f
 * ``step_memory(widths, batch, precision)`` -- activations after forward and the peak of forward+backward,
   measured with ``MemoryTracker``, for "fp32", "autocast" (bf16) and "bf16" (a pure bf16 model);
   ``plot_precisions`` draws them; ``saved_for_backward`` -- which layers keep a bf16 weight copy.
-* Checks 6.1 and 6.2 live in ``amp_checks`` (re-exported here).
-
-Apex ``amp`` (NVIDIA, 2018) came before ``torch.amp``. Its opt levels and today's equivalents::
-
-    O0  fp32 everywhere                      -> no autocast (the baseline)
-    O1  patch ops to 16 bits from allow/deny -> torch.autocast(device, dtype) + torch.amp.GradScaler (fp16)
-        lists, dynamic loss scaling
-    O2  16-bit model, fp32 master weights    -> exercise 6.2 by hand; FSDP2 MixedPrecisionPolicy(param_dtype=
-        in the optimizer, norms kept fp32       torch.bfloat16, reduce_dtype=torch.float32) with sharding
-                                                (notebook 08 describes it; notebook 12 measures it)
-    O3  pure 16 bits, no master weights      -> model.to(torch.bfloat16) (the "bf16" row: updates get lost)
-
-``amp.initialize(model, opt, opt_level)`` has no equivalent (nothing to patch); ``with amp.scale_loss(loss,
-opt) as s: s.backward()`` became ``scaler.scale(loss).backward()``; clipping ``amp.master_params(opt)``
-became ``scaler.unscale_(opt)`` then clipping the parameters. ``torch.cuda.amp.autocast/GradScaler`` are
-deprecated aliases of ``torch.amp``'s (``torch.amp.GradScaler("cuda")``).
+* Checks 6.1 and 6.2 live in ``checks.amp``. The notebook maps Apex ``amp``'s opt levels onto ``torch.amp``.
 """
 from __future__ import annotations
 
@@ -33,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .memory import make_optimizer, mlp
-from .runtime.plots import COLORS, LABELS, unit_for
+from .runtime.plots import stacked_bars, unit_for
 from .runtime.precision import training_precision
 from .runtime.tracker import MemoryTracker
 
@@ -169,17 +154,10 @@ def plot_precisions(results: dict[str, dict[str, dict]], title: str = "Peak of f
     fig, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 4.8), squeeze=False)
     for ax, (name, res) in zip(axes[0], results.items()):
         div, unit = unit_for(max(r["peak"] for r in res.values()))
-        bottoms = [0.0] * len(res)
-        for c in COLORS:
-            vals = [r["peak_breakdown"].get(c, 0) / div for r in res.values()]
-            if any(vals):
-                ax.bar(list(res), vals, bottom=bottoms, color=COLORS[c], label=LABELS[c])
-                bottoms = [b + v for b, v in zip(bottoms, vals)]
-        for i, r in enumerate(res.values()):
-            ax.text(i, r["peak"] / div, f"{r['peak'] / div:.1f}", ha="center", va="bottom", fontsize=9)
+        stacked_bars({p: r["peak_breakdown"] for p, r in res.items()}, f"{name}\n{title}", ax, unit=(div, unit))
         ax.scatter(list(res), [r["activations"] / div for r in res.values()], marker="_", s=900, color="k",
                    label="activations after forward", zorder=3)
-        ax.set(ylabel=f"peak memory ({unit})", title=f"{name}\n{title}")
+        ax.set_ylabel(f"peak memory ({unit})")
         ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
     fig.tight_layout()
     return fig

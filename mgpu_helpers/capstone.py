@@ -84,24 +84,17 @@ def render(settings: dict, fig=None):
     capacity lines: ``(fig, plan, line)``, the chosen settings' plan and a one-line verdict."""
     import matplotlib.pyplot as plt  # here, not at the top: importing the planner (mgpu-plan) needs no matplotlib
 
-    from .runtime.plots import COLORS, LABELS
+    from .runtime.plots import stacked_bars
 
     s = {**DEFAULTS, **settings}
     plans = {st: settings_plan({**s, "zero_stage": st}) for st in ZERO_STAGES}
     fig = fig or plt.figure(figsize=(9, 4.2))
     fig.clear()
-    ax = fig.add_subplot()
     GB = 1e9
     xs = [f"ZeRO-{st}" for st in ZERO_STAGES]
-    bottom = [0.0] * len(xs)
-    for cat in COLORS:
-        vals = [plans[st].breakdown[cat] / GB for st in ZERO_STAGES]
-        ax.bar(xs, vals, bottom=bottom, color=COLORS[cat], label=LABELS[cat])
-        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax = stacked_bars({x: plans[st].breakdown for x, st in zip(xs, ZERO_STAGES)}, ax=fig.add_subplot(), unit=(GB, ""))
     chosen = plans[s["zero_stage"]]
     ax.bar(xs[s["zero_stage"]], chosen.peak_bytes / GB, fill=False, edgecolor="black", linewidth=2.5)
-    for i, st in enumerate(ZERO_STAGES):
-        ax.text(i, plans[st].peak_bytes / GB, f"{plans[st].peak_bytes / GB:.1f}", ha="center", va="bottom")
     top = max(p.peak_bytes for p in plans.values()) / GB
     for name in CAPACITY_GPUS:
         cap = db.GPUS[name][0] / GB

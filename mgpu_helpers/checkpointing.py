@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -130,11 +131,7 @@ def recomputed_ops(model: Stack, x, y, forward, k=None) -> dict[str, int]:
     loss = F.cross_entropy(model.head(forward(model.blocks, x, k)), y)
     with OpLog() as log:
         loss.backward()
-    counts: dict[str, int] = {}
-    for op in log.ops:
-        if op in ("addmm", "relu", "gelu", "native_layer_norm"):
-            counts[op] = counts.get(op, 0) + 1
-    return counts
+    return dict(Counter(op for op in log.ops if op in ("addmm", "relu", "gelu", "native_layer_norm")))
 
 
 def sequential_plan(layers: int, k: int) -> list[tuple[int, bool]]:
