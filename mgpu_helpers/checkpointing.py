@@ -7,7 +7,7 @@ byte what :class:`MemoryTracker` measures on a CPU (tests/test_checkpointing.py,
 from __future__ import annotations
 
 import functools
-import time
+import timeit
 from collections import Counter
 
 import torch
@@ -189,13 +189,11 @@ def measure_step(model: Stack, x, y, forward, k=None):
 
 def time_step(model: Stack, x, y, forward, k=None, repeat=3) -> float:
     """Best of ``repeat`` wall times of the same step, without the tracker (it slows every op)."""
-    best = float("inf")
-    for _ in range(repeat):
+    def step():
         model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
         F.cross_entropy(model.head(forward(model.blocks, x, k)), y).backward()
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    return min(timeit.repeat(step, number=1, repeat=repeat))
 
 
 def sweep(layers=16, d=32, h=64, classes=8, batch=1024, ks=None, forward=None, repeat=3, progress=None):

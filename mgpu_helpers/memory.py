@@ -51,11 +51,7 @@ def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer
 def nbytes(tensors) -> int:
     """Bytes of distinct storages among ``tensors`` (views of one storage count once; a DTensor: this rank's
     local shard)."""
-    seen, total = set(), 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-    return total
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    storages = [t.untyped_storage() for t in local if isinstance(t, torch.Tensor)]
+    return sum({s.data_ptr(): s.nbytes() for s in storages}.values())
 

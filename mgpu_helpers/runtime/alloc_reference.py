@@ -25,11 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 def quiet_fd2():
     # Kineto prints "USDT: ... profiler_start/stop" on file descriptor 2 (not sys.stderr): in a notebook that
     # lands in the cell's output. Silence fd 2 for the start and the stop only.
-    try:
-        saved = os.dup(2)
-    except OSError:  # no fd 2 (an embedded interpreter)
-        yield
-        return
+    saved = os.dup(2)
     try:
         with open(os.devnull, "wb") as sink:
             os.dup2(sink.fileno(), 2)

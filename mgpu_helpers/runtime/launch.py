@@ -29,7 +29,6 @@ import contextlib, datetime, faulthandler, io, linecache, multiprocessing as mp,
 import pkgutil
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import types
@@ -135,18 +134,12 @@ _RANK_MODULES = ["torch._dynamo", "torch.nn.parallel", "torch.distributed.optim"
 @contextlib.contextmanager
 def _interrupt_deferred():
     """Hold Ctrl-C while ranks start: an interrupt inside Process.start() would orphan a rank we never
-    learnt the pid of (it would wait for its peers until the group timeout, re-creating the store file)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = []
-    old = signal.signal(signal.SIGINT, lambda *a: held.append(a))
+    learnt the pid of. Blocked, a SIGINT waits and is raised once unblocked (the ranks ignore it anyway)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
-        if held and callable(old):
-            old(*held[0])
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _threads(method, world_size, threads):
@@ -322,7 +315,7 @@ def torchrun_main(fn, *args, backend="auto", timeout=300.0, cpu_backend=False):
     return result
 
 
-def script_args(doc: str, argv=None, *, add=None):
+def script_args(doc: str, *, add=None):
     """The command line of a ``python -m`` / ``torchrun -m`` script of the course: ``--help`` prints ``doc``
     (the module's docstring) and exits; ``add(parser)`` adds the script's own arguments, if any."""
     import argparse
@@ -332,7 +325,7 @@ def script_args(doc: str, argv=None, *, add=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     if add is not None:
         add(parser)
-    return parser.parse_args(argv)
+    return parser.parse_args()
 
 
 def _demo(rank, world_size):
