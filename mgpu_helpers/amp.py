@@ -1,15 +1,9 @@
-"""Notebook 06 -- mixed precision: what fp16 and bf16 can hold, what ``torch.autocast`` runs in 16 bits,
-dynamic loss scaling (exercise 6.1, checked against ``torch.amp.GradScaler``), fp32 master weights
-(exercise 6.2), and what autocast does to memory -- measured, including the case where it *raises* it.
-
-* ``dtype_of("bf16")`` -- the course's dtype names; anything else is a ValueError naming the argument.
-* ``precision_table()`` -- range and precision from ``torch.finfo``; ``survival(values, dtype)`` -- what
-  casting real values to a 16-bit type keeps, rounds to zero or turns into inf.
-* ``autocast_dtypes(device, dtype)`` -- the output dtype of common ops under ``torch.autocast``.
-* ``step_memory(widths, batch, precision)`` -- activations after forward and the peak of forward+backward,
-  measured with ``MemoryTracker``, for "fp32", "autocast" (bf16) and "bf16" (a pure bf16 model);
-  ``plot_precisions`` draws them; ``saved_for_backward`` -- which layers keep a bf16 weight copy.
-* Checks 6.1 and 6.2 live in ``checks.amp``. The notebook maps Apex ``amp``'s opt levels onto ``torch.amp``.
+"""Notebook 06 -- mixed precision: what fp16 and bf16 can hold (``precision_table``, ``survival``), what
+``torch.autocast`` runs in 16 bits (``autocast_dtypes``), and what it does to memory (``step_memory``,
+``compare_precisions``, ``plot_precisions``, ``saved_for_backward``) -- measured, including the case where it
+*raises* it. ``dtype_of`` takes the course's dtype names. Exercises 6.1 (dynamic loss scaling, against
+``torch.amp.GradScaler``) and 6.2 (fp32 master weights) are checked in ``checks.amp``; the notebook maps Apex
+``amp``'s opt levels onto ``torch.amp``.
 """
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ class AllocationReference:
 
     def events_in(self, start: int, end: int) -> list[int]:
         """Live bytes after each event in ``[start, end]`` (ns)."""
-        return [b for _, b in self.timeline[bisect.bisect_left(self._times, start):bisect.bisect_right(self._times, end)]]
+        lo, hi = bisect.bisect_left(self._times, start), bisect.bisect_right(self._times, end)
+        return [b for _, b in self.timeline[lo:hi]]
 
     @property
     def peak_bytes(self) -> int:
