@@ -20,7 +20,9 @@ cpu_backend=True)``), as torch does on an NCCL-only group. Collectives called fr
 DTensor, DDP) are not judged: torch places their buffers itself. Blind spots (it may pass code that fails on
 GPUs, never the reverse): tensors made in other threads (a mode is per thread); a host tensor moved with
 ``.to(rank_device())``, which on the CPU turns device in place; ``device=torch.device("cpu")`` spelt out;
-collectives made in C++ or through ``torch.ops._c10d_functional``. Off with ``MGPU_CONTRACT=0``.
+collectives made in C++ or through ``torch.ops._c10d_functional``; a collective taken into a variable before
+the rank started; host parameters only ever computed with, never sent. It costs one Python call per torch op;
+off with ``MGPU_CONTRACT=0``.
 """
 import os
 import sys

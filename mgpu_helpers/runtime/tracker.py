@@ -20,9 +20,9 @@ the difference (``accounted_bytes``: the tensors alone).
 
 Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``, whose design this follows (a weakref per
 storage, ``resize_`` patched for FSDP2, DTensor decomposed, fake-mode ops skipped)? It labels a tensor by *when*
-it was made, not by its role; it counts a tensor made before entry once an in-place op touches it; it has no
-timeline, phases, peak reset or rounding off CUDA. ``per_module=True`` runs it alongside for per-module
-figures: ``mt.module_tracker.display_modulewise_snapshots(depth=2, units="MiB")``.
+it was made, not by its role; it counts a tensor made before entry once an in-place op touches it; it raises on
+a second forward unless reset; it has no timeline, phases, peak reset or rounding off CUDA. ``per_module=True``
+runs it alongside for per-module figures: ``mt.module_tracker.display_modulewise_snapshots(depth=2, units="MiB")``.
 """
 from __future__ import annotations
 
