@@ -28,9 +28,8 @@ def mib(n: float, sign: bool = False) -> str:
 
 
 def asset(name: str) -> Path:
-    """An asset, found from solutions/ or notebooks/ (release copies notebooks only), the repo, or the package."""
-    dirs = [Path.cwd() / "assets", Path.cwd().parent / "solutions" / "assets", ROOT / "solutions" / "assets",
-            Path(__file__).parent / "assets"]
+    """An asset, found from solutions/ or notebooks/ (release copies notebooks only), or in the repo."""
+    dirs = [Path.cwd() / "assets", Path.cwd().parent / "solutions" / "assets", ROOT / "solutions" / "assets"]
     for d in dirs:
         if (d / name).exists():
             return d / name
