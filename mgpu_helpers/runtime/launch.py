@@ -25,10 +25,19 @@ joins every child.
 ``dcp.async_save`` needs. Off by default, so that a CPU tensor in a collective fails on GPUs as the contract says;
 with it ``dist.get_backend()`` returns the whole string: ask ``rank_device()`` for the device.
 """
-import contextlib, datetime, faulthandler, io, linecache, multiprocessing as mp, os, pickle, signal  # noqa: E401
+import contextlib
+import datetime
+import faulthandler
+import io
+import linecache
+import multiprocessing as mp
+import os
+import pickle
+import signal
 import pkgutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
@@ -134,12 +143,19 @@ _RANK_MODULES = ["torch._dynamo", "torch.nn.parallel", "torch.distributed.optim"
 @contextlib.contextmanager
 def _interrupt_deferred():
     """Hold Ctrl-C while ranks start: an interrupt inside Process.start() would orphan a rank we never
-    learnt the pid of. Blocked, a SIGINT waits and is raised once unblocked (the ranks ignore it anyway)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    learnt the pid of. The Python-level handler is swapped, not the thread's signal mask: a kernel has other
+    threads, and a SIGINT sent to the process would reach one of those and still raise here."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    old = signal.signal(signal.SIGINT, lambda *a: held.append(a))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.signal(signal.SIGINT, old)
+        if held and callable(old):
+            old(*held[0])
 
 
 def _threads(method, world_size, threads):
