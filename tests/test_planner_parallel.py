@@ -105,15 +105,14 @@ def test_impossible_expert_layouts_say_what_to_change(kw, msg):
 def test_experts_capacity_is_static_and_drops_the_overflow():
     import torch
 
-    from mgpu_helpers.planner.parallel import MoE
+    from mgpu_helpers.planner.parallel import MoE, capacity
     moe = MoE(MOE)
-    assert moe.capacity(256) == 128  # ceil(1.0 x 256 tokens x top-2 / 4 experts)
+    assert capacity(MOE, 256) == 128 and capacity(MOE._replace(capacity_factor=1.25), 10) == 7  # ceil(f T k / E)
     with torch.no_grad():
         moe.router.weight.zero_()
         moe.router.weight[0], moe.router.weight[1] = 2, 1  # every token: expert 0 first, expert 1 second
     x = torch.ones(1, 16, MOE.d)
-    assert moe.capacity(16) == 8
-    seen = torch.zeros(MOE.experts, 8, MOE.d)
+    seen = torch.zeros(MOE.experts, capacity(MOE, 16), MOE.d)
     moe.experts.forward = lambda buf: seen.copy_(buf) + 1  # a filled slot's output: 2; an empty one's: 1
     out = moe(x).detach()
     # experts 0 and 1 take the first 8 of 16 tokens each (capacity 8), the other two only padding; the

@@ -238,6 +238,11 @@ class GroupedExperts(nn.Module):
         return torch.bmm(h, self.w2.transpose(1, 2))
 
 
+def capacity(cfg: LlamaConfig, tokens: int) -> int:
+    """Slots per expert for ``tokens`` tokens of one rank: ceil(capacity_factor x tokens x top_k / experts)."""
+    return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.experts)
+
+
 class MoE(nn.Module):
     """Routed experts with static shapes (GShard/Switch capacity), so that a fake-tensor trace holds exactly.
 
@@ -252,25 +257,24 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, ep: int = 1):
         super().__init__()
-        self.n, self.top_k, self.factor = cfg.experts, cfg.top_k, cfg.capacity_factor
+        self.cfg, self.n, self.top_k = cfg, cfg.experts, cfg.top_k
         self.router = nn.Linear(cfg.d, cfg.experts, bias=False)
         self.experts = GroupedExperts(cfg.d, cfg.expert_ffn, cfg.experts // ep)
         self.ep_group = None
 
-    def capacity(self, tokens: int) -> int:
-        """Slots per expert for ``tokens`` tokens of one rank: ceil(capacity_factor x tokens x top_k / experts)."""
-        return math.ceil(self.factor * tokens * self.top_k / self.n)
-
     def forward(self, x):
         shape, d = x.shape, x.shape[-1]
         x = x.reshape(-1, d)
-        cap, e = self.capacity(x.shape[0]), self.n
+        cap, e = capacity(self.cfg, x.shape[0]), self.n
         weights, chosen = self.router(x).softmax(-1).topk(self.top_k, dim=-1)
         chosen = chosen.flatten()
         hits = torch.zeros(chosen.shape[0], e, dtype=torch.long, device=x.device).scatter_(1, chosen[:, None], 1)
         pos = (hits.cumsum(0) * hits).sum(-1) - 1  # each assignment's place in its expert's queue
         slot = torch.where(pos < cap, chosen * cap + pos, e * cap)  # e * cap: dropped
-        buf = x.new_zeros(e * cap + 1, d).index_add(0, slot, x.repeat_interleave(self.top_k, 0))[:-1]
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        # each slot's token, or the zero row past the last token (a gather: backward keeps only indices)
+        fill = torch.full((e * cap + 1,), x.shape[0], device=x.device).scatter_(0, slot, token)[:-1]
+        buf = torch.cat([x, x.new_zeros(1, d)])[fill]
         if self.ep_group is None:
             out = self.experts(buf.view(e, cap, d)).view(e * cap, d)
         else:

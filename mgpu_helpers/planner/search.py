@@ -69,7 +69,7 @@ import itertools
 from dataclasses import dataclass
 
 from .budget import budget
-from .parallel import Layout, LlamaConfig, check_layout, stage_layers
+from .parallel import Layout, LlamaConfig, capacity, check_layout, stage_layers
 
 P32, BF16 = 4, 2
 
@@ -87,10 +87,30 @@ class RankPlan:
         return self.state + self.gathered + self.activations + self.transient
 
 
-def block_params(cfg: LlamaConfig, tp: int) -> int:
+def ffn_params(cfg: LlamaConfig, tp: int, ep: int = 1) -> int:
+    """A block's feed-forward: the SwiGLU's (TP-local), or the router's and this rank's ``experts / ep``'s."""
+    if cfg.experts:
+        return cfg.d * cfg.experts + cfg.experts // ep * 3 * cfg.d * cfg.expert_ffn
+    return 3 * cfg.d * cfg.ffn // tp
+
+
+def block_params(cfg: LlamaConfig, tp: int, ep: int = 1) -> int:
     hd = cfg.d // cfg.heads
-    return (cfg.d * (cfg.heads + 2 * cfg.kv_heads) * hd + cfg.heads * hd * cfg.d + 3 * cfg.d * cfg.ffn) // tp \
+    return (cfg.d * (cfg.heads + 2 * cfg.kv_heads) * hd + cfg.heads * hd * cfg.d) // tp + ffn_params(cfg, tp, ep) \
         + 2 * cfg.d
+
+
+def ffn_activations(cfg: LlamaConfig, tp: int, tokens: int, c: int) -> int:
+    """What a block's feed-forward saves for backward (its norm's output aside): the SwiGLU's four
+    ``T ffn / tp`` tensors; or MoE's router probabilities (fp32), top-k weights (fp32) and indices, the
+    assignments' slots and the slots' tokens (int64, with the dropped ones' slot), the experts' input (every slot of this rank's
+    experts: ``experts x capacity`` rows whatever ``ep`` is), their four SwiGLU tensors, and the experts'
+    outputs gathered back per assignment (``T top_k`` rows)."""
+    if not cfg.experts:
+        return 4 * c * tokens * cfg.ffn // tp
+    slots = cfg.experts * capacity(cfg, tokens)
+    return P32 * tokens * cfg.experts + (P32 + 8 + 8) * tokens * cfg.top_k + 8 * (slots + 1) + c * slots * cfg.d \
+        + 4 * c * slots * cfg.expert_ffn + c * tokens * cfg.top_k * cfg.d
 
 
 def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> int:
@@ -104,7 +124,7 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> int:
 
 
 def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: bool, c: int = BF16,
-                      kernels: str = "cuda", autocast: bool = False) -> int:
+                      kernels: str = "cuda", autocast: bool = False, cp: int = 1, seq: int = 0) -> int:
     """Bytes one block saves for backward per micro-batch of ``tokens`` (compute in ``c`` bytes per element,
     bf16 by default; the residual stream fp32): its two residual-stream outputs (the attention's sum, the
     block's output; its input is the previous block's output or the stage's input), the all-gathered
@@ -114,25 +134,38 @@ def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: boo
     runs under ``torch.autocast`` over fp32 parameters (no FSDP2 to gather bf16 copies): each linear saves
     its own cast of the weight (their bf16 copies: cast per forward, kept by the graph) and of its input --
     RMSNorm runs in fp32 under autocast, so q, k and v each keep a cast of the attention norm's output,
-    w1 and w3 of the feed-forward norm's: three ``T d`` casts more than one per norm."""
+    w1 and w3 of the feed-forward norm's: three ``T d`` casts more than one per norm. ``cp``: context
+    parallel's attention keeps every rank's keys and values (``cp`` times this rank's) and its mask over
+    ``seq / cp`` queries x ``seq`` keys, converted to the compute dtype."""
     sp = tokens * cfg.d // tp
     if checkpointing:
         return P32 * sp  # the block's output, the next checkpoint's input
     hd = cfg.d // cfg.heads
-    qkv = tokens * (cfg.heads + 2 * cfg.kv_heads) * hd // tp
+    qkv = tokens * (cfg.heads + 2 * cfg.kv_heads * cp) * hd // tp
     attn_out = tokens * cfg.heads * hd // tp
+    mask = c * (seq // cp) * seq if cp > 1 else 0
     norms = 2 * c * sp if kernels == "cpu" else 0
     rows = P32 * (2 * tokens + tokens * cfg.heads) // tp  # the norms' rstd, the attention's log-sum-exp
     casts = c * (3 * tokens * cfg.d + block_params(cfg, tp) - 2 * cfg.d) if autocast else 0
-    return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + 4 * c * tokens * cfg.ffn // tp \
-        + norms + rows + casts
+    return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + ffn_activations(cfg, tp, tokens, c) \
+        + norms + rows + casts + mask
 
 
-def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16) -> int:
-    """Bytes alive only inside one block's backward: two ``T ffn / tp`` gradients of the SwiGLU (the
-    product's, then its factors'), the residual stream's gradient arriving and the one leaving (fp32)."""
+def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16, cp: int = 1) -> int:
+    """Bytes alive only inside one block's backward, at the larger of two moments, with the residual
+    stream's gradient arriving and the one leaving (fp32): the SwiGLU's two ``T ffn / tp`` gradients (the
+    product's, then its factors'); the attention's gradients of its output, q, and the keys and values
+    (``cp`` times this rank's under context parallel), one of those made contiguous for its reduce-scatter."""
     sp_grad = c * tokens * cfg.d if tp > 1 else 0  # sequence parallel's gathered gradient, before its reduce-scatter
-    return 2 * c * tokens * cfg.ffn // tp + 2 * P32 * tokens * cfg.d // tp + sp_grad
+    hd = cfg.d // cfg.heads
+    attention = c * tokens * (2 * cfg.heads + (3 if cp > 1 else 2) * cfg.kv_heads * cp) * hd // tp
+    if cfg.experts:  # with the experts' output gradient, their SwiGLU's three gradients at once; or, past
+        # them, the one of w1's output with the input's gradients through w1 and w3 and their sum
+        f, d = cfg.expert_ffn, cfg.d
+        ffn = c * cfg.experts * capacity(cfg, tokens) * max(3 * f + d, f + 3 * d)
+    else:
+        ffn = 2 * c * tokens * cfg.ffn // tp
+    return max(ffn, attention) + 2 * P32 * tokens * cfg.d // tp + sp_grad
 
 
 def in_flight(layout: Layout, stage: int) -> float:
@@ -163,9 +196,11 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     wide = P32 * (cfg.vocab * cfg.d - cfg.vocab * cfg.d // tp) if stage == 0 and tp > 1 else 0
     grads += -(-wide // shards)
     if kernels == "cpu":  # Adam's step counters, one per parameter (a GPU's stay on the CPU), the loss's scalars
-        weights += P32 * (9 * n + (stage == 0) + 2 * last + 4)
-    blk = block_params(cfg, tp)
-    root = params - n * blk  # the embedding, final norm and head: the root FSDP2 module's own
+        weights += P32 * ((10 if cfg.experts else 9) * n + (stage == 0) + 2 * last + 4)
+    # a block's parameters: this rank's (experts / ep of the experts), unsharded; sharded, every expert's
+    # over dp_shard x cp (FSDP2 shards this rank's experts over dp_shard x cp / ep: the same bytes)
+    blk, blk_all = block_params(cfg, tp, layout.ep), block_params(cfg, tp)
+    root = params - n * blk_all  # the embedding, final norm and head: the root FSDP2 module's own
     # FSDP2 (shards > 1): the root's parameters stay unsharded from its forward to the end of its backward
     # (the root does not reshard after forward), their unsharded gradients wait for the root's
     # reduce-scatter at the end of the backward; in a block's backward, that block and the prefetched
@@ -174,17 +209,21 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # ``reduce_scatter_max_input_buffers=1`` in torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)
     fsdp = shards > 1
     at_loss = c * root * fsdp  # the loss's backward: no block is unsharded (each reshards after forward)
-    in_block = (c * root + 2 * c * blk) * fsdp
-    g, g_block = -(-blk // shards) * P32, P32 * blk  # a block's gradients: sharded, and as its backward makes them
+    # (experts sharded over ep are FSDP2 units of their own, unsharded only through their own backward: the
+    # next block is prefetched without its experts)
+    experts = cfg.experts // layout.ep * 3 * cfg.d * cfg.expert_ffn if layout.ep > 1 else 0
+    in_block = (c * root + c * (2 * blk - experts)) * fsdp
+    g, g_block = -(-blk_all // shards) * P32, P32 * blk  # a block's gradients: sharded, and as its backward makes them
     g_root = P32 * root + wide if fsdp else grads - n * g  # the root's, until the end of the backward
     g_head = P32 * (cfg.vocab * cfg.d // tp + cfg.d) if last else 0
     if not fsdp:
         g_block = g
     sp = tokens * cfg.d // tp
+    cap = capacity(cfg, tokens) if cfg.experts else 0
     # bf16 compute with no FSDP2 to gather bf16 copies: torch.autocast over the fp32 parameters (as
     # torchtitan runs a model FSDP2 does not wrap); its casts are saved per micro-batch (block_activations)
     autocast = c < P32 and not fsdp
-    a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels, autocast)
+    a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels, autocast, layout.cp, seq)
     blocks = n * a + P32 * sp  # the blocks', and the stage's input (the embedding's output, or received)
     acts = blocks
     if last:  # the final norm's gathered output and rstd (on a CPU its normalised input); log-softmax's output
@@ -193,12 +232,9 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
             + (c * cfg.vocab * cfg.d // tp if autocast else 0)  # (the loss before and after its 1 / m; the head's cast)
     k = in_flight(layout, stage)
     held = int(k * acts)
-    back = block_backward(cfg, tp, tokens, c)
+    back = block_backward(cfg, tp, tokens, c, layout.cp)
     if layout.checkpointing:  # the block being recomputed holds its activations through its backward
-        back += block_activations(cfg, tp, tokens, False, c, kernels, autocast)
-    ring = 0
-    if layout.cp > 1:  # ring attention: the next rank's K and V chunk arrives while this one's is used
-        ring = 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // tp
+        back += block_activations(cfg, tp, tokens, False, c, kernels, autocast, layout.cp, seq)
     # the moments the step can peak at: (state, gathered, activations, transient). Once the first
     # micro-batch's backward is done every gradient exists, and the schedule holds k micro-batches again
     # (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k)
@@ -215,18 +251,21 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
         # then the head's backward: the logits' gradient (in the log-softmax output's place) and the
         # head's new weight gradient
-        head = max(loss, P32 * cfg.vocab * cfg.d // tp + c * tokens * cfg.d) + ring  # (and its input's)
+        head = max(loss, P32 * cfg.vocab * cfg.d // tp + c * tokens * cfg.d)  # (and its input's)
         moments.append((weights, at_loss, held, head))  # the first micro-batch's: no gradient yet
         if later is not None:  # a later one's: every (sharded) gradient exists
             moments.append((weights + grads, at_loss, later, head))
     if later is not None:  # a later block's backward: a weight's new gradient waits to be added to its
         # gradient (FSDP2: the block's, reduce-scattered, to the shard) while the residual stream's
         # gradients and one T ffn / tp gradient are alive
-        new = g if fsdp else P32 * cfg.d * cfg.ffn // tp
-        adding = 2 * P32 * sp + c * tokens * cfg.ffn // tp + new + (c * tokens * cfg.d if tp > 1 else 0)
+        if cfg.experts:  # a stacked expert weight's gradient, one of the experts' SwiGLU gradients
+            new, one = P32 * cfg.experts // layout.ep * cfg.d * cfg.expert_ffn, c * cfg.experts * cap * cfg.expert_ffn
+        else:
+            new, one = P32 * cfg.d * cfg.ffn // tp, c * tokens * cfg.ffn // tp
+        adding = 2 * P32 * sp + one + (g if fsdp else new) + (c * tokens * cfg.d if tp > 1 else 0)
         # (the micro-batch in backward has let go of its loss's and head's activations)
         moments.append((weights + grads, in_block + (g_head + g_block) * fsdp, later - (acts - blocks),
-                        max(back, adding) + ring))
+                        max(back, adding)))
         if stage == 0:  # the embedding's new gradient, at the end of the micro-batch's backward
             emb_new = 0 if fsdp else P32 * cfg.vocab * cfg.d // tp + wide
             moments.append((weights + grads, (c * root + g_root) * fsdp, later - int(acts), emb_new + out_grad))
@@ -236,11 +275,11 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # feed-forward's gradients come first, while its activations are still held; the attention's come
     # once the feed-forward's activations (its four T ffn / tp tensors, its norm's output) are gone
     # (with checkpointing: the recomputed ones, in ``back``)
-    a_ffn = c * (4 * tokens * cfg.ffn // tp + tokens * cfg.d)
-    in_blk = max(g_block * 3 * cfg.d * cfg.ffn // tp // blk, g_block - a_ffn)  # beyond a's
+    a_ffn = ffn_activations(cfg, tp, tokens, c) + c * tokens * cfg.d
+    in_blk = max(g_block * ffn_params(cfg, tp, layout.ep) // blk, g_block - a_ffn)  # beyond a's
     prev = g_block * fsdp * (n > 1)  # FSDP2: past the last block, the previous block's wait to be reduce-scattered
     mb0 = max(blocks + g_head + in_blk, g_head + (n - 1) * g + P32 * sp + a + in_blk + prev)
-    moments.append((weights, in_block, int((k - 1) * acts) + mb0, back + ring))
+    moments.append((weights, in_block, int((k - 1) * acts) + mb0, back))
     moments.append((weights, c * root * fsdp, int((k - 1) * acts) + n * g + g_root, out_grad))  # at the end
     # Adam's step (foreach): every gradient, and exp_avg_sq's square root, one fp32 tensor per parameter
     moments.append((weights + grads, 0, 0, P32 * local))
