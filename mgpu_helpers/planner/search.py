@@ -299,14 +299,18 @@ def comm_bytes(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: in
         total += m * n * passes * per_pass
     params = stage_params(cfg, layout, stage)
     shards = layout.dp_shard * layout.cp
-    if shards > 1:
-        total += ring(shards) * params * (2 * BF16 + P32)
+    if shards > 1:  # each rank's experts (experts / ep of them) over dp_shard x cp / ep ranks, the rest over all
+        experts = n * cfg.experts * 3 * cfg.d * cfg.expert_ffn
+        total += (ring(shards) * (params - experts) + ring(shards // layout.ep) * experts / layout.ep) \
+            * (2 * BF16 + P32)
     if layout.dp_replicate > 1:
         total += 2 * ring(layout.dp_replicate) * P32 * params / shards
-    if layout.cp > 1:  # ring attention: K and V chunks passed cp - 1 times forward, K, V, dK, dV in backward
+    passes = 3 if layout.checkpointing else 2  # forward, backward, and the recomputed forward
+    if layout.cp > 1:  # K and V all-gathered per block forward, dK and dV reduce-scattered in backward
         kv = BF16 * tokens * 2 * cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp
-        passes = 4 if layout.checkpointing else 3
         total += m * n * (layout.cp - 1) * kv * passes
+    if layout.ep > 1:  # MoE: the experts' slots out and back by all_to_all per block, forward and backward
+        total += m * n * 2 * passes * ring(layout.ep) * BF16 * cfg.experts * capacity(cfg, tokens) * cfg.d
     if layout.pp > 1:
         hops = (stage < layout.pp - 1) + (stage > 0) if layout.virtual_stages == 1 else 2 * layout.virtual_stages
         total += m * BF16 * tokens * cfg.d / layout.tp * hops  # interleaved: every chunk sends and receives
@@ -327,11 +331,12 @@ def plan_ranks(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, c:
     return [rank_plan(cfg, layout, s, micro, seq, c, kernels) for s in range(layout.pp)]
 
 
-def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(1,), schedules=("1f1b",),
+def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), ep=(1,), dp_replicate=(1,), schedules=("1f1b",),
             microbatches=None, checkpointing=(False, True), global_batch=(1,), seq=2048):
-    """Every valid layout of the grid: (layout, global batch); dp_shard fills the GPUs left."""
-    for n, t, p, c, r, sch, ac, gb in itertools.product(gpus, tp, pp, cp, dp_replicate, schedules,
-                                                        checkpointing, global_batch):
+    """Every valid layout of the grid: (layout, global batch); dp_shard fills the GPUs left (ep borrows its
+    ranks and cp's: it adds none)."""
+    for n, t, p, c, e, r, sch, ac, gb in itertools.product(gpus, tp, pp, cp, ep, dp_replicate, schedules,
+                                                           checkpointing, global_batch):
         if n % (t * p * c * r):
             continue
         shard = n // (t * p * c * r)
@@ -339,7 +344,7 @@ def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(
         ms = microbatches or sorted(({1} if p == 1 else {p, 2 * p, 4 * p}) | {max(1, gb // (shard * r))})
         for m in ms:
             for sched in ([sch] if p > 1 else ["1f1b"]):
-                L = Layout(tp=t, pp=p, cp=c, dp_replicate=r, dp_shard=shard, schedule=sched, microbatches=m,
+                L = Layout(tp=t, pp=p, cp=c, ep=e, dp_replicate=r, dp_shard=shard, schedule=sched, microbatches=m,
                            checkpointing=ac, virtual_stages=2 if sched == "interleaved" else 1)
                 try:
                     check_layout(cfg, L, gb, seq)
@@ -379,7 +384,7 @@ def search(cfg: LlamaConfig, *, capacity: int, seq: int, device_total=None, **gr
     return rows
 
 
-def check_grid(cfg: LlamaConfig, *, tp, pp, cp, seq, **_):
+def check_grid(cfg: LlamaConfig, *, gpus, tp, pp, cp, seq, ep=(1,), dp_replicate=(1,), **_):
     """Every value asked must be possible for this model: one clear line otherwise."""
     for t in tp:
         if cfg.heads % t or cfg.kv_heads % t:
@@ -387,6 +392,8 @@ def check_grid(cfg: LlamaConfig, *, tp, pp, cp, seq, **_):
                              f"({cfg.kv_heads})")
         if seq % t:
             raise ValueError(f"--tp {t}: must divide --seq {seq} (sequence parallel shards the sequence)")
+        if t > 1 and cfg.experts:
+            raise ValueError(f"--tp {t}: the routed experts are not tensor-parallel here: use --ep")
     for p in pp:
         if p > cfg.layers:
             raise ValueError(f"--pp {p}: more stages than the model's {cfg.layers} layers")
@@ -394,3 +401,13 @@ def check_grid(cfg: LlamaConfig, *, tp, pp, cp, seq, **_):
         if seq % (2 * c * max(tp)) and c > 1:
             raise ValueError(f"--cp {c}: --seq {seq} must be divisible by 2 x cp x tp = {2 * c * max(tp)} "
                              "(context parallel's load-balanced chunks, sequence parallel's shards)")
+    for e in ep:
+        if e > 1 and not cfg.experts:
+            raise ValueError(f"--ep {e}: the model has no routed experts (expert parallel shards a MoE's experts)")
+        if cfg.experts % e:
+            raise ValueError(f"--ep {e}: must divide the model's {cfg.experts} experts")
+        ranks = {n // (t * p * r) for n, t, p, r in itertools.product(gpus, tp, pp, dp_replicate) if n % (t * p * r) == 0}
+        if e > 1 and not any(k % e == 0 and k % c == 0 and e % c == 0 for k in ranks for c in cp):
+            raise ValueError(f"--ep {e}: must divide the data-parallel ranks x cp (dp_shard x cp: "
+                             f"{', '.join(map(str, sorted(ranks)))} with these --gpus/--tp/--pp/--dp-replicate) "
+                             "and be a multiple of --cp: ep borrows those ranks")
