@@ -1,4 +1,5 @@
-"""Layouts beyond data parallelism: tensor (+sequence) parallel, pipeline stages, HSDP / 2-D FSDP on one mesh.
+"""Layouts beyond data parallelism: tensor (+sequence), pipeline, context and expert parallel, HSDP / 2-D FSDP
+on one mesh.
 
     layout = Layout(tp=2, pp=2, dp_shard=2, schedule="1f1b", microbatches=4)
     peaks = plan_layout(LlamaConfig(512, 64, 4, 4, 2, 172), layout, global_batch=8, seq=32)  # one per rank
@@ -7,17 +8,28 @@
 (:class:`Llama`: torchtitan's module names), applies the layout the way torchtitan does -- TP first
 (``parallelize_module``: q/k/v, w1/w3 colwise, wo/w2 rowwise with sequence parallel norms between them,
 the embedding rowwise, the head colwise into ``loss_parallel``), then activation checkpointing per block,
-then FSDP2 ``fully_shard`` per block + root over the data-parallel mesh dims (``dp_shard`` alone: 2-D FSDP
-x TP; ``dp_replicate`` x ``dp_shard``: HSDP) -- and runs steady training steps through its pipeline
+then FSDP2 ``fully_shard`` per block + root over the data-parallel mesh dims x cp (``dp_shard`` alone: 2-D
+FSDP x TP; ``dp_replicate`` x ``dp_shard``: HSDP) -- and runs steady training steps through its pipeline
 stage (:func:`pipeline_step`: the course's own stages, GPipe or 1F1B). Real ranks run it over gloo under
 the course's ``MemoryTracker`` (:func:`measure_layout`); the plan runs the same function on fake tensors
 in a fake process group under the planner's fake-storage tracker (:func:`plan_layout`), once per rank
 that differs -- its pipeline stage (the first holds the embedding, the last the norm, head and loss;
 stages split layers as ``torch.tensor_split``, so unequal) and, where FSDP2's ``torch.chunk`` shards are
-uneven, its dp_shard coordinate. Tensor-parallel and replicate ranks are symmetric: one trace serves them.
+uneven, its dp_shard and cp coordinates. Tensor-parallel and replicate ranks are symmetric: one trace serves them.
 On the CPU the plan equals the tracker to the byte on every rank at 2 and 4 ranks: pipeline stages (GPipe,
-1F1B), TP, FSDP2, HSDP, FSDP2 x TP and PP x TP (tests/test_planner_parallel.py) -- once DTensor's sharding
-propagation is kept out of the count as on real ranks (:func:`_as_on_real_ranks`).
+1F1B), TP, FSDP2, HSDP, FSDP2 x TP, PP x TP, CP (alone, x FSDP2, x TP) and EP (alone, x FSDP2, x CP)
+(tests/test_planner_parallel.py) -- once DTensor's sharding propagation is kept out of the count as on real
+ranks (:func:`_as_on_real_ranks`).
+
+**Context parallel** (``cp``) is torchtitan's "allgather" method: each rank holds ``seq / cp`` consecutive
+tokens of every sample, all-gathers K and V over ``cp`` before attention (their gradients reduce-scattered
+in backward) and masks causally at global positions; each rank's loss is the mean over its tokens and
+FSDP2 averages over ``dp_shard x cp``, so the loss is the mean over all tokens. **Expert parallel** (``ep``,
+a config with ``experts``): every block's feed-forward is a MoE (:class:`MoE`: a router Linear, top-k,
+a capacity per expert so that every shape is static and a fake-tensor trace holds exactly); ``ep`` borrows
+``dp_shard x cp``'s ranks as torchtitan's ParallelDims does, each rank builds its ``experts / ep`` experts
+(an FSDP2 unit of their own, sharded over the ``dp_shard x cp / ep`` ranks holding the same experts), and
+tokens reach them and come back by ``all_to_all_single``.
 
 **The schedule's in-flight micro-batches** come from running it, not from a rule: GPipe keeps all ``m``
 forwards' activations before the first backward; 1F1B runs ``min(m, pp - stage - 1)`` warm-up forwards
@@ -30,8 +42,7 @@ search's arithmetic only (``planner.search``), not run here.
 **Scale** (70B/405B, 50+ layouts): a full trace per layout would take minutes, so ``planner.search``
 composes the per-rank peak by arithmetic over the same layout: the stage's sharded state (TP local shapes, then
 FSDP2's ``dp_shard`` chunks), the schedule's in-flight micro-batches times a block's saved activations,
-plus the largest transient (its terms: ``planner.search``). Context parallel is planned by
-arithmetic only (``planner.search``); expert parallel is not planned yet.
+plus the largest transient (its terms: ``planner.search``).
 """
 from __future__ import annotations
 
@@ -59,7 +70,11 @@ class LlamaConfig(NamedTuple):
     experts: int = 0  # routed experts per block (0: the dense SwiGLU feed-forward); a MoE block has no dense one
     top_k: int = 1  # experts each token is sent to
     expert_ffn: int = 0  # each expert's SwiGLU width
-    capacity_factor: float = 1.0  # slots per expert: MoE.capacity's rule
+    capacity_factor: float = 1.0  # slots per expert: capacity()'s rule
+
+    def __repr__(self):  # a dense config shows the dense fields only
+        shown = self._fields if self.experts else self._fields[:6]
+        return f"LlamaConfig({', '.join(f'{k}={getattr(self, k)!r}' for k in shown)})"
 
 
 LLAMA3 = {  # Llama-3 shapes (hidden, layers, heads, kv heads, ffn; 128256-token vocabulary)
@@ -253,7 +268,8 @@ class MoE(nn.Module):
     the same -- so every buffer has the same shape whatever the routing, and the padding is counted.
     Expert parallel (``ep_group``, apply_layout): this rank holds ``experts / ep`` of them; the
     ``[experts, capacity, d]`` buffer goes to the experts' ranks by ``all_to_all_single`` (equal splits)
-    and the outputs come back by a second."""
+    and the outputs come back by a second. (The experts' gradients sum over the tokens every ep rank sent;
+    torchtitan rescales them by FSDP2's gradient divide factor, which moves no memory: not done here.)"""
 
     def __init__(self, cfg: LlamaConfig, ep: int = 1):
         super().__init__()

@@ -37,31 +37,40 @@ The moments: the first micro-batch's loss backward (no gradient yet), the first 
 end, a later micro-batch's loss, blocks and embedding backward (every gradient; the schedule holding
 ``k`` micro-batches again under 1F1B with ``m > k``, else ``k - 1``), and Adam's step.
 
-**Context parallel** (``--cp``, arithmetic only: no run holds it yet): each rank keeps ``seq / cp`` tokens
-of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp`` mesh), and
-ring attention adds one neighbour's K and V chunk as a transient.
+**Context parallel** (``--cp``, as ``parallel.rank_step`` runs it: K and V all-gathered): each rank keeps
+``seq / cp`` tokens of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's
+``dp_shard_cp`` mesh), each block saves every rank's K and V (``cp`` times its own) and the causal mask,
+and its backward holds their gradients whole. **MoE and expert parallel** (``--ep``, a config with routed
+experts): a block's feed-forward is the router and the experts (``parallel.MoE``): it saves the router's
+probabilities, the top-k and the slots, and per expert ``capacity`` rows of input and SwiGLU tensors
+(``experts x capacity`` rows per rank whatever ``ep`` is: each rank computes its experts' slots from every
+ep rank); ``ep`` leaves the sharded state as it is (each rank's ``experts / ep`` over ``dp_shard x cp / ep``
+ranks) but lets a block's backward unshard only this rank's experts, in an FSDP2 unit of their own.
 
 Communication per rank per step (bytes on the wire, ring algorithms: a collective of ``n`` ranks moves
 ``(n - 1) / n`` of its buffer): TP+SP's two all-gathers and two reduce-scatters of ``T d`` bf16 per block
 forward, as many in backward (and again in the recomputed forward); FSDP2's bf16 all-gather forward and
 backward and fp32 reduce-scatter of the stage; HSDP's all-reduce of the shard's gradients over
-``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary; CP's K/V ring
-(``cp - 1`` hops of the K and V chunk per block and micro-batch, forward, backward with dK/dV).
+``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary; CP's all-gather
+of K and V per block and micro-batch and the reduce-scatter of their gradients; EP's two ``all_to_all``
+of the experts' slots per block and micro-batch, forward and backward (the experts' FSDP2 traffic over
+their own ``dp_shard x cp / ep`` ranks).
 
 Held against the traced plan (``parallel.plan_layout``, itself equal to the tracker on real ranks),
 like with like -- the trace computes in fp32 with the CPU's kernels, so the arithmetic with ``c=4,
 kernels="cpu"`` (torch's composite RMSNorm also saves its normalised input; the CPU's flash attention
 saves what a GPU's does) -- a 4-layer d=256 decoder over 17 layouts of 2 and 4 ranks (TP, PP GPipe and
 1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing): from 16 B to +7.4% over
-per rank, never under (the loosest: FSDP2's).
+per rank, never under (the loosest: FSDP2's); CP and a MoE's EP (8 layouts: cp2, cp4, cp2 x FSDP2,
+cp2 x TP2, ep2, ep4, ep2 x FSDP2, ep2 x cp2) from 16 B to +5.7%.
 tests/test_planner_search.py holds that, and the in-flight counts to the schedules the ranks run
 (``parallel.schedule_order``) and the stage parameters to the model's. On one H100 (NCCL, world size 1;
 ``bench/plan_layouts_gpu.py``: 0.5B decoder, 4 x 2048 tokens, with and without checkpointing and with 2
 and 4 micro-batches) the default bf16 arithmetic equals ``rank_step``'s ``max_memory_allocated`` under
 autocast within 9 KiB (flash attention, fused RMSNorm), and ``c=4`` its fp32 step within 1 KiB where
 the heads are not grouped (grouped heads in fp32 run SDPA's math kernel: refused). FSDP2's bf16 gathers
-(``dp_shard > 1``) are not held against GPUs yet. Context parallel and interleaved
-1F1B are planned by arithmetic only; expert parallel is not planned yet.
+(``dp_shard > 1``) are not held against GPUs yet. Interleaved 1F1B is planned by arithmetic only;
+CP, MoE and EP are held against CPU traces only.
 """
 from __future__ import annotations
 
@@ -103,9 +112,9 @@ def block_params(cfg: LlamaConfig, tp: int, ep: int = 1) -> int:
 def ffn_activations(cfg: LlamaConfig, tp: int, tokens: int, c: int) -> int:
     """What a block's feed-forward saves for backward (its norm's output aside): the SwiGLU's four
     ``T ffn / tp`` tensors; or MoE's router probabilities (fp32), top-k weights (fp32) and indices, the
-    assignments' slots and the slots' tokens (int64, with the dropped ones' slot), the experts' input (every slot of this rank's
-    experts: ``experts x capacity`` rows whatever ``ep`` is), their four SwiGLU tensors, and the experts'
-    outputs gathered back per assignment (``T top_k`` rows)."""
+    assignments' slots and the slots' tokens (int64, with the dropped ones' slot), the experts' input
+    (every slot of this rank's experts: ``experts x capacity`` rows whatever ``ep`` is), their four SwiGLU
+    tensors, and the experts' outputs gathered back per assignment (``T top_k`` rows)."""
     if not cfg.experts:
         return 4 * c * tokens * cfg.ffn // tp
     slots = cfg.experts * capacity(cfg, tokens)
@@ -374,7 +383,7 @@ def search(cfg: LlamaConfig, *, capacity: int, seq: int, device_total=None, **gr
         worst = max(ranks, key=lambda r: r.peak)
         micro = gb // (L.dp * L.microbatches)
         comm = max(comm_bytes(cfg, L, s, micro, seq) for s in range(L.pp))
-        per_stage = L.world // L.pp  # the mesh is (pp, dp_replicate, dp_shard, tp): a stage's ranks are contiguous
+        per_stage = L.world // L.pp  # the mesh is (pp, dp_replicate, dp_shard, cp, tp): a stage's ranks are contiguous
         device = device_total(worst.peak, L.world)
         rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard, device=device,
                          worst_ranks=(worst.stage * per_stage, (worst.stage + 1) * per_stage - 1), tokens=gb * seq, peak=worst.peak,
@@ -406,7 +415,8 @@ def check_grid(cfg: LlamaConfig, *, gpus, tp, pp, cp, seq, ep=(1,), dp_replicate
             raise ValueError(f"--ep {e}: the model has no routed experts (expert parallel shards a MoE's experts)")
         if cfg.experts % e:
             raise ValueError(f"--ep {e}: must divide the model's {cfg.experts} experts")
-        ranks = {n // (t * p * r) for n, t, p, r in itertools.product(gpus, tp, pp, dp_replicate) if n % (t * p * r) == 0}
+        ranks = {n // (t * p * r) for n, t, p, r in itertools.product(gpus, tp, pp, dp_replicate)
+                 if n % (t * p * r) == 0}
         if e > 1 and not any(k % e == 0 and k % c == 0 and e % c == 0 for k in ranks for c in cp):
             raise ValueError(f"--ep {e}: must divide the data-parallel ranks x cp (dp_shard x cp: "
                              f"{', '.join(map(str, sorted(ranks)))} with these --gpus/--tp/--pp/--dp-replicate) "

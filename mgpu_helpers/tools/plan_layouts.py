@@ -56,7 +56,8 @@ def run(a, ints) -> dict:
         raise PlanInputError("--global-batch N: the samples per optimizer step over all GPUs (fixed; each layout "
                              "splits it over its data-parallel ranks and micro-batches)")
     grid = dict(gpus=_ints(a.gpus, "--gpus"), tp=_ints(a.tp or "1", "--tp"), pp=_ints(a.pp or "1", "--pp"),
-                cp=_ints(a.cp or "1", "--cp"), ep=_ints(a.ep or "1", "--ep"), dp_replicate=_ints(a.dp_replicate or "1", "--dp-replicate"),
+                cp=_ints(a.cp or "1", "--cp"), ep=_ints(a.ep or "1", "--ep"),
+                dp_replicate=_ints(a.dp_replicate or "1", "--dp-replicate"),
                 schedules=schedules, microbatches=_ints(a.microbatches, "--microbatches"),
                 checkpointing={"both": (False, True), "on": (True,), "off": (False,)}[a.checkpointing],
                 global_batch=_ints(a.global_batch, "--global-batch"))
