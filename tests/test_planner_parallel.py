@@ -1,7 +1,8 @@
 """planner.parallel against real layouts on 2 and 4 gloo ranks: each rank's plan beside its tracker's peak.
 
 The real run is torch's own layout (``parallelize_module`` colwise/rowwise + sequence parallel, the course's
-pipeline stages over ``isend``/``irecv``, FSDP2 on a 2-D mesh or HSDP) under the course's ``MemoryTracker``;
+pipeline stages over ``isend``/``irecv``, FSDP2 on a 2-D mesh or HSDP, context parallel's K/V all-gather,
+a MoE's experts over ep with ``all_to_all_single``) under the course's ``MemoryTracker``;
 the plan runs the same code on fake tensors in a fake process group (planner/parallel.py).
 """
 import pytest
