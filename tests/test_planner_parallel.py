@@ -1,7 +1,8 @@
 """planner.parallel against real layouts on 2 and 4 gloo ranks: each rank's plan beside its tracker's peak.
 
 The real run is torch's own layout (``parallelize_module`` colwise/rowwise + sequence parallel, the course's
-pipeline stages over ``isend``/``irecv``, FSDP2 on a 2-D mesh or HSDP) under the course's ``MemoryTracker``;
+pipeline stages over ``isend``/``irecv``, FSDP2 on a 2-D mesh or HSDP, context parallel's K/V all-gather,
+a MoE's experts over ep with ``all_to_all_single``) under the course's ``MemoryTracker``;
 the plan runs the same code on fake tensors in a fake process group (planner/parallel.py).
 """
 import pytest
@@ -24,6 +25,15 @@ TP = [  # tensor parallel (+ sequence parallel, loss_parallel head), alone and o
     Layout(tp=2, dp_shard=2),                                 # FSDP2 x TP on a 2-D mesh
     Layout(pp=2, tp=2, microbatches=2),                       # PP x TP
 ]
+CP = [  # context parallel: K and V all-gathered over cp, FSDP2 over dp_shard x cp
+    Layout(cp=2), Layout(cp=4), Layout(cp=2, dp_shard=2), Layout(cp=2, tp=2),
+]
+MOE = CFG._replace(experts=4, top_k=2, expert_ffn=64)
+EP = [  # routed experts sharded over ep (borrowed from dp_shard x cp), tokens dispatched by all_to_all
+    Layout(dp_shard=2, ep=2), Layout(dp_shard=4, ep=4),
+    Layout(dp_shard=4, ep=2),                                 # ep2 x fsdp: each expert's FSDP2 over 2 ranks
+    Layout(dp_shard=2, cp=2, ep=2),                           # ep over cp's ranks
+]
 
 
 def _show(layout, measured, planned):
@@ -35,6 +45,22 @@ def _show(layout, measured, planned):
 def test_every_rank_equals_its_tracker(layout):
     measured = measure_layout(CFG, layout, BATCH, SEQ)
     planned = plan_layout(CFG, layout, BATCH, SEQ)
+    assert planned == measured, _show(layout, measured, planned)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", CP, ids=lambda l: l.describe().replace(" ", "-"))
+def test_context_parallel_ranks_equal_their_tracker(layout):
+    measured = measure_layout(CFG, layout, BATCH, SEQ)
+    planned = plan_layout(CFG, layout, BATCH, SEQ)
+    assert planned == measured, _show(layout, measured, planned)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", EP, ids=lambda l: l.describe().replace(" ", "-"))
+def test_expert_parallel_ranks_equal_their_tracker(layout):
+    measured = measure_layout(MOE, layout, BATCH, SEQ)
+    planned = plan_layout(MOE, layout, BATCH, SEQ)
     assert planned == measured, _show(layout, measured, planned)
 
 
@@ -60,7 +86,37 @@ def test_schedule_order_runs_every_micro_batch_once(schedule):
     (dict(pp=5), "exceeds the model's 4 layers"),
     (dict(dp_shard=3), "global batch 8 is not divisible by dp (3)"),
     (dict(schedule="zb"), "schedule must be one of"),
+    (dict(ep=2, dp_shard=2), "ep=2 needs routed experts"),
 ])
 def test_impossible_layouts_say_what_to_change(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         check_layout(CFG, Layout(**kw), BATCH, SEQ)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(ep=3, dp_shard=3), "ep=3 must divide the experts (4)"),
+    (dict(ep=4, dp_shard=2), "ep=4 must divide the experts (4) and dp_shard x cp (2)"),
+    (dict(tp=2), "tp=2 with routed experts is not planned"),
+])
+def test_impossible_expert_layouts_say_what_to_change(kw, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        check_layout(MOE, Layout(**kw), 12, SEQ)
+
+
+def test_experts_capacity_is_static_and_drops_the_overflow():
+    import torch
+
+    from mgpu_helpers.planner.parallel import MoE, capacity
+    moe = MoE(MOE)
+    assert capacity(MOE, 256) == 128 and capacity(MOE._replace(capacity_factor=1.25), 10) == 7  # ceil(f T k / E)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0], moe.router.weight[1] = 2, 1  # every token: expert 0 first, expert 1 second
+    x = torch.ones(1, 16, MOE.d)
+    seen = torch.zeros(MOE.experts, capacity(MOE, 16), MOE.d)
+    moe.experts.forward = lambda buf: seen.copy_(buf) + 1  # a filled slot's output: 2; an empty one's: 1
+    out = moe(x).detach()
+    # experts 0 and 1 take the first 8 of 16 tokens each (capacity 8), the other two only padding; the
+    # last 8 tokens are dropped by both their experts: their output is 0
+    assert (seen[:2] == 1).all() and (seen[2:] == 0).all()
+    assert (out[0, 8:] == 0).all() and torch.allclose(out[0, :8], torch.full((8, MOE.d), 2.0))

@@ -1,4 +1,5 @@
-"""Layouts beyond data parallelism: tensor (+sequence) parallel, pipeline stages, HSDP / 2-D FSDP on one mesh.
+"""Layouts beyond data parallelism: tensor (+sequence), pipeline, context and expert parallel, HSDP / 2-D FSDP
+on one mesh.
 
     layout = Layout(tp=2, pp=2, dp_shard=2, schedule="1f1b", microbatches=4)
     peaks = plan_layout(LlamaConfig(512, 64, 4, 4, 2, 172), layout, global_batch=8, seq=32)  # one per rank
@@ -7,17 +8,28 @@
 (:class:`Llama`: torchtitan's module names), applies the layout the way torchtitan does -- TP first
 (``parallelize_module``: q/k/v, w1/w3 colwise, wo/w2 rowwise with sequence parallel norms between them,
 the embedding rowwise, the head colwise into ``loss_parallel``), then activation checkpointing per block,
-then FSDP2 ``fully_shard`` per block + root over the data-parallel mesh dims (``dp_shard`` alone: 2-D FSDP
-x TP; ``dp_replicate`` x ``dp_shard``: HSDP) -- and runs steady training steps through its pipeline
+then FSDP2 ``fully_shard`` per block + root over the data-parallel mesh dims x cp (``dp_shard`` alone: 2-D
+FSDP x TP; ``dp_replicate`` x ``dp_shard``: HSDP) -- and runs steady training steps through its pipeline
 stage (:func:`pipeline_step`: the course's own stages, GPipe or 1F1B). Real ranks run it over gloo under
 the course's ``MemoryTracker`` (:func:`measure_layout`); the plan runs the same function on fake tensors
 in a fake process group under the planner's fake-storage tracker (:func:`plan_layout`), once per rank
 that differs -- its pipeline stage (the first holds the embedding, the last the norm, head and loss;
 stages split layers as ``torch.tensor_split``, so unequal) and, where FSDP2's ``torch.chunk`` shards are
-uneven, its dp_shard coordinate. Tensor-parallel and replicate ranks are symmetric: one trace serves them.
+uneven, its dp_shard and cp coordinates. Tensor-parallel and replicate ranks are symmetric: one trace serves them.
 On the CPU the plan equals the tracker to the byte on every rank at 2 and 4 ranks: pipeline stages (GPipe,
-1F1B), TP, FSDP2, HSDP, FSDP2 x TP and PP x TP (tests/test_planner_parallel.py) -- once DTensor's sharding
-propagation is kept out of the count as on real ranks (:func:`_as_on_real_ranks`).
+1F1B), TP, FSDP2, HSDP, FSDP2 x TP, PP x TP, CP (alone, x FSDP2, x TP) and EP (alone, x FSDP2, x CP)
+(tests/test_planner_parallel.py) -- once DTensor's sharding propagation is kept out of the count as on real
+ranks (:func:`_as_on_real_ranks`).
+
+**Context parallel** (``cp``) is torchtitan's "allgather" method: each rank holds ``seq / cp`` consecutive
+tokens of every sample, all-gathers K and V over ``cp`` before attention (their gradients reduce-scattered
+in backward) and masks causally at global positions; each rank's loss is the mean over its tokens and
+FSDP2 averages over ``dp_shard x cp``, so the loss is the mean over all tokens. **Expert parallel** (``ep``,
+a config with ``experts``): every block's feed-forward is a MoE (:class:`MoE`: a router Linear, top-k,
+a capacity per expert so that every shape is static and a fake-tensor trace holds exactly); ``ep`` borrows
+``dp_shard x cp``'s ranks as torchtitan's ParallelDims does, each rank builds its ``experts / ep`` experts
+(an FSDP2 unit of their own, sharded over the ``dp_shard x cp / ep`` ranks holding the same experts), and
+tokens reach them and come back by ``all_to_all_single``.
 
 **The schedule's in-flight micro-batches** come from running it, not from a rule: GPipe keeps all ``m``
 forwards' activations before the first backward; 1F1B runs ``min(m, pp - stage - 1)`` warm-up forwards
@@ -30,12 +42,12 @@ search's arithmetic only (``planner.search``), not run here.
 **Scale** (70B/405B, 50+ layouts): a full trace per layout would take minutes, so ``planner.search``
 composes the per-rank peak by arithmetic over the same layout: the stage's sharded state (TP local shapes, then
 FSDP2's ``dp_shard`` chunks), the schedule's in-flight micro-batches times a block's saved activations,
-plus the largest transient (its terms: ``planner.search``). Context parallel is planned by
-arithmetic only (``planner.search``); expert parallel is not planned yet.
+plus the largest transient (its terms: ``planner.search``).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,6 +67,14 @@ class LlamaConfig(NamedTuple):
     heads: int
     kv_heads: int
     ffn: int
+    experts: int = 0  # routed experts per block (0: the dense SwiGLU feed-forward); a MoE block has no dense one
+    top_k: int = 1  # experts each token is sent to
+    expert_ffn: int = 0  # each expert's SwiGLU width
+    capacity_factor: float = 1.0  # slots per expert: capacity()'s rule
+
+    def __repr__(self):  # a dense config shows the dense fields only
+        shown = self._fields if self.experts else self._fields[:6]
+        return f"LlamaConfig({', '.join(f'{k}={getattr(self, k)!r}' for k in shown)})"
 
 
 LLAMA3 = {  # Llama-3 shapes (hidden, layers, heads, kv heads, ffn; 128256-token vocabulary)
@@ -66,12 +86,14 @@ LLAMA3 = {  # Llama-3 shapes (hidden, layers, heads, kv heads, ffn; 128256-token
 
 @dataclass(frozen=True)
 class Layout:
-    """One point of the search: the mesh is (pp, dp_replicate, dp_shard, tp), ranks numbered row-major."""
+    """One point of the search: the mesh is (pp, dp_replicate, dp_shard, cp, tp), ranks numbered row-major;
+    ``ep`` borrows ``dp_shard x cp``'s ranks (torchtitan's ParallelDims), adding none."""
     tp: int = 1
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
+    ep: int = 1
     schedule: str = "1f1b"
     microbatches: int = 1
     checkpointing: bool = False
@@ -86,9 +108,9 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     def coords(self, rank):
-        """(pp, dp_replicate, dp_shard, tp) coordinates of ``rank``."""
+        """(pp, dp_replicate, dp_shard, cp, tp) coordinates of ``rank``."""
         out = []
-        for n in (self.tp, self.dp_shard, self.dp_replicate, self.pp):
+        for n in (self.tp, self.cp, self.dp_shard, self.dp_replicate, self.pp):
             out.append(rank % n)
             rank //= n
         return tuple(reversed(out))
@@ -103,6 +125,8 @@ class Layout:
         parts.append(f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"fsdp{self.dp_shard}")
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.checkpointing:
             parts.append("ac")
         return " ".join(parts)
@@ -111,7 +135,7 @@ class Layout:
 def check_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -> int:
     """The micro-batch size in samples, or one clear ValueError naming what to change."""
     L = layout
-    for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "microbatches", "virtual_stages"):
+    for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "ep", "microbatches", "virtual_stages"):
         v = getattr(L, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -120,6 +144,14 @@ def check_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) 
     if cfg.heads % L.tp or cfg.kv_heads % L.tp:
         raise ValueError(f"tp={L.tp} must divide the attention heads ({cfg.heads}) and key/value heads "
                          f"({cfg.kv_heads})")
+    if cfg.experts and L.tp > 1:
+        raise ValueError(f"tp={L.tp} with routed experts is not planned (experts are not tensor-parallel here): "
+                         "use ep")
+    if L.ep > 1 and not cfg.experts:
+        raise ValueError(f"ep={L.ep} needs routed experts (a MoE config: experts > 0)")
+    if cfg.experts % L.ep or (L.dp_shard * L.cp) % L.ep or (L.ep > 1 and L.ep % L.cp):
+        raise ValueError(f"ep={L.ep} must divide the experts ({cfg.experts}) and dp_shard x cp "
+                         f"({L.dp_shard * L.cp}), and be a multiple of cp ({L.cp}): ep borrows those ranks")
     if cfg.ffn % L.tp or cfg.vocab % L.tp:
         raise ValueError(f"tp={L.tp} must divide the MLP width ({cfg.ffn}) and the vocabulary ({cfg.vocab})")
     if seq % (L.tp * L.cp):
@@ -136,6 +168,41 @@ def check_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) 
 
 # --- the model, torchtitan's names ------------------------------------------------------------------------
 
+class _GatherSequence(torch.autograd.Function):
+    """All-gather over the cp group along the sequence (dim 1); backward reduce-scatters the gradient.
+    (gloo takes the concatenated form only: chunks along dim 0.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, n = group, dist.get_world_size(group)
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        return out.unflatten(0, (n, -1)).movedim(0, 1).flatten(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = dist.get_world_size(ctx.group)
+        whole = grad.unflatten(1, (n, -1)).movedim(1, 0).flatten(0, 1).contiguous()
+        out = whole.new_empty((whole.shape[0] // n, *whole.shape[1:]))
+        dist.reduce_scatter_single(out, whole, group=ctx.group)
+        return out, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` in equal splits along dim 0; its backward is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, ctx.group), None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -144,13 +211,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d, cfg.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d, cfg.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.d, bias=False)
+        self.cp_group = None  # context parallel (apply_layout): this rank's queries, every rank's keys and values
 
     def forward(self, x):
         b, t = x.shape[0], x.shape[1]  # a DTensor's global shape under TP: the heads are what -1 makes local
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        k, v = self.wk(x), self.wv(x)
+        if self.cp_group is None:
+            k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # torchtitan's "allgather" context parallel: K and V gathered whole, the causal mask at global positions
+            k, v = (_GatherSequence.apply(z, self.cp_group).view(b, -1, z.shape[-1] // self.head_dim, self.head_dim)
+                    .transpose(1, 2) for z in (k, v))
+            start = dist.get_rank(self.cp_group) * t
+            mask = torch.arange(k.shape[2], device=x.device) <= torch.arange(start, start + t, device=x.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -164,15 +239,80 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GroupedExperts(nn.Module):
+    """This rank's experts, stacked (torchtitan's shapes): each a SwiGLU, run together by ``bmm``."""
+
+    def __init__(self, d: int, hidden: int, n: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n, hidden, d) / d ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(n, d, hidden) / hidden ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(n, hidden, d) / d ** 0.5)
+
+    def forward(self, x):  # [experts, tokens, d]
+        h = F.silu(torch.bmm(x, self.w1.transpose(1, 2))) * torch.bmm(x, self.w3.transpose(1, 2))
+        return torch.bmm(h, self.w2.transpose(1, 2))
+
+
+def capacity(cfg: LlamaConfig, tokens: int) -> int:
+    """Slots per expert for ``tokens`` tokens of one rank: ceil(capacity_factor x tokens x top_k / experts)."""
+    return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.experts)
+
+
+class MoE(nn.Module):
+    """Routed experts with static shapes (GShard/Switch capacity), so that a fake-tensor trace holds exactly.
+
+    A router Linear scores the experts per token (softmax), each token goes to its ``top_k`` best, weighted
+    by their scores. Every expert takes :meth:`capacity` tokens from each rank: assignments fill its
+    slots in token order (token i's choices before token i+1's), those past capacity are dropped (their
+    expert adds nothing to the token's output), empty slots are zero rows that the experts compute all
+    the same -- so every buffer has the same shape whatever the routing, and the padding is counted.
+    Expert parallel (``ep_group``, apply_layout): this rank holds ``experts / ep`` of them; the
+    ``[experts, capacity, d]`` buffer goes to the experts' ranks by ``all_to_all_single`` (equal splits)
+    and the outputs come back by a second. (The experts' gradients sum over the tokens every ep rank sent;
+    torchtitan rescales them by FSDP2's gradient divide factor, which moves no memory: not done here.)"""
+
+    def __init__(self, cfg: LlamaConfig, ep: int = 1):
+        super().__init__()
+        self.cfg, self.n, self.top_k = cfg, cfg.experts, cfg.top_k
+        self.router = nn.Linear(cfg.d, cfg.experts, bias=False)
+        self.experts = GroupedExperts(cfg.d, cfg.expert_ffn, cfg.experts // ep)
+        self.ep_group = None
+
+    def forward(self, x):
+        shape, d = x.shape, x.shape[-1]
+        x = x.reshape(-1, d)
+        cap, e = capacity(self.cfg, x.shape[0]), self.n
+        weights, chosen = self.router(x).softmax(-1).topk(self.top_k, dim=-1)
+        chosen = chosen.flatten()
+        hits = torch.zeros(chosen.shape[0], e, dtype=torch.long, device=x.device).scatter_(1, chosen[:, None], 1)
+        pos = (hits.cumsum(0) * hits).sum(-1) - 1  # each assignment's place in its expert's queue
+        slot = torch.where(pos < cap, chosen * cap + pos, e * cap)  # e * cap: dropped
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        # each slot's token, or the zero row past the last token (a gather: backward keeps only indices)
+        fill = torch.full((e * cap + 1,), x.shape[0], device=x.device).scatter_(0, slot, token)[:-1]
+        buf = torch.cat([x, x.new_zeros(1, d)])[fill]
+        if self.ep_group is None:
+            out = self.experts(buf.view(e, cap, d)).view(e * cap, d)
+        else:
+            ep = dist.get_world_size(self.ep_group)
+            mine = _AllToAll.apply(buf, self.ep_group).view(ep, e // ep, cap, d).transpose(0, 1).reshape(e // ep, -1, d)
+            out = self.experts(mine).view(e // ep, ep, cap, d).transpose(0, 1).reshape(e * cap, d)
+            out = _AllToAll.apply(out, self.ep_group)
+        out = torch.cat([out, out.new_zeros(1, d)])[slot].view(-1, self.top_k, d)
+        return (out * weights.unsqueeze(-1)).sum(1).view(shape)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, ep: int = 1):
         super().__init__()
         self.attention_norm, self.attention = nn.RMSNorm(cfg.d), Attention(cfg)
-        self.ffn_norm, self.feed_forward = nn.RMSNorm(cfg.d), FeedForward(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d)
+        self.moe = MoE(cfg, ep) if cfg.experts else None
+        self.feed_forward = None if cfg.experts else FeedForward(cfg)
 
     def forward(self, x):
         h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + (self.feed_forward if self.moe is None else self.moe)(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
@@ -180,11 +320,11 @@ class Llama(nn.Module):
     stage and the final norm and head on the last (both on one stage: the whole model). RoPE is left out:
     it saves no activation a memory plan would miss at these sizes' order (two [b, t, heads, hd] tensors)."""
 
-    def __init__(self, cfg: LlamaConfig, layers=None, first=True, last=True):
+    def __init__(self, cfg: LlamaConfig, layers=None, first=True, last=True, ep=1):
         super().__init__()
         n = cfg.layers if layers is None else layers
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.d) if first else None
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(n))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, ep) for _ in range(n))
         self.norm = nn.RMSNorm(cfg.d) if last else None
         self.output = nn.Linear(cfg.d, cfg.vocab, bias=False) if last else None
 
@@ -204,9 +344,25 @@ def stage_layers(n_layers: int, pp: int) -> list[int]:
 # --- applying the layout: TP, then AC, then FSDP2 (torchtitan's order) -------------------------------------
 
 def make_mesh(layout: Layout, device_type: str):
+    """The layout's mesh, as torchtitan's ParallelDims builds it: (pp, dp_replicate, dp_shard, cp, tp), dims of
+    size 1 left out but pp, dp_replicate, dp_shard and tp; with ep, dp_shard splits into (dp_shard_mod_ep,
+    dp_shard_in_ep) and ``ep`` is (dp_shard_in_ep, cp) flattened. FSDP2 shards over ``dp_shard_cp``."""
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp),
-                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    L = layout
+    if L.ep > 1:
+        shard = {"dp_shard_mod_ep": L.dp_shard * L.cp // L.ep, "dp_shard_in_ep": L.ep // L.cp}
+    else:
+        shard = {"dp_shard": L.dp_shard}
+    dims = {"pp": L.pp, "dp_replicate": L.dp_replicate, **shard, "cp": L.cp, "tp": L.tp}
+    if L.cp == 1:
+        del dims["cp"]
+    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    if L.ep > 1:
+        mesh[tuple(shard)]._flatten("dp_shard")
+        mesh[("dp_shard_in_ep", "cp") if L.cp > 1 else ("dp_shard_in_ep",)]._flatten("ep")
+    if L.cp > 1 or L.ep > 1:
+        mesh[tuple(shard) + (("cp",) if L.cp > 1 else ())]._flatten("dp_shard_cp")
+    return mesh
 
 
 def apply_tp(model: Llama, tp_mesh):
@@ -237,18 +393,32 @@ def apply_tp(model: Llama, tp_mesh):
 
 
 def apply_layout(model: Llama, layout: Layout, mesh):
-    """TP (if tp > 1), then per-block checkpointing, then FSDP2 per block + root over the dp dims (if dp > 1;
-    HSDP when dp_replicate > 1): what torchtitan's ``parallelize_llama`` does, in its order."""
+    """TP (if tp > 1), CP's and EP's groups, then per-block checkpointing, then FSDP2 per block + root over the
+    dp dims x cp (if dp x cp > 1; HSDP when dp_replicate > 1) -- the experts first, on their own, over the dp
+    ranks that hold the same experts: what torchtitan's ``parallelize_llama`` / ``parallelize_qwen3`` do, in
+    their order."""
     if layout.tp > 1:
         apply_tp(model, mesh["tp"])
+    for block in model.layers:
+        if layout.cp > 1:
+            block.attention.cp_group = mesh["cp"].get_group()
+        if layout.ep > 1:
+            block.moe.ep_group = mesh["ep"].get_group()
     if layout.checkpointing:
         from .trace import apply_checkpointing
         apply_checkpointing(model)
-    if layout.dp > 1:
+    if layout.dp * layout.cp > 1:
         from torch.distributed.fsdp import fully_shard
-        dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-        dp_mesh = mesh[dims]
+        shard = "dp_shard_cp" if layout.cp > 1 or layout.ep > 1 else "dp_shard"
+        dp_mesh = mesh[("dp_replicate", shard) if layout.dp_replicate > 1 else shard]
+        # the experts' replicas: same ep coordinate (torchtitan's dp_mod_ep mesh)
+        experts_mesh = mesh[("dp_replicate", "dp_shard_mod_ep") if layout.dp_replicate > 1 else "dp_shard_mod_ep"] \
+            if layout.ep > 1 else None
         for block in model.layers:
+            if experts_mesh is not None:
+                for m in block.modules():
+                    if isinstance(m, GroupedExperts):
+                        fully_shard(m, mesh=experts_mesh)
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
     return model
@@ -346,10 +516,10 @@ def rank_step(cfg: LlamaConfig, layout: Layout, rank: int, tokens, targets, trac
     p2p = _P2P(mesh if layout.pp > 1 else None, fake)
     with tracker as mt:
         with torch.device(device):
-            stage = Llama(cfg, n, first=pp_rank == 0, last=pp_rank == layout.pp - 1)
+            stage = Llama(cfg, n, first=pp_rank == 0, last=pp_rank == layout.pp - 1, ep=layout.ep)
         apply_layout(stage, layout, mesh)
         opt = torch.optim.Adam([p for p in stage.parameters() if p.requires_grad], lr=1e-3, foreach=True)
-        if fake and layout.dp > 1:
+        if fake and layout.dp * layout.cp > 1:
             from .fsdp import step_on_shards
             step_on_shards(opt)  # DTensor's foreach sharding propagation is slow under fake tensors; same tensors
         for i in range(STEPS):
@@ -360,13 +530,14 @@ def rank_step(cfg: LlamaConfig, layout: Layout, rank: int, tokens, targets, trac
 
 
 def _rank_batch(cfg, layout, global_batch, seq, rank, device):
-    """This rank's share of the global batch (its dp coordinate's rows), on ``device``: made before counting."""
+    """This rank's share of the global batch (its dp coordinate's rows, its cp coordinate's part of the
+    sequence), on ``device``: made before counting."""
     check_layout(cfg, layout, global_batch, seq)
-    _, r, s, _ = layout.coords(rank)
+    _, r, s, c, _ = layout.coords(rank)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab, (global_batch, seq + 1), generator=g)
-    per = global_batch // layout.dp
-    mine = tokens[(r * layout.dp_shard + s) * per:][:per]
+    per, t = global_batch // layout.dp, seq // layout.cp
+    mine = tokens[(r * layout.dp_shard + s) * per:][:per, c * t:][:, :t + 1]
     return mine[:, :-1].to(device).contiguous(), mine[:, 1:].to(device).contiguous()
 
 
@@ -393,14 +564,16 @@ def measure_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int
 
 def distinct_ranks(cfg: LlamaConfig, layout: Layout) -> dict:
     """{representative rank: [ranks it stands for]}: ranks differ by pipeline stage and, where some
-    parameter's (TP-local) dim 0 does not split evenly in ``dp_shard`` chunks, by dp_shard coordinate."""
+    parameter's (TP-local) dim 0 does not split evenly in FSDP2's chunks, by dp_shard and cp coordinate.
+    (CP's ranks differ in their causal mask's values only, EP's in their experts' values.)"""
     dims0 = {cfg.vocab // layout.tp, cfg.d, cfg.heads * (cfg.d // cfg.heads) // layout.tp,
-             cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp, cfg.ffn // layout.tp}
-    even = all(n % layout.dp_shard == 0 for n in dims0)
+             cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp, cfg.ffn // layout.tp, cfg.experts or cfg.d}
+    even = all(n % (layout.dp_shard * layout.cp) == 0 for n in dims0) and (
+        layout.ep == 1 or (cfg.experts // layout.ep) % (layout.dp_shard * layout.cp // layout.ep) == 0)
     groups = {}
     for r in range(layout.world):
-        p, _, s, _ = layout.coords(r)
-        groups.setdefault((p, 0 if even else s), []).append(r)
+        p, _, s, c, _ = layout.coords(r)
+        groups.setdefault((p, 0 if even else (s, c)), []).append(r)
     return {ranks[0]: ranks for ranks in groups.values()}
 
 

@@ -37,31 +37,40 @@ The moments: the first micro-batch's loss backward (no gradient yet), the first 
 end, a later micro-batch's loss, blocks and embedding backward (every gradient; the schedule holding
 ``k`` micro-batches again under 1F1B with ``m > k``, else ``k - 1``), and Adam's step.
 
-**Context parallel** (``--cp``, arithmetic only: no run holds it yet): each rank keeps ``seq / cp`` tokens
-of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp`` mesh), and
-ring attention adds one neighbour's K and V chunk as a transient.
+**Context parallel** (``--cp``, as ``parallel.rank_step`` runs it: K and V all-gathered): each rank keeps
+``seq / cp`` tokens of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's
+``dp_shard_cp`` mesh), each block saves every rank's K and V (``cp`` times its own) and the causal mask,
+and its backward holds their gradients whole. **MoE and expert parallel** (``--ep``, a config with routed
+experts): a block's feed-forward is the router and the experts (``parallel.MoE``): it saves the router's
+probabilities, the top-k and the slots, and per expert ``capacity`` rows of input and SwiGLU tensors
+(``experts x capacity`` rows per rank whatever ``ep`` is: each rank computes its experts' slots from every
+ep rank); ``ep`` leaves the sharded state as it is (each rank's ``experts / ep`` over ``dp_shard x cp / ep``
+ranks) but lets a block's backward unshard only this rank's experts, in an FSDP2 unit of their own.
 
 Communication per rank per step (bytes on the wire, ring algorithms: a collective of ``n`` ranks moves
 ``(n - 1) / n`` of its buffer): TP+SP's two all-gathers and two reduce-scatters of ``T d`` bf16 per block
 forward, as many in backward (and again in the recomputed forward); FSDP2's bf16 all-gather forward and
 backward and fp32 reduce-scatter of the stage; HSDP's all-reduce of the shard's gradients over
-``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary; CP's K/V ring
-(``cp - 1`` hops of the K and V chunk per block and micro-batch, forward, backward with dK/dV).
+``dp_replicate``; PP's activation send and gradient receive per micro-batch and boundary; CP's all-gather
+of K and V per block and micro-batch and the reduce-scatter of their gradients; EP's two ``all_to_all``
+of the experts' slots per block and micro-batch, forward and backward (the experts' FSDP2 traffic over
+their own ``dp_shard x cp / ep`` ranks).
 
 Held against the traced plan (``parallel.plan_layout``, itself equal to the tracker on real ranks),
 like with like -- the trace computes in fp32 with the CPU's kernels, so the arithmetic with ``c=4,
 kernels="cpu"`` (torch's composite RMSNorm also saves its normalised input; the CPU's flash attention
 saves what a GPU's does) -- a 4-layer d=256 decoder over 17 layouts of 2 and 4 ranks (TP, PP GPipe and
 1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing): from 16 B to +7.4% over
-per rank, never under (the loosest: FSDP2's).
+per rank, never under (the loosest: FSDP2's); CP and a MoE's EP (8 layouts: cp2, cp4, cp2 x FSDP2,
+cp2 x TP2, ep2, ep4, ep2 x FSDP2, ep2 x cp2) from 16 B to +5.7%.
 tests/test_planner_search.py holds that, and the in-flight counts to the schedules the ranks run
 (``parallel.schedule_order``) and the stage parameters to the model's. On one H100 (NCCL, world size 1;
 ``bench/plan_layouts_gpu.py``: 0.5B decoder, 4 x 2048 tokens, with and without checkpointing and with 2
 and 4 micro-batches) the default bf16 arithmetic equals ``rank_step``'s ``max_memory_allocated`` under
 autocast within 9 KiB (flash attention, fused RMSNorm), and ``c=4`` its fp32 step within 1 KiB where
 the heads are not grouped (grouped heads in fp32 run SDPA's math kernel: refused). FSDP2's bf16 gathers
-(``dp_shard > 1``) are not held against GPUs yet. Context parallel and interleaved
-1F1B are planned by arithmetic only; expert parallel is not planned yet.
+(``dp_shard > 1``) are not held against GPUs yet. Interleaved 1F1B is planned by arithmetic only;
+CP, MoE and EP are held against CPU traces only.
 """
 from __future__ import annotations
 
@@ -69,7 +78,7 @@ import itertools
 from dataclasses import dataclass
 
 from .budget import budget
-from .parallel import Layout, LlamaConfig, check_layout, stage_layers
+from .parallel import Layout, LlamaConfig, capacity, check_layout, stage_layers
 
 P32, BF16 = 4, 2
 
@@ -87,10 +96,30 @@ class RankPlan:
         return self.state + self.gathered + self.activations + self.transient
 
 
-def block_params(cfg: LlamaConfig, tp: int) -> int:
+def ffn_params(cfg: LlamaConfig, tp: int, ep: int = 1) -> int:
+    """A block's feed-forward: the SwiGLU's (TP-local), or the router's and this rank's ``experts / ep``'s."""
+    if cfg.experts:
+        return cfg.d * cfg.experts + cfg.experts // ep * 3 * cfg.d * cfg.expert_ffn
+    return 3 * cfg.d * cfg.ffn // tp
+
+
+def block_params(cfg: LlamaConfig, tp: int, ep: int = 1) -> int:
     hd = cfg.d // cfg.heads
-    return (cfg.d * (cfg.heads + 2 * cfg.kv_heads) * hd + cfg.heads * hd * cfg.d + 3 * cfg.d * cfg.ffn) // tp \
+    return (cfg.d * (cfg.heads + 2 * cfg.kv_heads) * hd + cfg.heads * hd * cfg.d) // tp + ffn_params(cfg, tp, ep) \
         + 2 * cfg.d
+
+
+def ffn_activations(cfg: LlamaConfig, tp: int, tokens: int, c: int) -> int:
+    """What a block's feed-forward saves for backward (its norm's output aside): the SwiGLU's four
+    ``T ffn / tp`` tensors; or MoE's router probabilities (fp32), top-k weights (fp32) and indices, the
+    assignments' slots and the slots' tokens (int64, with the dropped ones' slot), the experts' input
+    (every slot of this rank's experts: ``experts x capacity`` rows whatever ``ep`` is), their four SwiGLU
+    tensors, and the experts' outputs gathered back per assignment (``T top_k`` rows)."""
+    if not cfg.experts:
+        return 4 * c * tokens * cfg.ffn // tp
+    slots = cfg.experts * capacity(cfg, tokens)
+    return P32 * tokens * cfg.experts + (P32 + 8 + 8) * tokens * cfg.top_k + 8 * (slots + 1) + c * slots * cfg.d \
+        + 4 * c * slots * cfg.expert_ffn + c * tokens * cfg.top_k * cfg.d
 
 
 def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> int:
@@ -104,7 +133,7 @@ def stage_params(cfg: LlamaConfig, layout: Layout, stage: int) -> int:
 
 
 def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: bool, c: int = BF16,
-                      kernels: str = "cuda", autocast: bool = False) -> int:
+                      kernels: str = "cuda", autocast: bool = False, cp: int = 1, seq: int = 0) -> int:
     """Bytes one block saves for backward per micro-batch of ``tokens`` (compute in ``c`` bytes per element,
     bf16 by default; the residual stream fp32): its two residual-stream outputs (the attention's sum, the
     block's output; its input is the previous block's output or the stage's input), the all-gathered
@@ -114,25 +143,38 @@ def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: boo
     runs under ``torch.autocast`` over fp32 parameters (no FSDP2 to gather bf16 copies): each linear saves
     its own cast of the weight (their bf16 copies: cast per forward, kept by the graph) and of its input --
     RMSNorm runs in fp32 under autocast, so q, k and v each keep a cast of the attention norm's output,
-    w1 and w3 of the feed-forward norm's: three ``T d`` casts more than one per norm."""
+    w1 and w3 of the feed-forward norm's: three ``T d`` casts more than one per norm. ``cp``: context
+    parallel's attention keeps every rank's keys and values (``cp`` times this rank's) and its mask over
+    ``seq / cp`` queries x ``seq`` keys, converted to the compute dtype."""
     sp = tokens * cfg.d // tp
     if checkpointing:
         return P32 * sp  # the block's output, the next checkpoint's input
     hd = cfg.d // cfg.heads
-    qkv = tokens * (cfg.heads + 2 * cfg.kv_heads) * hd // tp
+    qkv = tokens * (cfg.heads + 2 * cfg.kv_heads * cp) * hd // tp
     attn_out = tokens * cfg.heads * hd // tp
+    mask = c * (seq // cp) * seq if cp > 1 else 0
     norms = 2 * c * sp if kernels == "cpu" else 0
     rows = P32 * (2 * tokens + tokens * cfg.heads) // tp  # the norms' rstd, the attention's log-sum-exp
     casts = c * (3 * tokens * cfg.d + block_params(cfg, tp) - 2 * cfg.d) if autocast else 0
-    return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + 4 * c * tokens * cfg.ffn // tp \
-        + norms + rows + casts
+    return 2 * P32 * sp + 2 * c * tokens * cfg.d + c * (qkv + attn_out) + ffn_activations(cfg, tp, tokens, c) \
+        + norms + rows + casts + mask
 
 
-def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16) -> int:
-    """Bytes alive only inside one block's backward: two ``T ffn / tp`` gradients of the SwiGLU (the
-    product's, then its factors'), the residual stream's gradient arriving and the one leaving (fp32)."""
+def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16, cp: int = 1) -> int:
+    """Bytes alive only inside one block's backward, at the larger of two moments, with the residual
+    stream's gradient arriving and the one leaving (fp32): the SwiGLU's two ``T ffn / tp`` gradients (the
+    product's, then its factors'); the attention's gradients of its output, q, and the keys and values
+    (``cp`` times this rank's under context parallel), one of those made contiguous for its reduce-scatter."""
     sp_grad = c * tokens * cfg.d if tp > 1 else 0  # sequence parallel's gathered gradient, before its reduce-scatter
-    return 2 * c * tokens * cfg.ffn // tp + 2 * P32 * tokens * cfg.d // tp + sp_grad
+    hd = cfg.d // cfg.heads
+    attention = c * tokens * (2 * cfg.heads + (3 if cp > 1 else 2) * cfg.kv_heads * cp) * hd // tp
+    if cfg.experts:  # with the experts' output gradient, their SwiGLU's three gradients at once; or, past
+        # them, the one of w1's output with the input's gradients through w1 and w3 and their sum
+        f, d = cfg.expert_ffn, cfg.d
+        ffn = c * cfg.experts * capacity(cfg, tokens) * max(3 * f + d, f + 3 * d)
+    else:
+        ffn = 2 * c * tokens * cfg.ffn // tp
+    return max(ffn, attention) + 2 * P32 * tokens * cfg.d // tp + sp_grad
 
 
 def in_flight(layout: Layout, stage: int) -> float:
@@ -163,9 +205,11 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     wide = P32 * (cfg.vocab * cfg.d - cfg.vocab * cfg.d // tp) if stage == 0 and tp > 1 else 0
     grads += -(-wide // shards)
     if kernels == "cpu":  # Adam's step counters, one per parameter (a GPU's stay on the CPU), the loss's scalars
-        weights += P32 * (9 * n + (stage == 0) + 2 * last + 4)
-    blk = block_params(cfg, tp)
-    root = params - n * blk  # the embedding, final norm and head: the root FSDP2 module's own
+        weights += P32 * ((10 if cfg.experts else 9) * n + (stage == 0) + 2 * last + 4)
+    # a block's parameters: this rank's (experts / ep of the experts), unsharded; sharded, every expert's
+    # over dp_shard x cp (FSDP2 shards this rank's experts over dp_shard x cp / ep: the same bytes)
+    blk, blk_all = block_params(cfg, tp, layout.ep), block_params(cfg, tp)
+    root = params - n * blk_all  # the embedding, final norm and head: the root FSDP2 module's own
     # FSDP2 (shards > 1): the root's parameters stay unsharded from its forward to the end of its backward
     # (the root does not reshard after forward), their unsharded gradients wait for the root's
     # reduce-scatter at the end of the backward; in a block's backward, that block and the prefetched
@@ -174,17 +218,21 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # ``reduce_scatter_max_input_buffers=1`` in torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py)
     fsdp = shards > 1
     at_loss = c * root * fsdp  # the loss's backward: no block is unsharded (each reshards after forward)
-    in_block = (c * root + 2 * c * blk) * fsdp
-    g, g_block = -(-blk // shards) * P32, P32 * blk  # a block's gradients: sharded, and as its backward makes them
+    # (experts sharded over ep are FSDP2 units of their own, unsharded only through their own backward: the
+    # next block is prefetched without its experts)
+    experts = cfg.experts // layout.ep * 3 * cfg.d * cfg.expert_ffn if layout.ep > 1 else 0
+    in_block = (c * root + c * (2 * blk - experts)) * fsdp
+    g, g_block = -(-blk_all // shards) * P32, P32 * blk  # a block's gradients: sharded, and as its backward makes them
     g_root = P32 * root + wide if fsdp else grads - n * g  # the root's, until the end of the backward
     g_head = P32 * (cfg.vocab * cfg.d // tp + cfg.d) if last else 0
     if not fsdp:
         g_block = g
     sp = tokens * cfg.d // tp
+    cap = capacity(cfg, tokens) if cfg.experts else 0
     # bf16 compute with no FSDP2 to gather bf16 copies: torch.autocast over the fp32 parameters (as
     # torchtitan runs a model FSDP2 does not wrap); its casts are saved per micro-batch (block_activations)
     autocast = c < P32 and not fsdp
-    a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels, autocast)
+    a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels, autocast, layout.cp, seq)
     blocks = n * a + P32 * sp  # the blocks', and the stage's input (the embedding's output, or received)
     acts = blocks
     if last:  # the final norm's gathered output and rstd (on a CPU its normalised input); log-softmax's output
@@ -193,12 +241,9 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
             + (c * cfg.vocab * cfg.d // tp if autocast else 0)  # (the loss before and after its 1 / m; the head's cast)
     k = in_flight(layout, stage)
     held = int(k * acts)
-    back = block_backward(cfg, tp, tokens, c)
+    back = block_backward(cfg, tp, tokens, c, layout.cp)
     if layout.checkpointing:  # the block being recomputed holds its activations through its backward
-        back += block_activations(cfg, tp, tokens, False, c, kernels, autocast)
-    ring = 0
-    if layout.cp > 1:  # ring attention: the next rank's K and V chunk arrives while this one's is used
-        ring = 2 * c * tokens * cfg.kv_heads * (cfg.d // cfg.heads) // tp
+        back += block_activations(cfg, tp, tokens, False, c, kernels, autocast, layout.cp, seq)
     # the moments the step can peak at: (state, gathered, activations, transient). Once the first
     # micro-batch's backward is done every gradient exists, and the schedule holds k micro-batches again
     # (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k)
@@ -215,18 +260,21 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
         # then the head's backward: the logits' gradient (in the log-softmax output's place) and the
         # head's new weight gradient
-        head = max(loss, P32 * cfg.vocab * cfg.d // tp + c * tokens * cfg.d) + ring  # (and its input's)
+        head = max(loss, P32 * cfg.vocab * cfg.d // tp + c * tokens * cfg.d)  # (and its input's)
         moments.append((weights, at_loss, held, head))  # the first micro-batch's: no gradient yet
         if later is not None:  # a later one's: every (sharded) gradient exists
             moments.append((weights + grads, at_loss, later, head))
     if later is not None:  # a later block's backward: a weight's new gradient waits to be added to its
         # gradient (FSDP2: the block's, reduce-scattered, to the shard) while the residual stream's
         # gradients and one T ffn / tp gradient are alive
-        new = g if fsdp else P32 * cfg.d * cfg.ffn // tp
-        adding = 2 * P32 * sp + c * tokens * cfg.ffn // tp + new + (c * tokens * cfg.d if tp > 1 else 0)
+        if cfg.experts:  # a stacked expert weight's gradient, one of the experts' SwiGLU gradients
+            new, one = P32 * cfg.experts // layout.ep * cfg.d * cfg.expert_ffn, c * cfg.experts * cap * cfg.expert_ffn
+        else:
+            new, one = P32 * cfg.d * cfg.ffn // tp, c * tokens * cfg.ffn // tp
+        adding = 2 * P32 * sp + one + (g if fsdp else new) + (c * tokens * cfg.d if tp > 1 else 0)
         # (the micro-batch in backward has let go of its loss's and head's activations)
         moments.append((weights + grads, in_block + (g_head + g_block) * fsdp, later - (acts - blocks),
-                        max(back, adding) + ring))
+                        max(back, adding)))
         if stage == 0:  # the embedding's new gradient, at the end of the micro-batch's backward
             emb_new = 0 if fsdp else P32 * cfg.vocab * cfg.d // tp + wide
             moments.append((weights + grads, (c * root + g_root) * fsdp, later - int(acts), emb_new + out_grad))
@@ -236,11 +284,11 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # feed-forward's gradients come first, while its activations are still held; the attention's come
     # once the feed-forward's activations (its four T ffn / tp tensors, its norm's output) are gone
     # (with checkpointing: the recomputed ones, in ``back``)
-    a_ffn = c * (4 * tokens * cfg.ffn // tp + tokens * cfg.d)
-    in_blk = max(g_block * 3 * cfg.d * cfg.ffn // tp // blk, g_block - a_ffn)  # beyond a's
+    a_ffn = ffn_activations(cfg, tp, tokens, c) + c * tokens * cfg.d
+    in_blk = max(g_block * ffn_params(cfg, tp, layout.ep) // blk, g_block - a_ffn)  # beyond a's
     prev = g_block * fsdp * (n > 1)  # FSDP2: past the last block, the previous block's wait to be reduce-scattered
     mb0 = max(blocks + g_head + in_blk, g_head + (n - 1) * g + P32 * sp + a + in_blk + prev)
-    moments.append((weights, in_block, int((k - 1) * acts) + mb0, back + ring))
+    moments.append((weights, in_block, int((k - 1) * acts) + mb0, back))
     moments.append((weights, c * root * fsdp, int((k - 1) * acts) + n * g + g_root, out_grad))  # at the end
     # Adam's step (foreach): every gradient, and exp_avg_sq's square root, one fp32 tensor per parameter
     moments.append((weights + grads, 0, 0, P32 * local))
@@ -260,14 +308,18 @@ def comm_bytes(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: in
         total += m * n * passes * per_pass
     params = stage_params(cfg, layout, stage)
     shards = layout.dp_shard * layout.cp
-    if shards > 1:
-        total += ring(shards) * params * (2 * BF16 + P32)
+    if shards > 1:  # each rank's experts (experts / ep of them) over dp_shard x cp / ep ranks, the rest over all
+        experts = n * cfg.experts * 3 * cfg.d * cfg.expert_ffn
+        total += (ring(shards) * (params - experts) + ring(shards // layout.ep) * experts / layout.ep) \
+            * (2 * BF16 + P32)
     if layout.dp_replicate > 1:
         total += 2 * ring(layout.dp_replicate) * P32 * params / shards
-    if layout.cp > 1:  # ring attention: K and V chunks passed cp - 1 times forward, K, V, dK, dV in backward
+    passes = 3 if layout.checkpointing else 2  # forward, backward, and the recomputed forward
+    if layout.cp > 1:  # K and V all-gathered per block forward, dK and dV reduce-scattered in backward
         kv = BF16 * tokens * 2 * cfg.kv_heads * (cfg.d // cfg.heads) // layout.tp
-        passes = 4 if layout.checkpointing else 3
         total += m * n * (layout.cp - 1) * kv * passes
+    if layout.ep > 1:  # MoE: the experts' slots out and back by all_to_all per block, forward and backward
+        total += m * n * 2 * passes * ring(layout.ep) * BF16 * cfg.experts * capacity(cfg, tokens) * cfg.d
     if layout.pp > 1:
         hops = (stage < layout.pp - 1) + (stage > 0) if layout.virtual_stages == 1 else 2 * layout.virtual_stages
         total += m * BF16 * tokens * cfg.d / layout.tp * hops  # interleaved: every chunk sends and receives
@@ -288,11 +340,12 @@ def plan_ranks(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, c:
     return [rank_plan(cfg, layout, s, micro, seq, c, kernels) for s in range(layout.pp)]
 
 
-def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(1,), schedules=("1f1b",),
+def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), ep=(1,), dp_replicate=(1,), schedules=("1f1b",),
             microbatches=None, checkpointing=(False, True), global_batch=(1,), seq=2048):
-    """Every valid layout of the grid: (layout, global batch); dp_shard fills the GPUs left."""
-    for n, t, p, c, r, sch, ac, gb in itertools.product(gpus, tp, pp, cp, dp_replicate, schedules,
-                                                        checkpointing, global_batch):
+    """Every valid layout of the grid: (layout, global batch); dp_shard fills the GPUs left (ep borrows its
+    ranks and cp's: it adds none)."""
+    for n, t, p, c, e, r, sch, ac, gb in itertools.product(gpus, tp, pp, cp, ep, dp_replicate, schedules,
+                                                           checkpointing, global_batch):
         if n % (t * p * c * r):
             continue
         shard = n // (t * p * c * r)
@@ -300,7 +353,7 @@ def layouts(cfg: LlamaConfig, *, gpus, tp=(1,), pp=(1,), cp=(1,), dp_replicate=(
         ms = microbatches or sorted(({1} if p == 1 else {p, 2 * p, 4 * p}) | {max(1, gb // (shard * r))})
         for m in ms:
             for sched in ([sch] if p > 1 else ["1f1b"]):
-                L = Layout(tp=t, pp=p, cp=c, dp_replicate=r, dp_shard=shard, schedule=sched, microbatches=m,
+                L = Layout(tp=t, pp=p, cp=c, ep=e, dp_replicate=r, dp_shard=shard, schedule=sched, microbatches=m,
                            checkpointing=ac, virtual_stages=2 if sched == "interleaved" else 1)
                 try:
                     check_layout(cfg, L, gb, seq)
@@ -330,7 +383,7 @@ def search(cfg: LlamaConfig, *, capacity: int, seq: int, device_total=None, **gr
         worst = max(ranks, key=lambda r: r.peak)
         micro = gb // (L.dp * L.microbatches)
         comm = max(comm_bytes(cfg, L, s, micro, seq) for s in range(L.pp))
-        per_stage = L.world // L.pp  # the mesh is (pp, dp_replicate, dp_shard, tp): a stage's ranks are contiguous
+        per_stage = L.world // L.pp  # the mesh is (pp, dp_replicate, dp_shard, cp, tp): a stage's ranks are contiguous
         device = device_total(worst.peak, L.world)
         rows.append(dict(layout=L.describe(), gpus=L.world, dp_shard=L.dp_shard, device=device,
                          worst_ranks=(worst.stage * per_stage, (worst.stage + 1) * per_stage - 1), tokens=gb * seq, peak=worst.peak,
@@ -340,7 +393,7 @@ def search(cfg: LlamaConfig, *, capacity: int, seq: int, device_total=None, **gr
     return rows
 
 
-def check_grid(cfg: LlamaConfig, *, tp, pp, cp, seq, **_):
+def check_grid(cfg: LlamaConfig, *, gpus, tp, pp, cp, seq, ep=(1,), dp_replicate=(1,), **_):
     """Every value asked must be possible for this model: one clear line otherwise."""
     for t in tp:
         if cfg.heads % t or cfg.kv_heads % t:
@@ -348,6 +401,8 @@ def check_grid(cfg: LlamaConfig, *, tp, pp, cp, seq, **_):
                              f"({cfg.kv_heads})")
         if seq % t:
             raise ValueError(f"--tp {t}: must divide --seq {seq} (sequence parallel shards the sequence)")
+        if t > 1 and cfg.experts:
+            raise ValueError(f"--tp {t}: the routed experts are not tensor-parallel here: use --ep")
     for p in pp:
         if p > cfg.layers:
             raise ValueError(f"--pp {p}: more stages than the model's {cfg.layers} layers")
@@ -355,3 +410,14 @@ def check_grid(cfg: LlamaConfig, *, tp, pp, cp, seq, **_):
         if seq % (2 * c * max(tp)) and c > 1:
             raise ValueError(f"--cp {c}: --seq {seq} must be divisible by 2 x cp x tp = {2 * c * max(tp)} "
                              "(context parallel's load-balanced chunks, sequence parallel's shards)")
+    for e in ep:
+        if e > 1 and not cfg.experts:
+            raise ValueError(f"--ep {e}: the model has no routed experts (expert parallel shards a MoE's experts)")
+        if cfg.experts % e:
+            raise ValueError(f"--ep {e}: must divide the model's {cfg.experts} experts")
+        ranks = {n // (t * p * r) for n, t, p, r in itertools.product(gpus, tp, pp, dp_replicate)
+                 if n % (t * p * r) == 0}
+        if e > 1 and not any(k % e == 0 and k % c == 0 and e % c == 0 for k in ranks for c in cp):
+            raise ValueError(f"--ep {e}: must divide the data-parallel ranks x cp (dp_shard x cp: "
+                             f"{', '.join(map(str, sorted(ranks)))} with these --gpus/--tp/--pp/--dp-replicate) "
+                             "and be a multiple of --cp: ep borrows those ranks")

@@ -5,7 +5,7 @@
     mgpu-plan mymodels:resnet --input-shape 3,224,224 --batch 64 --gpus 1 --gpu L4 --plot plan.png
     mgpu-plan llama3-70b --gpus 8,16,64 --tp 1,2,4,8 --pp 1,2,4 --global-batch 64 --seq 8192 --gpu H100-80GB
 
-The last form searches parallel layouts (TP, PP with a schedule, HSDP, CP) of a Llama-shaped model at a
+The last form searches parallel layouts (TP, PP with a schedule, HSDP, CP, EP) of a Llama-shaped model at a
 fixed global batch: ``tools/plan_layouts.py``. The others: for each (precision layout, checkpointing,
 micro-batches) the step is traced once under fake tensors (``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
 (``planner.plan_from_trace``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
@@ -85,7 +85,9 @@ def parse_args(argv):
     lay = ap.add_argument_group("layouts (tools/plan_layouts.py: any of these searches TP x PP x HSDP layouts "
                                 "of a Llama-shaped CONFIG at a fixed --global-batch)")
     for flag, what in (("--tp", "tensor-parallel degrees"), ("--pp", "pipeline stages"),
-                       ("--cp", "context-parallel degrees (arithmetic only)"), ("--dp-replicate", "HSDP replicas"),
+                       ("--cp", "context-parallel degrees"),
+                       ("--ep", "expert-parallel degrees of a MoE CONFIG (borrow dp_shard x cp ranks)"),
+                       ("--dp-replicate", "HSDP replicas"),
                        ("--dp-shard", "FSDP2 shard groups to keep (default: whatever fills the GPUs)"),
                        ("--microbatches", "pipeline micro-batches (default: pp, 2pp, 4pp)"),
                        ("--global-batch", "samples per step over all GPUs")):

@@ -1,7 +1,8 @@
 """``mgpu-plan CONFIG --gpus 8,16,64 --tp 1,2,4,8 --pp 1,2,4 --global-batch 256 --seq 8192 --gpu H100-80GB``:
-the layouts (TP, PP with its schedule, HSDP / FSDP2, on one mesh) of a Llama-shaped model that fit, by
-``planner.search``'s per-rank arithmetic. CONFIG: llama3-8b, llama3-70b, llama3-405b or a Hugging Face
-config.json of a Llama-shaped model. Any of the layout flags selects this mode."""
+the layouts (TP, PP with its schedule, HSDP / FSDP2, CP, EP, on one mesh) of a Llama-shaped model that fit,
+by ``planner.search``'s per-rank arithmetic. CONFIG: llama3-8b, llama3-70b, llama3-405b or a Hugging Face
+config.json of a Llama-shaped model, dense or with routed experts (Mixtral's, Qwen-MoE's, DeepSeek's
+names). Any of the layout flags selects this mode."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from mgpu_helpers.planner.parallel import LLAMA3, SCHEDULES, LlamaConfig
 from mgpu_helpers.planner.search import check_grid, on_gpu, search
 from mgpu_helpers.tools.plan_sources import PlanInputError
 
-FLAGS = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "schedule", "microbatches", "global_batch")
+FLAGS = ("tp", "pp", "cp", "ep", "dp_replicate", "dp_shard", "schedule", "microbatches", "global_batch")
 
 
 def wanted(a) -> bool:
@@ -26,9 +27,13 @@ def llama_config(name: str) -> LlamaConfig:
     if not os.path.isfile(path):
         raise PlanInputError(f"{name!r}: the layout search takes {', '.join(LLAMA3)} or a Llama-shaped config.json")
     c = json.load(open(path))
+    # routed experts: Mixtral's names, Qwen-MoE's, DeepSeek's (every block routed; shared experts not planned)
+    experts = c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0
     try:
+        moe = dict(experts=experts, top_k=c["num_experts_per_tok"],
+                   expert_ffn=c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else {}
         return LlamaConfig(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
-                           c.get("num_key_value_heads", c["num_attention_heads"]), c["intermediate_size"])
+                           c.get("num_key_value_heads", c["num_attention_heads"]), c["intermediate_size"], **moe)
     except KeyError as e:
         raise PlanInputError(f"{path}: no {e.args[0]!r}; the layout search plans Llama-shaped decoders") from None
 
@@ -51,7 +56,8 @@ def run(a, ints) -> dict:
         raise PlanInputError("--global-batch N: the samples per optimizer step over all GPUs (fixed; each layout "
                              "splits it over its data-parallel ranks and micro-batches)")
     grid = dict(gpus=_ints(a.gpus, "--gpus"), tp=_ints(a.tp or "1", "--tp"), pp=_ints(a.pp or "1", "--pp"),
-                cp=_ints(a.cp or "1", "--cp"), dp_replicate=_ints(a.dp_replicate or "1", "--dp-replicate"),
+                cp=_ints(a.cp or "1", "--cp"), ep=_ints(a.ep or "1", "--ep"),
+                dp_replicate=_ints(a.dp_replicate or "1", "--dp-replicate"),
                 schedules=schedules, microbatches=_ints(a.microbatches, "--microbatches"),
                 checkpointing={"both": (False, True), "on": (True,), "off": (False,)}[a.checkpointing],
                 global_batch=_ints(a.global_batch, "--global-batch"))
