@@ -21,30 +21,17 @@ from .knobs import MODEL, build, make_model
 COMPUTE = ("aten::mm", "aten::addmm", "aten::gelu", "aten::gelu_backward")
 
 
-def _union(spans):
-    out = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
 def _length(spans) -> float:
-    return sum(b - a for a, b in _union(spans))
+    """The length of the union of (start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        total += max(0.0, b - max(a, reach))
+        reach = max(reach, b)
+    return total
 
 
-def _intersection(xs, ys) -> float:
-    xs, ys, i, j, tot = _union(xs), _union(ys), 0, 0, 0.0
-    while i < len(xs) and j < len(ys):
-        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        tot += max(0.0, b - a)
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return tot
+def _intersection(xs, ys) -> float:  # |X and Y| = |X| + |Y| - |X or Y|
+    return _length(xs) + _length(ys) - _length([*xs, *ys])
 
 
 def overlap(compute, comm) -> float:
@@ -55,12 +42,11 @@ def overlap(compute, comm) -> float:
 
 def _ddp_step(model_kw=None, rows=8, bucket_cap_mb=0.25):
     mkw = {**MODEL, **(model_kw or {})}
-    model = DDP(make_model(**mkw), bucket_cap_mb=bucket_cap_mb,
-                device_ids=[rank_device().index] if rank_device().type == "cuda" else None)
+    model = DDP(make_model(**mkw), bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
     world, rank = dist.get_world_size(), dist.get_rank()
-    x, y = make_batch(rows * world, mkw["d_in"], mkw["classes"], 1)
-    x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
+    batch = make_batch(rows * world, mkw["d_in"], mkw["classes"], 1)
+    x, y = (t.tensor_split(world)[rank].to(rank_device()) for t in batch)
 
     def step():
         with record_function("## forward ##"):
