@@ -23,8 +23,8 @@ from ..runtime.comm_log import CommLog
 from .instruments import profiled_peak, state_bytes
 
 MODEL = {"d": 128, "blocks": 4, "d_in": 32, "classes": 10}  # the notebook's model: 4 units of 131,712 bytes
-KNOBS = ("reshard_after_forward", "prefetch", "precision", "offload", "optimizer", "save_on_cpu", "rows",
-         "async_unshard")
+KNOBS = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False,  # the defaults
+         "optimizer": "foreach", "save_on_cpu": False, "rows": 8, "async_unshard": False}
 
 
 class Block(nn.Module):
@@ -96,8 +96,7 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
     """(model, optimizer, step) on this rank for ``knobs`` (see :func:`measure`); ``shard_fn(model, mesh)``
     (exercise 12.1's policy) replaces :func:`shard` and its knobs. ``step(mark)`` calls ``mark("backward")``
     when the forward is done."""
-    k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False,
-         "optimizer": "foreach", "save_on_cpu": False, "rows": 8, "async_unshard": False, **knobs}
+    k = {**KNOBS, **knobs}
     bad = set(knobs) - set(KNOBS)
     if bad or k["precision"] not in ("fp32", "mp_policy", "autocast") or k["optimizer"] not in ("foreach", "fused"):
         raise ValueError(f"knobs {knobs}: known are reshard_after_forward, prefetch, precision (fp32, mp_policy, "
@@ -122,8 +121,7 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
     world, rank = dist.get_world_size(), dist.get_rank()
     x, y = make_batch(k["rows"] * world, mkw["d_in"], mkw["classes"], seed + 1)
     x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
-    cast = torch.autocast(rank_device().type, half.dtype) if k["precision"] == "autocast" \
-        else contextlib.nullcontext()
+    cast = torch.autocast(rank_device().type, half.dtype, enabled=k["precision"] == "autocast")
     hooks = torch.autograd.graph.save_on_cpu(pin_memory=False) if k["save_on_cpu"] else contextlib.nullcontext()
     # fp16 needs loss scaling: DTensor all-reduces the scaler's found_inf over the mesh (torch/distributed/
     # tensor/_dispatch.py, found_inf_reduce_handler), so every rank skips the same steps. Disabled, it passes through
@@ -198,9 +196,8 @@ def accumulation(rank, world_size, micro_batches=4, sync_each=True, rows=8, seed
 
 
 def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
-    """:func:`measure` for each knob dict in ``options``, as rank 0 of ``world_size`` (fake process group:
-    no process started; bytes as real ranks give, tested), each row ``{**knobs, "peak", "forward_compute"``
-    (held while the forward computes), ``"gathered", "forward_order"}``."""
+    """:func:`measure` for each knob dict in ``options`` as rank 0 of ``world_size`` under a fake process group:
+    rows ``{**knobs, "peak", "forward_compute"`` (held while the forward computes), ``"gathered", "forward_order"}``."""
     rows = []
     with fake_world(world_size):
         for o in options:

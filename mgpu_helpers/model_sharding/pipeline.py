@@ -20,12 +20,12 @@ from ..runtime.launch import rank_device
 P2P_TIMEOUT = 3.0  # seconds a recorded send/recv may wait: the checks' ranks exchange tiny tensors
 
 
-def make_model(n_layers: int, width: int, seed: int = 0, device=None) -> nn.Sequential:
+def make_model(n_layers: int, width: int, seed: int = 0) -> nn.Sequential:
     """``n_layers`` blocks Linear(width, width) → Tanh (every activation is (batch, width)), from ``seed``, on
-    ``device`` (default ``rank_device()``, as ``memory.mlp``)."""
+    ``rank_device()``."""
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
-    return model.to(device or rank_device())
+    return model.to(rank_device())
 
 
 def stage_bounds(n_layers: int, world_size: int) -> list[tuple[int, int]]:
@@ -182,12 +182,7 @@ def bubble_fraction(per_rank: list[list]) -> float:
 
 def as_intervals(steps: list[tuple[str, int]]) -> list[tuple]:
     """A StepRecorder's (kind, start) list as (kind, micro-batch, start, start + 1) intervals."""
-    seen = {"F": 0, "B": 0}
-    out = []
-    for kind, s in steps:
-        out.append((kind, seen[kind], s, s + 1))
-        seen[kind] += 1
-    return out
+    return [(kind, sum(k == kind for k, _ in steps[:i]), s, s + 1) for i, (kind, s) in enumerate(steps)]
 
 
 def plot_timeline(per_rank: list[list], title: str, unit: str = "steps", ax=None):

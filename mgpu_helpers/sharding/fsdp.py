@@ -30,17 +30,16 @@ MODEL_STATE = ("parameters", "gradients", "optimizer_state", "buckets")
 
 def _no_data_allreduce(state, bucket):
     """DDP's comm hook under the fake process group, whose all-reduce future holds no tensor (DDP's reducer
-    asserts one): hand the bucket back untouched, as an in-place all-reduce would -- the bytes are the same."""
+    asserts one): the bucket back untouched, as an in-place all-reduce would."""
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
 
 
 def _ddp(model):
-    """Real ``DistributedDataParallel`` (its buckets included); under the fake process group, a hook that
-    moves no data stands in for the all-reduce."""
-    with MemoryTracker() as mt:  # what the constructor allocates and keeps: the buckets (DDP's logging data
-        ddp = DDP(model)         # agrees: ``ddp._get_ddp_logging_data()["bucket_sizes"]``, bytes per bucket)
+    """Real ``DistributedDataParallel``, its buckets' bytes in ``bucket_bytes``."""
+    with MemoryTracker() as mt:  # what the constructor allocates and keeps: the buckets
+        ddp = DDP(model)
     ddp.bucket_bytes = mt.current_bytes
     if dist.get_backend() == "fake":
         ddp.register_comm_hook(None, _no_data_allreduce)
@@ -70,17 +69,13 @@ def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
 
 
 def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatter_fn=None):
-    """This rank's memory for one steady step of each of ``methods``, ``per_rank`` samples a rank: ``{method:
-    {"n_params", "state"`` (bytes held after the step, by category)``, "peak", "peak_breakdown",
-    "naive_param_bytes"}}``; the last counts a DTensor's *global* size, the miscount that makes FSDP2 seem
-    to "save nothing"."""
-    if isinstance(methods, str):
-        return measure(rank, world_size, [methods], widths, per_rank, seed, reduce_scatter_fn)[methods]
-    return {m: _measure(rank, world_size, m, widths, per_rank, seed, reduce_scatter_fn) for m in methods}
-
-
-def _measure(rank, world_size, method, widths, per_rank, seed, reduce_scatter_fn):
-    model, opt, step = build(method, widths, seed, reduce_scatter_fn=reduce_scatter_fn)
+    """This rank's memory for one steady step of ``methods`` (a key of ``STAGE``; a list gives ``{method: ...}``),
+    ``per_rank`` samples a rank: ``{"n_params", "state"`` (bytes held after the step, by category)``, "peak",
+    "peak_breakdown", "naive_param_bytes"}``; the last counts a DTensor's *global* size, the miscount that
+    makes FSDP2 seem to "save nothing"."""
+    if not isinstance(methods, str):
+        return {m: measure(rank, world_size, m, widths, per_rank, seed, reduce_scatter_fn) for m in methods}
+    model, opt, step = build(methods, widths, seed, reduce_scatter_fn=reduce_scatter_fn)
     x, y = make_batch(per_rank * world_size, widths[0], widths[-1], seed + 1)
     x, y = (t.tensor_split(world_size)[rank].to(rank_device()) for t in (x, y))
 
@@ -124,12 +119,11 @@ def trains_like_one_process(rank, world_size, method, widths, steps=3, per_rank=
 
 
 def sweep(world_sizes, methods, widths, per_rank=8, reduce_scatter_fn=None) -> dict:
-    """``{method: {world_size: rank 0's measure()}}``, each world size simulated with :func:`fake_world`:
-    many world sizes in a second, with no process started (real ranks give the same bytes: tested)."""
+    """``{method: {world_size: rank 0's measure()}}``, each world size simulated with :func:`fake_world`."""
     out: dict = {}
     for w in world_sizes:
         with fake_world(w):
-            for m, r in measure(0, w, list(methods), widths, per_rank, 0, reduce_scatter_fn).items():
+            for m, r in measure(0, w, methods, widths, per_rank, 0, reduce_scatter_fn).items():
                 out.setdefault(m, {})[w] = r
     return out
 
@@ -190,6 +184,7 @@ def _demo(rank, world_size):
         r = measure(rank, world_size, m, widths)
         got, want = sum(r["state"].values()), sum(formula(r["n_params"], m, world_size).values())
         lines.append(f"{m} on {world_size} ranks ({dist.get_backend()}): 3 Adam steps "
-                     f"{'equal' if diff.item() < 1e-4 else 'DIFFER from'} one process (max |diff| {diff.item():.1e} over ranks); rank {rank} holds {got} bytes of model state, "
-                     f"the formula {want} ({got / want:.3f}x)")
+                     f"{'equal' if diff.item() < 1e-4 else 'DIFFER from'} one process (max |diff| {diff.item():.1e} "
+                     f"over ranks); rank {rank} holds {got} bytes of model state, the formula {want} "
+                     f"({got / want:.3f}x)")
     return "\n".join(lines)
