@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 
 from .base import REGISTRY, Check, expect, expect_close, expect_ranks, flat, run_learner_ranks
-from ..fsdp_practice import MODEL, budgets, knob_sweep, make_model, measure, shard
+from ..fsdp_practice import MODEL, blocks, budgets, knob_sweep, make_model, measure, shard
 from ..runtime.launch import rank_device
 from ..runtime.fake_world import fake_world
 from ..memory import make_batch
@@ -28,7 +28,7 @@ def _rank_12_1(rank, world, fn, case):
     the blocks and the root are ``fully_shard`` units."""
     m = measure(rank, world, {}, categories=False, seed=case["seed"], shard_fn=fn, keep=True)
     model = m["model"]
-    return {"root": isinstance(model, FSDPModule), "blocks": [isinstance(b, FSDPModule) for b in model.blocks],
+    return {"root": isinstance(model, FSDPModule), "blocks": [isinstance(b, FSDPModule) for b in blocks(model)],
             "peak": m["peak"], "gathered": m["gathered"], "forward_order": m["forward_order"]}
 
 

@@ -1,10 +1,6 @@
-"""Notebook 12 -- a model bigger than one rank (build on the ``meta`` device, ``fully_shard``, then
-``to_empty`` and initialise the shards) and what activation offload would move off the device.
-
-``meta_init`` measures, per rank, the most bytes held while the model is built and sharded, both ways:
-built whole on the device and then sharded (every rank holds the whole model for a moment), and built on
-the meta device (no storage), sharded, and only then given storage -- each rank allocates its shard only.
-"""
+"""Notebook 12 -- a model bigger than one rank: built on the ``meta`` device (no storage), sharded, and only
+then given storage with ``to_empty`` and initialised, so that each rank allocates its shard only; and what
+activation offload would move off the device."""
 from __future__ import annotations
 
 import torch
@@ -66,8 +62,7 @@ def meta_init(rank, world_size, model_kw=None):
         with torch.device("meta"):
             model = Net(**mkw)
         on_meta = nbytes(p for p in model.parameters() if p.device.type != "meta")
-        shard(model)
-        model.to_empty(device=rank_device())
+        shard(model).to_empty(device=rank_device())
         init_weights(model)
     full = sum(p.numel() * p.element_size() for p in make_model(**mkw, device="meta").parameters())
     return {"whole_model": full, "shard": nbytes(model.parameters()), "on_meta": on_meta,
@@ -84,8 +79,7 @@ def meta_init_values(rank, world_size, model_kw=None, seed=0, dtensor_rng=False)
     mkw = {**MODEL, **(model_kw or {})}
     with torch.device("meta"):
         model = Net(**mkw)
-    shard(model)
-    model.to_empty(device=rank_device())
+    shard(model).to_empty(device=rank_device())
     if dtensor_rng:
         torch.manual_seed(seed)
         with warnings.catch_warnings():  # "DTensor random operators may not have complete support on cpu"
@@ -97,8 +91,7 @@ def meta_init_values(rank, world_size, model_kw=None, seed=0, dtensor_rng=False)
         init_weights(model, seed)
     one = make_model(**mkw, seed=seed, device="cpu")
     full = [p.full_tensor().cpu() for p in model.parameters()]
-    w = full[0]
-    half = w.shape[0] // world_size
+    w, half = full[0], full[0].shape[0] // world_size
     return {"equal_to_one_process": all(torch.equal(a, b) for a, b in zip(full, one.parameters())),
             "shards_repeat": bool(torch.equal(w[:half], w[half:2 * half]))}
 

@@ -1,6 +1,5 @@
 """Notebook 12 -- the model, ``fully_shard`` under each knob, and one steady step measured per rank
-(``measure``, ``sweep``, ``knob_sweep``); the package's face (``fsdp_practice/__init__``) says what each knob
-is and how memory is counted."""
+(``measure``; as rank 0 of N under a fake process group, ``sweep`` and ``knob_sweep``)."""
 from __future__ import annotations
 
 import contextlib
@@ -62,6 +61,10 @@ def make_model(d=128, blocks=4, d_in=32, classes=10, seed=0, device=None) -> Net
         return Net(d, blocks, d_in, classes).to(device or rank_device())
 
 
+def blocks(model) -> list[nn.Module]:
+    return list(model.blocks)
+
+
 def forget_cached_meshes():
     """Clear DTensor's sharding-propagation caches: their entries hold the mesh of the process that filled
     them, which compares equal to a new mesh of the same shape, so a rank forked from a kernel that ran a
@@ -97,8 +100,8 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
     (exercise 12.1's policy) replaces :func:`shard` and its knobs. ``step(mark)`` calls ``mark("backward")``
     when the forward is done."""
     k = {**KNOBS, **knobs}
-    bad = set(knobs) - set(KNOBS)
-    if bad or k["precision"] not in ("fp32", "mp_policy", "autocast") or k["optimizer"] not in ("foreach", "fused"):
+    if set(k) != set(KNOBS) or k["precision"] not in ("fp32", "mp_policy", "autocast") \
+            or k["optimizer"] not in ("foreach", "fused"):
         raise ValueError(f"knobs {knobs}: known are reshard_after_forward, prefetch, precision (fp32, mp_policy, "
                          "autocast), offload (bool), optimizer (foreach, fused), save_on_cpu (bool), rows (per rank), "
                          "async_unshard (bool)")
@@ -216,9 +219,8 @@ def knob_grid(world_size: int) -> list[dict]:
 
 
 def budgets(rows) -> dict:
-    """The budgets exercise 12.1 states, from a :func:`knob_sweep` table: each midway between the second-
-    and the third-lowest distinct figure of its column (peak per rank; bytes all-gathered per rank per
-    step), so that some rows fit each budget, some miss it, and none sits on it."""
+    """Exercise 12.1's budgets from a :func:`knob_sweep` table: each midway between the second- and the
+    third-lowest distinct figure of its column, so that some rows fit it, some miss it, and none sits on it."""
     def mid(xs):
         xs = sorted(set(xs))
         return (xs[1] + xs[2]) // 2

@@ -1,9 +1,7 @@
 """Notebook 12 -- communication hidden behind compute: every rank's ``torch.profiler`` trace of one training
 step, merged into one figure; ``overlap`` = (time both run) / (time communication runs). Communication: on a
-CPU gloo's worker-thread ranges (``gloo:all_reduce``...; FSDP2's reduce-scatter shows as an all_reduce), on a
-GPU the NCCL kernels; compute: ``COMPUTE`` on the main thread, on a GPU every other kernel. Times vary from
-run to run; which collectives run, and how many, do not.
-"""
+CPU gloo's worker-thread ranges (FSDP2's reduce-scatter shows as an all_reduce), on a GPU the NCCL kernels;
+compute: ``COMPUTE`` on the main thread, on a GPU every other kernel."""
 from __future__ import annotations
 
 from collections import Counter
@@ -11,12 +9,11 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from ..runtime.launch import rank_device
-from ..memory import make_batch
 from ..runtime.alloc_reference import quiet_fd2
-from .knobs import MODEL, build, make_model
+from .knobs import build
 
 COMPUTE = ("aten::mm", "aten::addmm", "aten::gelu", "aten::gelu_backward")
 
@@ -40,31 +37,13 @@ def overlap(compute, comm) -> float:
     return _intersection(compute, comm) / total if total else 0.0
 
 
-def _ddp_step(model_kw=None, rows=8, bucket_cap_mb=0.25):
-    mkw = {**MODEL, **(model_kw or {})}
-    model = DDP(make_model(**mkw), bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    batch = make_batch(rows * world, mkw["d_in"], mkw["classes"], 1)
-    x, y = (t.tensor_split(world)[rank].to(rank_device()) for t in batch)
-
-    def step():
-        with record_function("## forward ##"):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        with record_function("## backward ##"):
-            loss.backward()
-        with record_function("## optimizer ##"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return step
-
-
 def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
-    """This rank's profiled training step (``kind`` "fsdp": ``build(knobs)``; "ddp": 0.25 MB buckets):
+    """This rank's profiled training step (``kind`` "fsdp": ``build(knobs)``; "ddp": the same step under DDP,
     ``{"compute": [(start, end)], "comm": [(start, end, name)], "phases", "t0", "forward_order",
     "reductions_before_last_backward_matmul": (early, all)}``, times in ms from ``t0`` (the step's start on the
     machine's clock, shared by its ranks). The orders of issue are deterministic; times are not."""
-    step = _ddp_step(model_kw, (knobs or {}).get("rows", 8)) if kind == "ddp" else build(knobs or {}, model_kw)[2]
+    ddp = (lambda model, mesh: DDP(model, bucket_cap_mb=0.25)) if kind == "ddp" else None
+    step = build(knobs or {}, model_kw, shard_fn=ddp)[2]
     for _ in range(warmup):  # DDP rebuilds its buckets after the first step; FSDP2 makes its buffers
         step()
     cuda = rank_device().type == "cuda"

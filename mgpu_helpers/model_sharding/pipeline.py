@@ -34,9 +34,7 @@ def stage_bounds(n_layers: int, world_size: int) -> list[tuple[int, int]]:
     if world_size < 1 or n_layers < world_size:
         raise ValueError(f"n_layers={n_layers} cannot be split over world_size={world_size}: every stage "
                          "needs a layer")
-    per, extra = divmod(n_layers, world_size)
-    starts = [r * per + min(r, extra) for r in range(world_size + 1)]
-    return list(zip(starts, starts[1:]))
+    return [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(n_layers).tensor_split(world_size)]
 
 
 def single_process_step(model: nn.Module, inputs, targets) -> float:

@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ..memory import nbytes
 from ..runtime.launch import rank_device
-from ..runtime.tracker import MemoryTracker
 
 
 class DenseMLP(nn.Module):
@@ -33,10 +33,8 @@ def make_mlp(d: int, h: int, seed: int = 0) -> DenseMLP:
 
 
 def param_bytes(module) -> int:
-    """Parameter bytes of ``module`` as the tracker counts them (whole storages: a view costs its base)."""
-    with MemoryTracker(module) as mt:
-        pass
-    return mt.breakdown()["parameters"]
+    """Parameter bytes of ``module``: whole storages (a view costs its base), a DTensor's local shard."""
+    return nbytes(module.parameters())
 
 
 def parameter_bytes_formula(d: int, h: int, world_size: int, element_size: int = 4) -> int:

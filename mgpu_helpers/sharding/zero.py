@@ -63,18 +63,10 @@ def comm_bytes_per_step(n_params: int, *, zero_stage: int, world_size: int, para
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    n, peers = world_size, world_size - 1
-    shard = ceil_div(n_params, n)
+    peers, shard = world_size - 1, ceil_div(n_params, world_size)
     rs, ag = peers * shard * grad_bytes, peers * shard * param_bytes   # one reduce-scatter, one all-gather
-    out = {"all-reduce": 0, "reduce-scatter": 0, "all-gather": 0, "broadcast": 0}
-    if zero_stage <= 1:
-        out["all-reduce"] = 2 * rs
-    if zero_stage == 1:
-        out["broadcast"] = ag
-    if zero_stage == 2:
-        out.update({"reduce-scatter": rs, "all-gather": ag})
-    if zero_stage == 3:
-        out.update({"reduce-scatter": rs, "all-gather": 2 * ag})
+    out = {"all-reduce": 2 * rs if zero_stage <= 1 else 0, "reduce-scatter": rs if zero_stage >= 2 else 0,
+           "all-gather": (0, 0, ag, 2 * ag)[zero_stage], "broadcast": ag if zero_stage == 1 else 0}
     out["total"] = sum(out.values())
     return out
 
