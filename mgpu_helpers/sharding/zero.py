@@ -87,15 +87,13 @@ class Zero2:
 
     def __init__(self, model: nn.Module, optimizer_cls, reduce_scatter_fn, **kwargs):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.params = [p for p in unique(model.parameters()) if p.requires_grad]
-        n = sum(p.numel() for p in self.params)
-        self.shard_len = ceil_div(n, self.world)
+        self.params = [p for p in model.parameters() if p.requires_grad]  # each tensor once, tied or not
+        sizes = [p.numel() for p in self.params]
+        self.shard_len = ceil_div(sum(sizes), self.world)
         self.flat = torch.zeros(self.shard_len * self.world, device=self.params[0].device)
-        off = 0
-        for p in self.params:  # the parameters now live in the flat buffer (no second copy)
-            self.flat[off:off + p.numel()].copy_(p.detach().flatten())
-            p.data = self.flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
+        for p, view in zip(self.params, self.flat[:sum(sizes)].split(sizes)):
+            view.copy_(p.detach().flatten())
+            p.data = view.view_as(p)  # the parameters now live in the flat buffer (no second copy)
         self.shard = nn.Parameter(self.flat[self.rank * self.shard_len:(self.rank + 1) * self.shard_len])
         self.optimizer = optimizer_cls([self.shard], **kwargs)
         self.reduce_scatter_fn = reduce_scatter_fn
