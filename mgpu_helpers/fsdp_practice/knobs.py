@@ -152,15 +152,10 @@ def measure(rank, world_size, knobs=None, model_kw=None, categories=True, seed=0
     model, opt, step = build(knobs or {}, model_kw, seed, shard_fn)
     step()  # warm-up: Adam makes its state, FSDP2 its buffers
     base = sum(state_bytes(model, opt).values())
-    out, marks = {}, {}
-    with CommLog() as comm, profiled_peak(base) as prof:
-        mark = lambda phase: marks.setdefault(phase, len(comm.order))  # noqa: E731
-        if categories:
-            with MemoryTracker(model, opt) as mt:
-                step(mark)
-            out = {"tracker_peak": mt.peak_bytes, "tracker_peak_breakdown": mt.peak_breakdown()}
-        else:
-            step(mark)
+    marks, tracker = {}, MemoryTracker(model, opt) if categories else contextlib.nullcontext()
+    with CommLog() as comm, profiled_peak(base) as prof, tracker as mt:
+        step(lambda phase: marks.setdefault(phase, len(comm.order)))
+    out = {"tracker_peak": mt.peak_bytes, "tracker_peak_breakdown": mt.peak_breakdown()} if categories else {}
     if keep:
         out["model"] = model
     return {"state": state_bytes(model, opt), "peak": prof["peak"], "phases": prof["phases"],

@@ -107,8 +107,7 @@ def plot(traces_by_label: dict, title="One training step on every rank: compute 
     rows = [(lab, r, tr) for lab, trs in traces_by_label.items() for r, tr in enumerate(trs)]
     fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.2))
     for i, (lab, r, tr) in enumerate(rows):
-        t0 = min(t["t0"] for t in traces_by_label[lab])
-        shift = (tr["t0"] - t0) / 1e6
+        shift = (tr["t0"] - min(t["t0"] for t in traces_by_label[lab])) / 1e6
         y = len(rows) - 1 - i
         ax.broken_barh([(a + shift, b - a) for a, b in tr["compute"]], (y + 0.05, 0.4), color="#4C72B0")
         ax.broken_barh([(a + shift, b - a) for a, b, _ in tr["comm"]], (y - 0.45, 0.4), color="#DD8452")
