@@ -76,8 +76,7 @@ class StepRecorder:
             raise Stuck(f"{why}, {self.where()}") from None
 
     def _send(self, tensor, *args, **kw):
-        dst = kw.get("dst", args[0] if args else None)
-        what = f"dist.send(dst={dst})"
+        what = f"dist.send(dst={kw.get('dst', args[0] if args else None)})"
         if not isinstance(tensor, torch.Tensor):  # torch would say only "Invalid function argument"
             raise TypeError(f"{what} was given {type(tensor).__name__}, not a tensor" + (
                 ": x.grad is None when autograd never tracked x. A tensor filled by dist.recv is a new leaf that "
