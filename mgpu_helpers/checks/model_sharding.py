@@ -7,8 +7,9 @@ import torch.distributed as dist
 
 from ..memory import make_batch
 from ..model_sharding.pipeline import StepRecorder, Stuck, make_model, single_process_step, stage_bounds
+from ..runtime.comm_log import CommLog
 from ..runtime.launch import rank_device
-from ..model_sharding.tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
+from ..model_sharding.tensor_parallel import make_mlp, param_bytes, parameter_bytes_formula
 from .base import (REGISTRY, CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
                    expect_type, plain, run_learner_ranks)  # plain: a rank hands back CPU tensors
 
@@ -186,14 +187,15 @@ def _tp_rank(rank, world, fn, case):
     x = torch.randn(case["batch"], case["d"], generator=g).to(rank_device()).requires_grad_()
     gy = torch.randn(case["batch"], case["d"], generator=g).to(rank_device())
     try:  # a wrong split fails here: the judge names it from the shapes first
-        with AllReduceCounter() as forward:
+        with CommLog() as forward:
             y = mod(x)
-        with AllReduceCounter() as backward:
+        with CommLog() as backward:
             (y * gy).sum().backward()
     except RuntimeError as e:
         return {**out, "error": _hinted(e)}
-    return {**out, "y": plain(y), "x_grad": plain(x.grad), "forward_calls": forward.calls,
-            "backward_calls": backward.calls, "grads": {name: plain(q.grad) for name, q in mod.named_parameters()}}
+    return {**out, "y": plain(y), "x_grad": plain(x.grad), "forward_calls": forward.counts.get("all_reduce", 0),
+            "backward_calls": backward.counts.get("all_reduce", 0),
+            "grads": {name: plain(q.grad) for name, q in mod.named_parameters()}}
 
 
 def _dense_reference(case):

@@ -1,21 +1,16 @@
-"""Notebook 12 -- FSDP2 in practice: each knob of ``fully_shard`` (reshard_after_forward, prefetch, mixed
-precision, CPU offload, foreach vs fused Adam, meta-device init) and what it costs per rank, in ``knobs``.
-Memory is counted two ways in one step: ``MemoryTracker`` splits it by category but misses the unsharded
-parameters FSDP2 frees with ``resize_(0)`` and re-grows, so the **peak** is the profiler's (``instruments``:
-it matched the tracker and the planner to 8 bytes where both see everything; on a GPU ``max_memory_allocated``)
-and the gap is its own row, never hidden. Collectives: ``CommLog``. Sweeps
-run one rank of N in this process (``runtime.fake_world``: real allocations, no data moved). Also
-``timeline`` (overlap of communication and compute), ``init`` (meta-device init, activation offload) and
-``plan`` (the planner on the same knobs). The script (every knob on 2 ranks, one table per rank)::
+"""Notebook 12 -- FSDP2 in practice: each knob of ``fully_shard`` and what it costs per rank (``knobs``; the
+peak is the profiler's, ``instruments``: ``MemoryTracker`` misses the unsharded parameters FSDP2 frees with
+``resize_(0)`` and re-grows), the overlap of communication and compute (``timeline``), meta-device init and
+activation offload (``init``), the planner on the same knobs (``plan``). The script, every knob on 2 ranks::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.fsdp_practice
     python -m mgpu_helpers.fsdp_practice                       # no torchrun: 2 ranks via run_ranks
 """
 from ..runtime.comm_log import CommLog  # noqa: F401
-from .init import SavedBytes, init_weights, meta_init, meta_init_values, saved_for_backward  # noqa: F401
-from .instruments import profiled_peak, state_bytes  # noqa: F401
-from .knobs import (KNOBS, MODEL, PHASES, Block, Net, accumulation, blocks, budgets, build,  # noqa: F401
-                    forget_cached_meshes, knob_grid, knob_sweep, make_model, measure, shard, sweep)
+from .init import init_weights, meta_init, meta_init_values, saved_for_backward  # noqa: F401
+from .instruments import profiled_peak  # noqa: F401
+from .knobs import (KNOBS, MODEL, Block, Net, accumulation, blocks, budgets, build, knob_grid,  # noqa: F401
+                    knob_sweep, make_model, measure, shard, sweep)
 from .plan import plan_knobs  # noqa: F401
-from .timeline import COMPUTE, overlap, summarize, trace  # noqa: F401
+from .timeline import overlap, summarize, trace  # noqa: F401
 from .timeline import plot as plot_timeline  # noqa: F401

@@ -6,7 +6,4 @@ from ..runtime.launch import run_ranks, script_args, torchrun_main
 from .knobs import _demo
 
 script_args(__doc__)
-if "LOCAL_RANK" in os.environ:
-    torchrun_main(_demo)
-else:
-    print("\n".join(run_ranks(_demo, 2)))
+torchrun_main(_demo) if "RANK" in os.environ else print("\n".join(run_ranks(_demo, 2)))

@@ -1,10 +1,6 @@
-"""Notebook 12 -- a model bigger than one rank (build on the ``meta`` device, ``fully_shard``, then
-``to_empty`` and initialise the shards) and what activation offload would move off the device.
-
-``meta_init`` measures, per rank, the most bytes held while the model is built and sharded, both ways:
-built whole on the device and then sharded (every rank holds the whole model for a moment), and built on
-the meta device (no storage), sharded, and only then given storage -- each rank allocates its shard only.
-"""
+"""Notebook 12 -- a model bigger than one rank: built on the ``meta`` device (no storage), sharded, and only
+then given storage with ``to_empty`` and initialised, so that each rank allocates its shard only; and what
+activation offload would move off the device."""
 from __future__ import annotations
 
 import torch
@@ -13,42 +9,36 @@ from torch import nn
 
 from ..memory import nbytes
 from .instruments import profiled_peak
-from .knobs import MODEL, Net, make_model, shard
+from .knobs import MODEL, Net, build, make_model, shard
 from ..runtime.launch import rank_device
 from ..runtime.precision import training_precision
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> None:
-    """Initialise a ``to_empty`` model's sharded parameters to exactly what one process's ``make_model(seed)``
-    draws, on any number of ranks and any device.
-
-    Why not each module's ``reset_parameters()`` on the DTensors: DTensor's random-number tracker supports
-    CUDA-like devices only (``torch/distributed/tensor/_random.py``, ``is_rng_supported_mesh``); on a CPU
-    (gloo) mesh every rank draws the same *local* values, so rank 1's shard repeats rank 0's. On GPUs the
-    tracker offsets each shard's Philox stream, so the values are right but are not those of one process.
-    Here each module, in construction order, runs its ``reset_parameters()`` on full-size plain tensors from
-    the one seeded generator -- the draws one process makes -- and each rank keeps its own shard. One module
-    at a time is whole (here at most one ``Linear``), never the model."""
+    """Initialise a ``to_empty``'d sharded model's parameters to exactly what one process's ``make_model(seed)``
+    draws, on any number of ranks and any device: each module, in construction order, runs its own
+    ``reset_parameters()`` on whole plain tensors from one seeded generator, and each rank keeps its part --
+    one module whole at a time, never the model. Not ``reset_parameters()`` on the DTensors: DTensor's RNG
+    supports CUDA-like devices only (``torch/distributed/tensor/_random.py``): on a CPU mesh every rank draws
+    the same local values, and on GPUs the values are not those of one process."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for m in model.modules():
-            own = {n: p for n, p in m.named_parameters(recurse=False)}
+            own = dict(m.named_parameters(recurse=False))
             if not own or not hasattr(m, "reset_parameters"):
                 continue
             full = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device)) for n, p in own.items()}
-            for n, t in full.items():  # the module's own init, on whole tensors
-                m._parameters[n] = t
+            m._parameters.update(full)  # the module's own init, on whole tensors
             try:
                 m.reset_parameters()
             finally:
-                for n, p in own.items():
-                    m._parameters[n] = p
+                m._parameters.update(own)
             with torch.no_grad():
                 for n, p in own.items():
                     if isinstance(p, DTensor) and len(p.placements) == 1 and isinstance(p.placements[0], Shard):
-                        # keep this rank's shard: the chunk fully_shard assigned it (a view, no copy)
+                        # fully_shard's layout: this rank's chunk of the whole tensor (a view, no copy)
                         chunks = full[n].detach().chunk(p.device_mesh.size(), dim=p.placements[0].dim)
                         i = p.device_mesh.get_local_rank()
                         if i < len(chunks):
@@ -58,7 +48,7 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
                         p.to_local().copy_(local.to_local())
                     else:
                         p.copy_(full[n])
-            del full  # before the next module draws its own: one module whole at a time
+            del full  # before the next module draws its own
 
 
 def meta_init(rank, world_size, model_kw=None):
@@ -72,8 +62,7 @@ def meta_init(rank, world_size, model_kw=None):
         with torch.device("meta"):
             model = Net(**mkw)
         on_meta = nbytes(p for p in model.parameters() if p.device.type != "meta")
-        shard(model)
-        model.to_empty(device=rank_device())
+        shard(model).to_empty(device=rank_device())
         init_weights(model)
     full = sum(p.numel() * p.element_size() for p in make_model(**mkw, device="meta").parameters())
     return {"whole_model": full, "shard": nbytes(model.parameters()), "on_meta": on_meta,
@@ -90,8 +79,7 @@ def meta_init_values(rank, world_size, model_kw=None, seed=0, dtensor_rng=False)
     mkw = {**MODEL, **(model_kw or {})}
     with torch.device("meta"):
         model = Net(**mkw)
-    shard(model)
-    model.to_empty(device=rank_device())
+    shard(model).to_empty(device=rank_device())
     if dtensor_rng:
         torch.manual_seed(seed)
         with warnings.catch_warnings():  # "DTensor random operators may not have complete support on cpu"
@@ -103,75 +91,42 @@ def meta_init_values(rank, world_size, model_kw=None, seed=0, dtensor_rng=False)
         init_weights(model, seed)
     one = make_model(**mkw, seed=seed, device="cpu")
     full = [p.full_tensor().cpu() for p in model.parameters()]
-    w = full[0]
-    half = w.shape[0] // world_size
+    w, half = full[0], full[0].shape[0] // world_size
     return {"equal_to_one_process": all(torch.equal(a, b) for a, b in zip(full, one.parameters())),
             "shards_repeat": bool(torch.equal(w[:half], w[half:2 * half]))}
 
 
-class SavedBytes:
-    """``with SavedBytes() as s:`` around a forward: the bytes autograd saves for backward (distinct
-    storages, by dtype) -- what ``torch.autograd.graph.save_on_cpu`` would copy to the host and back. It
-    wraps torch's own hooks, so the forward runs as under ``save_on_cpu(pin_memory=False)``."""
-
-    def __init__(self, model: nn.Module | None = None):
-        self.by_dtype: dict[str, int] = {}
-        self.weights = 0  # of which: parameters (under FSDP2, the unsharded ones) -- not activations at all
-        self._seen: set = set()
-        self._params: set = set()
-        self._model = model
-        self._inner = torch.autograd.graph.save_on_cpu(pin_memory=False)
-
-    def _note_params(self, module, args):
-        # during a module's forward its registered parameters are what it computes with: under FSDP2 the
-        # unsharded tensors of this step's all-gather, which a matmul saves for backward. Only while it runs:
-        # once freed, their addresses are reused by activations
-        self._params = {p.untyped_storage().data_ptr() for p in module.parameters(recurse=False)}
-
-    def _forget_params(self, module, args, output):
-        self._params = set()
-
-    def _pack(self, t):
-        st = t.untyped_storage()
-        if st._cdata not in self._seen and st.nbytes():
-            self._seen.add(st._cdata)
-            k = str(t.dtype).replace("torch.", "")
-            self.by_dtype[k] = self.by_dtype.get(k, 0) + st.nbytes()
-            self.weights += st.nbytes() if st.data_ptr() in self._params else 0
-        return self._inner.pack_hook(t)
-
-    def __enter__(self):
-        mods = [m for m in (self._model.modules() if self._model is not None else []) if m._parameters]
-        self._handles = [m.register_forward_pre_hook(self._note_params) for m in mods] + \
-            [m.register_forward_hook(self._forget_params) for m in mods]
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._inner.unpack_hook)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        for h in self._handles:
-            h.remove()
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_dtype.values())
-
-
 def saved_for_backward(rank, world_size, precision="fp32", rows=64, model_kw=None, weights=False):
-    """Bytes saved for backward in one forward of the FSDP2 model on this rank, by dtype; with ``weights``,
-    ``(by dtype, bytes of them that are the parameters themselves)``."""
-    from .knobs import build
+    """The bytes autograd saves for backward in one forward of the FSDP2 model on this rank (distinct storages,
+    by dtype): what ``torch.autograd.graph.save_on_cpu``, whose hooks it wraps, would copy to the host and back.
+    With ``weights``, ``(by dtype, bytes of them that are the parameters themselves)``: not activations at all."""
     model, _, _ = build({"precision": precision, "rows": rows}, model_kw)
-    mkw = {**MODEL, **(model_kw or {})}
-    x = torch.randn(rows, mkw["d_in"], device=rank_device())
+    x = torch.randn(rows, {**MODEL, **(model_kw or {})}["d_in"], device=rank_device())
     half = training_precision(rank_device()).dtype  # as knobs.build's step: fp16 on a GPU without bf16
+    offload = torch.autograd.graph.save_on_cpu(pin_memory=False)
+    by_dtype, seen, computing_with, weight_bytes = {}, set(), set(), 0
+
+    def pack(t):
+        nonlocal weight_bytes
+        st = t.untyped_storage()
+        if st._cdata not in seen and st.nbytes():
+            seen.add(st._cdata)
+            k = str(t.dtype).replace("torch.", "")
+            by_dtype[k] = by_dtype.get(k, 0) + st.nbytes()
+            weight_bytes += st.nbytes() if st.data_ptr() in computing_with else 0
+        return offload.pack_hook(t)
+
+    # While a module runs, its parameters are what it computes with: under FSDP2 the unsharded tensors of this
+    # step's all-gather, which a matmul saves. Only then: once freed, their addresses are reused by activations.
+    mods = [m for m in model.modules() if m._parameters]
+    hooks = [m.register_forward_pre_hook(lambda m, args: computing_with.update(
+        p.untyped_storage().data_ptr() for p in m.parameters(recurse=False))) for m in mods]
+    hooks += [m.register_forward_hook(lambda m, args, out: computing_with.clear()) for m in mods]
     cast = torch.autocast(rank_device().type, half, enabled=precision == "autocast")
-    with SavedBytes(model) as s, cast:
+    with torch.autograd.graph.saved_tensors_hooks(pack, offload.unpack_hook), cast:
         loss = model(x).float().pow(2).mean()
+    for h in hooks:
+        h.remove()
     loss.backward()
     dist.barrier()
-    return (s.by_dtype, s.weights) if weights else s.by_dtype
-
-
-__all__ = ["meta_init", "meta_init_values", "init_weights", "SavedBytes", "saved_for_backward"]
+    return (by_dtype, weight_bytes) if weights else by_dtype

@@ -13,11 +13,11 @@ from ..runtime.alloc_reference import AllocationReference, quiet_fd2
 from ..runtime.launch import rank_device
 
 
-def state_bytes(model, opt=None) -> dict[str, int]:
+def state_bytes(model, opt) -> dict[str, int]:
     """This rank's parameters, gradients and optimizer state, by the tensors themselves."""
     ps = list(model.parameters())
     return {"parameters": nbytes(ps), "gradients": nbytes(p.grad for p in ps),
-            "optimizer_state": nbytes(v for s in (opt.state.values() if opt else []) for v in s.values())}
+            "optimizer_state": nbytes(v for s in opt.state.values() for v in s.values())}
 
 
 @contextlib.contextmanager

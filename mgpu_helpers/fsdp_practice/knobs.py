@@ -1,6 +1,5 @@
 """Notebook 12 -- the model, ``fully_shard`` under each knob, and one steady step measured per rank
-(``measure``, ``sweep``, ``knob_sweep``); the package's face (``fsdp_practice/__init__``) says what each knob
-is and how memory is counted."""
+(``measure``; as rank 0 of N under a fake process group, ``sweep`` and ``knob_sweep``)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn import functional as F
 from torch.profiler import record_function
 
@@ -23,8 +22,8 @@ from ..runtime.comm_log import CommLog
 from .instruments import profiled_peak, state_bytes
 
 MODEL = {"d": 128, "blocks": 4, "d_in": 32, "classes": 10}  # the notebook's model: 4 units of 131,712 bytes
-STATE = ("parameters", "gradients", "optimizer_state")
-KNOBS = ("reshard_after_forward", "prefetch", "precision", "offload", "optimizer", "save_on_cpu", "rows", "async_unshard")
+KNOBS = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False,  # the defaults
+         "optimizer": "foreach", "save_on_cpu": False, "rows": 8, "async_unshard": False}
 
 
 class Block(nn.Module):
@@ -67,11 +66,9 @@ def blocks(model) -> list[nn.Module]:
 
 
 def forget_cached_meshes():
-    """Clear DTensor's sharding-propagation caches (Python's and the C++ fast path's). Their entries hold
-    the DeviceMesh of the process that filled them, which compares equal to a new mesh of the same shape:
-    a rank forked from a kernel that had run a fake world (as rank 0 of 2) got rank 0's mesh back from an
-    op on its DTensors, so as rank 1 it wrote its shard at rank 0's offset in a checkpoint (DCP: "invalid
-    fill"). Seen with torch 2.13; ``shard`` calls this first."""
+    """Clear DTensor's sharding-propagation caches: their entries hold the mesh of the process that filled
+    them, which compares equal to a new mesh of the same shape, so a rank forked from a kernel that ran a
+    fake world as rank 0 would get rank 0's mesh back from an op on its DTensors."""
     from torch.distributed.tensor import DTensor
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ fast path's own cache
@@ -86,34 +83,25 @@ def shard(model, mesh=None, *, reshard_after_forward=True, prefetch=0, mp_policy
         raise ValueError(f"prefetch={prefetch!r}: the number of units to all-gather ahead, an int >= 0")
     forget_cached_meshes()
     mesh = mesh or init_device_mesh(rank_device().type, (dist.get_world_size(),))
-    kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
-    if offload_policy is not None:
-        kw["offload_policy"] = offload_policy
-    units = blocks(model)
+    kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
+          "offload_policy": offload_policy or OffloadPolicy()}
+    units = list(model.blocks)
     for b in units:
         fully_shard(b, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, **kw)
-    if prefetch:
-        for i, b in enumerate(units):
-            if units[i + 1:i + 1 + prefetch]:
-                b.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
-            if units[max(0, i - prefetch):i]:
-                b.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
+    for i, b in enumerate(units):  # prefetch 0 sets empty lists: FSDP2's default, its implicit order
+        b.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
+        b.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
     return model
 
 
-PHASES = ("forward", "backward", "optimizer")
-
-
 def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
-    """(model, optimizer, step) on this rank for ``knobs`` (see :func:`measure`). ``shard_fn(model, mesh)``,
-    when given, applies ``fully_shard`` instead of :func:`shard` (exercise 12.1: a learner's policy; the
-    knobs ``reshard_after_forward``, ``prefetch``, ``precision``=mp_policy and ``offload`` are then its own).
-    ``step(mark)`` calls ``mark("backward")`` when the forward is done."""
-    k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False,
-         "optimizer": "foreach", "save_on_cpu": False, "rows": 8, "async_unshard": False, **knobs}
-    bad = set(knobs) - set(KNOBS)
-    if bad or k["precision"] not in ("fp32", "mp_policy", "autocast") or k["optimizer"] not in ("foreach", "fused"):
+    """(model, optimizer, step) on this rank for ``knobs`` (see :func:`measure`); ``shard_fn(model, mesh)``
+    (exercise 12.1's policy) replaces :func:`shard` and its knobs. ``step(mark)`` calls ``mark("backward")``
+    when the forward is done."""
+    k = {**KNOBS, **knobs}
+    if set(k) != set(KNOBS) or k["precision"] not in ("fp32", "mp_policy", "autocast") \
+            or k["optimizer"] not in ("foreach", "fused"):
         raise ValueError(f"knobs {knobs}: known are reshard_after_forward, prefetch, precision (fp32, mp_policy, "
                          "autocast), offload (bool), optimizer (foreach, fused), save_on_cpu (bool), rows (per rank), "
                          "async_unshard (bool)")
@@ -129,21 +117,17 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
         forget_cached_meshes()
         model = shard_fn(model, init_device_mesh(rank_device().type, (dist.get_world_size(),))) or model
     if k["async_unshard"]:
-        # FSDP2 waits for each all-gather where it is issued unless unshard is async (a private switch,
-        # ``_set_unshard_async_op``). On a GPU that wait only orders streams and the CPU runs ahead, so
-        # all-gathers overlap compute anyway; on a CPU (gloo) it blocks the one thread that computes.
+        # FSDP2 waits for each all-gather where it is issued unless unshard is async (a private switch): on a
+        # GPU that wait only orders streams, on a CPU (gloo) it blocks the one thread that computes
         model._set_unshard_async_op(True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, **{k["optimizer"]: True})
     world, rank = dist.get_world_size(), dist.get_rank()
     x, y = make_batch(k["rows"] * world, mkw["d_in"], mkw["classes"], seed + 1)
     x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
-    cast = torch.autocast(rank_device().type, half.dtype) if k["precision"] == "autocast" \
-        else contextlib.nullcontext()
+    cast = torch.autocast(rank_device().type, half.dtype, enabled=k["precision"] == "autocast")
     hooks = torch.autograd.graph.save_on_cpu(pin_memory=False) if k["save_on_cpu"] else contextlib.nullcontext()
-    # fp16 needs loss scaling. FSDP2 takes torch.amp.GradScaler itself (ShardedGradScaler is FSDP1's): its
-    # gradients are DTensors, and DTensor runs the scaler's inf check as one op whose found_inf it all-reduces
-    # (max) over the mesh (torch/distributed/tensor/_dispatch.py, found_inf_reduce_handler), so every rank
-    # skips the same steps. Disabled (bf16, fp32), scale() and step() pass through: the same step as without.
+    # fp16 needs loss scaling: DTensor all-reduces the scaler's found_inf over the mesh (torch/distributed/
+    # tensor/_dispatch.py, found_inf_reduce_handler), so every rank skips the same steps. Disabled, it passes through
     scaler = torch.amp.GradScaler(rank_device().type, enabled=half.needs_scaler and k["precision"] != "fp32")
 
     def step(mark=lambda phase: None):
@@ -161,44 +145,29 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
 
 
 def measure(rank, world_size, knobs=None, model_kw=None, categories=True, seed=0, shard_fn=None, keep=False):
-    """This rank's figures for one steady training step (after a warm-up step) under ``knobs``
-    (``reshard_after_forward``, ``prefetch``, ``precision`` = fp32 | mp_policy | autocast, ``offload``,
-    ``optimizer`` = foreach | fused, ``save_on_cpu``): ``{"state"`` (bytes held after the step, by
-    category), ``"peak"`` and ``"phases"`` (the profiler's: every allocation; peak per phase),
-    ``"comm"`` (:meth:`CommLog.summary`), ``"gathered"`` (bytes received in all-gathers), ``"forward_order"``
-    (:attr:`CommLog.order` in the forward), ``"unit_bytes"`` (each block's unsharded fp32 parameter
-    bytes)}; with ``categories``, also the tracker's ``"tracker_peak"`` and ``"tracker_peak_breakdown"``
-    (it costs a second pass over every op); with ``keep``, ``"model"`` and ``"optimizer"`` too.
-    ``seed``/``shard_fn``: as :func:`build`'s."""
+    """This rank's figures for one steady step under ``knobs`` (see ``KNOBS``): ``{"state"`` (bytes held
+    after it, by category), ``"peak"``, ``"phases"``, ``"compute"`` (:func:`profiled_peak`'s), ``"comm"``
+    (:meth:`CommLog.summary`), ``"gathered"``, ``"forward_order"}``; with ``categories``, also the tracker's
+    ``"tracker_peak"`` and ``"tracker_peak_breakdown"`` (a second pass over every op); with ``keep``, ``"model"``."""
     model, opt, step = build(knobs or {}, model_kw, seed, shard_fn)
     step()  # warm-up: Adam makes its state, FSDP2 its buffers
     base = sum(state_bytes(model, opt).values())
-    out, marks = {}, {}
-    with CommLog() as comm, profiled_peak(base) as prof:
-        mark = lambda phase: marks.setdefault(phase, len(comm.order))  # noqa: E731
-        if categories:
-            with MemoryTracker(model, opt) as mt:
-                step(mark)
-            out = {"tracker_peak": mt.peak_bytes, "tracker_peak_breakdown": mt.peak_breakdown()}
-        else:
-            step(mark)
+    marks, tracker = {}, MemoryTracker(model, opt) if categories else contextlib.nullcontext()
+    with CommLog() as comm, profiled_peak(base) as prof, tracker as mt:
+        step(lambda phase: marks.setdefault(phase, len(comm.order)))
+    out = {"tracker_peak": mt.peak_bytes, "tracker_peak_breakdown": mt.peak_breakdown()} if categories else {}
     if keep:
-        out.update(model=model, optimizer=opt)
+        out["model"] = model
     return {"state": state_bytes(model, opt), "peak": prof["peak"], "phases": prof["phases"],
             "compute": prof["compute"], **out,
-            "comm": comm.summary(), "gathered": comm.gathered, "forward_order": comm.order[:marks["backward"]],
-            "unit_bytes": [sum(p.numel() for p in b.parameters()) * 4 for b in blocks(model)]}
+            "comm": comm.summary(), "gathered": comm.gathered, "forward_order": comm.order[:marks["backward"]]}
 
 
 def accumulation(rank, world_size, micro_batches=4, sync_each=True, rows=8, seed=0) -> dict:
-    """One optimizer step of the notebook's model over ``micro_batches`` micro-batches of ``rows`` rows per
-    rank. ``sync_each=True`` (torchtitan's ``train_step``: plain ``backward()`` per micro-batch): every
-    backward reduce-scatters and the blocks reshard, so a rank holds sharded gradients in between.
-    ``False``: ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` until the
-    last micro-batch -- no reduce-scatter, no second all-gather, but every unit's unsharded parameters and
-    unsharded gradients stay on every rank (in ``reduce_dtype`` when it differs: ``_fsdp_param.py``,
-    ``to_accumulated_grad_if_needed``). ``{"peak"`` (the profiler's, the whole step), ``"gathered"``,
-    ``"reduced"`` (bytes this rank sent into reduce-scatters), ``"per_micro"`` ({op: calls} per micro-batch)}."""
+    """One optimizer step over ``micro_batches`` micro-batches of ``rows`` rows per rank. ``sync_each``
+    (torchtitan's way): every backward reduce-scatters and reshards. ``False``: no gradient sync and no
+    reshard after backward until the last micro-batch, so every unit's unsharded parameters and gradients
+    stay. ``{"peak", "gathered", "reduced"`` (bytes sent into reduce-scatters), ``"per_micro"`` ({op: calls})}."""
     model, opt, _ = build({}, seed=seed)
     x, y = make_batch(rows * micro_batches * world_size, MODEL["d_in"], MODEL["classes"], seed + 1)
     x, y = x.tensor_split(world_size)[rank].to(rank_device()), y.tensor_split(world_size)[rank].to(rank_device())
@@ -213,7 +182,7 @@ def accumulation(rank, world_size, micro_batches=4, sync_each=True, rows=8, seed
                 model.set_reshard_after_backward(last)
             with CommLog() as comm:
                 (F.cross_entropy(model(xm), ym) / micro_batches).backward()
-            per_micro.append({op: sum(1 for c in comm.calls if c[0] == op) for op in sorted({c[0] for c in comm.calls})})
+            per_micro.append(comm.counts)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -225,9 +194,8 @@ def accumulation(rank, world_size, micro_batches=4, sync_each=True, rows=8, seed
 
 
 def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
-    """:func:`measure` for each knob dict in ``options``, as rank 0 of ``world_size`` (fake process group:
-    no process started; bytes as real ranks give, tested), each row ``{**knobs, "peak", "forward_compute"``
-    (held while the forward computes), ``"gathered", "forward_order"}``."""
+    """:func:`measure` for each knob dict in ``options`` as rank 0 of ``world_size`` under a fake process group:
+    rows ``{**knobs, "peak", "forward_compute"`` (held while the forward computes), ``"gathered", "forward_order"}``."""
     rows = []
     with fake_world(world_size):
         for o in options:
@@ -246,9 +214,8 @@ def knob_grid(world_size: int) -> list[dict]:
 
 
 def budgets(rows) -> dict:
-    """The budgets exercise 12.1 states, from a :func:`knob_sweep` table: each midway between the second-
-    and the third-lowest distinct figure of its column (peak per rank; bytes all-gathered per rank per
-    step), so that some rows fit each budget, some miss it, and none sits on it."""
+    """Exercise 12.1's budgets from a :func:`knob_sweep` table: each midway between the second- and the
+    third-lowest distinct figure of its column, so that some rows fit it, some miss it, and none sits on it."""
     def mid(xs):
         xs = sorted(set(xs))
         return (xs[1] + xs[2]) // 2
@@ -261,8 +228,7 @@ def _knob_sweep(world_size: int, blocks: int) -> tuple:
 
 
 def knob_sweep(world_size: int = 4, blocks: int = 4) -> list[dict]:
-    """:func:`sweep` over :func:`knob_grid` for the notebook's model with ``blocks`` blocks, measured once
-    per process (the bytes do not change) and handed out as fresh copies."""
+    """:func:`sweep` over :func:`knob_grid`, measured once per process and handed out as fresh copies."""
     return [dict(r) for r in _knob_sweep(world_size, blocks)]
 
 
@@ -274,5 +240,3 @@ def _demo(rank, world_size):
         lines.append(f"  {knobs}: peak {m['peak']}, gathered {m['gathered']}")
     return "\n".join(lines)
 
-
-__all__ = ["MODEL", "Block", "Net", "make_model", "blocks", "shard", "forget_cached_meshes", "build", "measure", "accumulation", "sweep", "knob_grid", "knob_sweep", "budgets", "KNOBS", "PHASES"]

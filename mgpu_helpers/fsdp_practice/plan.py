@@ -9,7 +9,7 @@ import functools
 from torch.nn import functional as F
 
 from ..memory import make_batch
-from .knobs import MODEL, Net
+from .knobs import KNOBS, MODEL, Net
 
 PRECISION = {"fp32": "fp32", "mp_policy": "fsdp-mixed", "autocast": "bf16-autocast"}
 
@@ -19,8 +19,8 @@ def plan_knobs(world_size: int, knobs: dict, model_kw=None):
     (one rank's batch of ``knobs.get("rows", 8)``): the planner's :class:`~mgpu_helpers.planner.Plan`."""
     from ..planner import plan
 
-    k = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False, "rows": 8, **knobs}
-    if set(k) - {"reshard_after_forward", "prefetch", "precision", "offload", "rows"}:
+    k = {**KNOBS, **knobs}
+    if set(knobs) - {"reshard_after_forward", "prefetch", "precision", "offload", "rows"}:
         raise ValueError(f"knobs {knobs}: the planner plans reshard_after_forward (True, False, an int), "
                          "prefetch, precision, offload")
     mkw = {**MODEL, **(model_kw or {})}

@@ -1,9 +1,7 @@
 """Notebook 12 -- communication hidden behind compute: every rank's ``torch.profiler`` trace of one training
 step, merged into one figure; ``overlap`` = (time both run) / (time communication runs). Communication: on a
-CPU gloo's worker-thread ranges (``gloo:all_reduce``...; FSDP2's reduce-scatter shows as an all_reduce), on a
-GPU the NCCL kernels; compute: ``COMPUTE`` on the main thread, on a GPU every other kernel. Times vary from
-run to run; which collectives run, and how many, do not.
-"""
+CPU gloo's worker-thread ranges (FSDP2's reduce-scatter shows as an all_reduce), on a GPU the NCCL kernels;
+compute: ``COMPUTE`` on the main thread, on a GPU every other kernel."""
 from __future__ import annotations
 
 from collections import Counter
@@ -11,40 +9,26 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from ..runtime.launch import rank_device
-from ..memory import make_batch
 from ..runtime.alloc_reference import quiet_fd2
-from .knobs import MODEL, build, make_model
+from .knobs import build
 
 COMPUTE = ("aten::mm", "aten::addmm", "aten::gelu", "aten::gelu_backward")
 
 
-def _union(spans):
-    out = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
 def _length(spans) -> float:
-    return sum(b - a for a, b in _union(spans))
+    """The length of the union of (start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        total += max(0.0, b - max(a, reach))
+        reach = max(reach, b)
+    return total
 
 
-def _intersection(xs, ys) -> float:
-    xs, ys, i, j, tot = _union(xs), _union(ys), 0, 0, 0.0
-    while i < len(xs) and j < len(ys):
-        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        tot += max(0.0, b - a)
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return tot
+def _intersection(xs, ys) -> float:  # |X and Y| = |X| + |Y| - |X or Y|
+    return _length(xs) + _length(ys) - _length([*xs, *ys])
 
 
 def overlap(compute, comm) -> float:
@@ -53,32 +37,13 @@ def overlap(compute, comm) -> float:
     return _intersection(compute, comm) / total if total else 0.0
 
 
-def _ddp_step(model_kw=None, rows=8, bucket_cap_mb=0.25):
-    mkw = {**MODEL, **(model_kw or {})}
-    model = DDP(make_model(**mkw), bucket_cap_mb=bucket_cap_mb,
-                device_ids=[rank_device().index] if rank_device().type == "cuda" else None)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    x, y = make_batch(rows * world, mkw["d_in"], mkw["classes"], 1)
-    x, y = x.tensor_split(world)[rank].to(rank_device()), y.tensor_split(world)[rank].to(rank_device())
-
-    def step():
-        with record_function("## forward ##"):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        with record_function("## backward ##"):
-            loss.backward()
-        with record_function("## optimizer ##"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return step
-
-
 def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
-    """This rank's profiled training step (``kind`` "fsdp": ``build(knobs)``; "ddp": 0.25 MB buckets):
+    """This rank's profiled training step (``kind`` "fsdp": ``build(knobs)``; "ddp": the same step under DDP,
     ``{"compute": [(start, end)], "comm": [(start, end, name)], "phases", "t0", "forward_order",
     "reductions_before_last_backward_matmul": (early, all)}``, times in ms from ``t0`` (the step's start on the
     machine's clock, shared by its ranks). The orders of issue are deterministic; times are not."""
-    step = _ddp_step(model_kw, (knobs or {}).get("rows", 8)) if kind == "ddp" else build(knobs or {}, model_kw)[2]
+    ddp = (lambda model, mesh: DDP(model, bucket_cap_mb=0.25)) if kind == "ddp" else None
+    step = build(knobs or {}, model_kw, shard_fn=ddp)[2]
     for _ in range(warmup):  # DDP rebuilds its buckets after the first step; FSDP2 makes its buffers
         step()
     cuda = rank_device().type == "cuda"
@@ -142,8 +107,7 @@ def plot(traces_by_label: dict, title="One training step on every rank: compute 
     rows = [(lab, r, tr) for lab, trs in traces_by_label.items() for r, tr in enumerate(trs)]
     fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.2))
     for i, (lab, r, tr) in enumerate(rows):
-        t0 = min(t["t0"] for t in traces_by_label[lab])
-        shift = (tr["t0"] - t0) / 1e6
+        shift = (tr["t0"] - min(t["t0"] for t in traces_by_label[lab])) / 1e6
         y = len(rows) - 1 - i
         ax.broken_barh([(a + shift, b - a) for a, b in tr["compute"]], (y + 0.05, 0.4), color="#4C72B0")
         ax.broken_barh([(a + shift, b - a) for a, b, _ in tr["comm"]], (y - 0.45, 0.4), color="#DD8452")

@@ -7,9 +7,7 @@ tensor-parallel MLP against one process) judges with the checks' references, so 
         -m mgpu_helpers.checks model_sharding   # on each of 2 nodes (tests/test_multinode.py: localhost)
     python -m mgpu_helpers.checks model_sharding   # no torchrun: 2 ranks via run_ranks
 """
-from __future__ import annotations
-
 from .pipeline import (StepRecorder, Stuck, as_intervals, bubble_fraction, make_model,  # noqa: F401
                        plot_timeline, single_process_step, stage_bounds, step_timeline, wall_timeline)
-from .tensor_parallel import (AllReduceCounter, DenseMLP, make_mlp, param_bytes,  # noqa: F401
-                              parameter_bytes_formula, torch_tensor_parallel)
+from .tensor_parallel import (DenseMLP, make_mlp, param_bytes, parameter_bytes_formula,  # noqa: F401
+                              torch_tensor_parallel)

@@ -20,12 +20,12 @@ from ..runtime.launch import rank_device
 P2P_TIMEOUT = 3.0  # seconds a recorded send/recv may wait: the checks' ranks exchange tiny tensors
 
 
-def make_model(n_layers: int, width: int, seed: int = 0, device=None) -> nn.Sequential:
+def make_model(n_layers: int, width: int, seed: int = 0) -> nn.Sequential:
     """``n_layers`` blocks Linear(width, width) → Tanh (every activation is (batch, width)), from ``seed``, on
-    ``device`` (default ``rank_device()``, as ``memory.mlp``)."""
+    ``rank_device()``."""
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
-    return model.to(device or rank_device())
+    return model.to(rank_device())
 
 
 def stage_bounds(n_layers: int, world_size: int) -> list[tuple[int, int]]:
@@ -34,9 +34,7 @@ def stage_bounds(n_layers: int, world_size: int) -> list[tuple[int, int]]:
     if world_size < 1 or n_layers < world_size:
         raise ValueError(f"n_layers={n_layers} cannot be split over world_size={world_size}: every stage "
                          "needs a layer")
-    per, extra = divmod(n_layers, world_size)
-    starts = [r * per + min(r, extra) for r in range(world_size + 1)]
-    return list(zip(starts, starts[1:]))
+    return [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(n_layers).tensor_split(world_size)]
 
 
 def single_process_step(model: nn.Module, inputs, targets) -> float:
@@ -78,8 +76,7 @@ class StepRecorder:
             raise Stuck(f"{why}, {self.where()}") from None
 
     def _send(self, tensor, *args, **kw):
-        dst = kw.get("dst", args[0] if args else None)
-        what = f"dist.send(dst={dst})"
+        what = f"dist.send(dst={kw.get('dst', args[0] if args else None)})"
         if not isinstance(tensor, torch.Tensor):  # torch would say only "Invalid function argument"
             raise TypeError(f"{what} was given {type(tensor).__name__}, not a tensor" + (
                 ": x.grad is None when autograd never tracked x. A tensor filled by dist.recv is a new leaf that "
@@ -182,12 +179,7 @@ def bubble_fraction(per_rank: list[list]) -> float:
 
 def as_intervals(steps: list[tuple[str, int]]) -> list[tuple]:
     """A StepRecorder's (kind, start) list as (kind, micro-batch, start, start + 1) intervals."""
-    seen = {"F": 0, "B": 0}
-    out = []
-    for kind, s in steps:
-        out.append((kind, seen[kind], s, s + 1))
-        seen[kind] += 1
-    return out
+    return [(kind, sum(k == kind for k, _ in steps[:i]), s, s + 1) for i, (kind, s) in enumerate(steps)]
 
 
 def plot_timeline(per_rank: list[list], title: str, unit: str = "steps", ax=None):

@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ..memory import nbytes
 from ..runtime.launch import rank_device
-from ..runtime.tracker import MemoryTracker
 
 
 class DenseMLP(nn.Module):
@@ -26,17 +26,15 @@ class DenseMLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def make_mlp(d: int, h: int, seed: int = 0, device=None) -> DenseMLP:
-    """A DenseMLP from ``seed`` on ``device`` (default ``rank_device()``, as ``memory.mlp``)."""
+def make_mlp(d: int, h: int, seed: int = 0) -> DenseMLP:
+    """A DenseMLP from ``seed`` on ``rank_device()``."""
     torch.manual_seed(seed)
-    return DenseMLP(d, h).to(device or rank_device())
+    return DenseMLP(d, h).to(rank_device())
 
 
 def param_bytes(module) -> int:
-    """Parameter bytes of ``module`` as the tracker counts them (whole storages: a view costs its base)."""
-    with MemoryTracker(module) as mt:
-        pass
-    return mt.breakdown()["parameters"]
+    """Parameter bytes of ``module``: whole storages (a view costs its base), a DTensor's local shard."""
+    return nbytes(module.parameters())
 
 
 def parameter_bytes_formula(d: int, h: int, world_size: int, element_size: int = 4) -> int:
@@ -49,20 +47,3 @@ def torch_tensor_parallel(dense: DenseMLP, device_type: str | None = None):
     ColwiseParallel, fc2 RowwiseParallel; ``dense``, parallelized in place."""
     mesh = init_device_mesh(device_type or rank_device().type, (dist.get_world_size(),))
     return parallelize_module(dense, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-
-
-class AllReduceCounter:
-    """``with AllReduceCounter() as c:`` counts ``dist.all_reduce`` calls made from Python (c.calls)."""
-
-    def __enter__(self):
-        self.calls, self._real = 0, dist.all_reduce
-
-        def counting(*args, **kwargs):
-            self.calls += 1
-            return self._real(*args, **kwargs)
-
-        dist.all_reduce = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self._real

@@ -1,6 +1,6 @@
 """Notebook 08 -- sharding the training state: ZeRO by hand (``zero``) and torch's ZeRO-1 and FSDP2 (``fsdp``,
-which builds on ``zero``). ``fsdp``'s names load on first use: it imports FSDP2 and matplotlib (3 s), which the
-closed forms (notebook 11 imports ``model_state_bytes``) do not need. Checks: ``checks.sharding``. The script::
+which builds on ``zero``). ``fsdp``'s names load on first use: FSDP2 and matplotlib are slow to import, and the
+closed forms (notebook 11 imports ``model_state_bytes``) need neither. Checks: ``checks.sharding``. The script::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.sharding
     python -m mgpu_helpers.sharding                            # no torchrun: 2 ranks via run_ranks

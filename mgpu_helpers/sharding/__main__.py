@@ -6,7 +6,4 @@ from ..runtime.launch import run_ranks, script_args, torchrun_main
 from .fsdp import _demo
 
 script_args(__doc__)
-if "RANK" in os.environ:
-    torchrun_main(_demo)
-else:
-    print(run_ranks(_demo, 2)[0])
+torchrun_main(_demo) if "RANK" in os.environ else print(run_ranks(_demo, 2)[0])

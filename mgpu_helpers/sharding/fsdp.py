@@ -7,6 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..runtime.fake_world import fake_world
 from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device
-from ..runtime.plots import COLORS, LABELS, unit_for
+from ..runtime.plots import stacked_bars, unit_for
 from ..runtime.tracker import MemoryTracker
 from .zero import Zero2, linears, model_state_bytes
 
@@ -28,22 +29,13 @@ STAGE = {"DDP (DistributedDataParallel)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)":
 MODEL_STATE = ("parameters", "gradients", "optimizer_state", "buckets")
 
 
-def _no_data_allreduce(state, bucket):
-    """DDP's comm hook under the fake process group, whose all-reduce future holds no tensor (DDP's reducer
-    asserts one): hand the bucket back untouched, as an in-place all-reduce would -- the bytes are the same."""
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
 def _ddp(model):
-    """Real ``DistributedDataParallel`` (its buckets included); under the fake process group, a hook that
-    moves no data stands in for the all-reduce."""
-    with MemoryTracker() as mt:  # what the constructor allocates and keeps: the buckets (DDP's logging data
-        ddp = DDP(model)         # agrees: ``ddp._get_ddp_logging_data()["bucket_sizes"]``, bytes per bucket)
+    """Real ``DistributedDataParallel``, its buckets' bytes in ``bucket_bytes``."""
+    with MemoryTracker() as mt:  # what the constructor allocates and keeps: the buckets
+        ddp = DDP(model)
     ddp.bucket_bytes = mt.current_bytes
-    if dist.get_backend() == "fake":
-        ddp.register_comm_hook(None, _no_data_allreduce)
+    if dist.get_backend() == "fake":  # its all-reduce's future holds no tensor, which DDP's reducer asserts:
+        ddp.register_comm_hook(None, noop_hook)  # hand the bucket back untouched, as an in-place all-reduce would
     return ddp
 
 
@@ -70,17 +62,13 @@ def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
 
 
 def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatter_fn=None):
-    """This rank's memory for one steady step of each of ``methods``, ``per_rank`` samples a rank: ``{method:
-    {"n_params", "state"`` (bytes held after the step, by category)``, "peak", "peak_breakdown",
-    "naive_param_bytes"}}``; the last counts a DTensor's *global* size, the miscount that makes FSDP2 seem
-    to "save nothing"."""
-    if isinstance(methods, str):
-        return measure(rank, world_size, [methods], widths, per_rank, seed, reduce_scatter_fn)[methods]
-    return {m: _measure(rank, world_size, m, widths, per_rank, seed, reduce_scatter_fn) for m in methods}
-
-
-def _measure(rank, world_size, method, widths, per_rank, seed, reduce_scatter_fn):
-    model, opt, step = build(method, widths, seed, reduce_scatter_fn=reduce_scatter_fn)
+    """This rank's memory for one steady step of ``methods`` (a key of ``STAGE``; a list gives ``{method: ...}``),
+    ``per_rank`` samples a rank: ``{"n_params", "state"`` (bytes held after the step, by category)``, "peak",
+    "peak_breakdown", "naive_param_bytes"}``; the last counts a DTensor's *global* size, the miscount that
+    makes FSDP2 seem to "save nothing"."""
+    if not isinstance(methods, str):
+        return {m: measure(rank, world_size, m, widths, per_rank, seed, reduce_scatter_fn) for m in methods}
+    model, opt, step = build(methods, widths, seed, reduce_scatter_fn=reduce_scatter_fn)
     x, y = make_batch(per_rank * world_size, widths[0], widths[-1], seed + 1)
     x, y = (t.tensor_split(world_size)[rank].to(rank_device()) for t in (x, y))
 
@@ -124,12 +112,11 @@ def trains_like_one_process(rank, world_size, method, widths, steps=3, per_rank=
 
 
 def sweep(world_sizes, methods, widths, per_rank=8, reduce_scatter_fn=None) -> dict:
-    """``{method: {world_size: rank 0's measure()}}``, each world size simulated with :func:`fake_world`:
-    many world sizes in a second, with no process started (real ranks give the same bytes: tested)."""
+    """``{method: {world_size: rank 0's measure()}}``, each world size simulated with :func:`fake_world`."""
     out: dict = {}
     for w in world_sizes:
         with fake_world(w):
-            for m, r in measure(0, w, list(methods), widths, per_rank, 0, reduce_scatter_fn).items():
+            for m, r in measure(0, w, methods, widths, per_rank, 0, reduce_scatter_fn).items():
                 out.setdefault(m, {})[w] = r
     return out
 
@@ -143,30 +130,20 @@ def formula(n_params: int, method: str, world_size: int) -> dict[str, int]:
 
 
 def plot_per_rank(results: dict, world_sizes, title="Per-rank model state after a training step"):
-    """Stacked bars (measured, by category) per method and world size, with the formula as a black tick.
+    """Stacked bars (measured, by category) per world size and method, the formula as a black tick.
     ``results[method][world_size]`` is rank 0's :func:`measure`."""
-    methods = list(results)
-    div, unit = unit_for(max(sum(r["state"].values()) for m in methods for r in results[m].values()))
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    width, x = 0.8 / len(methods), 0
-    for j, m in enumerate(methods):
-        for i, w in enumerate(world_sizes):
-            r, pos, bottom = results[m][w], i + (j - (len(methods) - 1) / 2) * width, 0.0
-            for c in MODEL_STATE:
-                color, label = (COLORS[c], LABELS[c]) if c in COLORS else (COLORS["other"], "DDP's gradient buckets")
-                ax.bar(pos, r["state"][c] / div, width * 0.9, bottom=bottom, color=color,
-                       label=label if (i, j) == (0, 0) else None, edgecolor="white", lw=0.5)
-                bottom += r["state"][c] / div
-            f = sum(formula(r["n_params"], m, w).values()) / div
-            ax.plot([pos - width * 0.45, pos + width * 0.45], [f, f], "k-", lw=2,
-                    label="formula" if (i, j) == (0, 0) else None)
-            ax.text(pos, -0.02, f"{j + 1}", ha="center", va="top", fontsize=8, transform=ax.get_xaxis_transform())
-    ax.set_xticks(range(len(world_sizes)), [f"\n{w} rank{'s' * (w > 1)}" for w in world_sizes])
-    ax.set_ylabel(f"bytes per rank ({unit})")
-    ax.set_title(title + "\n" + ", ".join(f"{j + 1}: {m}" for j, m in enumerate(methods)), fontsize=10)
+    methods, cells = list(results), [(m, w) for w in world_sizes for m in results]
+    bars = {f"{methods.index(m) + 1}\n{w} rank{'s' * (w > 1)}":  # DDP's buckets drawn as "other"
+            {"other" if c == "buckets" else c: v for c, v in results[m][w]["state"].items()} for m, w in cells}
+    ax = stacked_bars(bars, title + "\n" + ", ".join(f"{j + 1}: {m}" for j, m in enumerate(methods)),
+                      plt.subplots(figsize=(10, 4.2))[1], xlabel="other: DDP's gradient buckets")
+    ax.title.set_fontsize(10)
+    div = unit_for(max(sum(b.values()) for b in bars.values()))[0]
+    for i, (m, w) in enumerate(cells):
+        f = sum(formula(results[m][w]["n_params"], m, w).values()) / div
+        ax.plot([i - 0.4, i + 0.4], [f, f], "k-", lw=2, label="formula" if i == 0 else None)
     ax.legend(fontsize=8, frameon=False, loc="upper right")
-    ax.grid(axis="y", alpha=0.3)
-    return fig
+    return ax.figure
 
 
 def plot_peaks(rows: dict, world_sizes, title: str, ax=None):
@@ -190,6 +167,7 @@ def _demo(rank, world_size):
         r = measure(rank, world_size, m, widths)
         got, want = sum(r["state"].values()), sum(formula(r["n_params"], m, world_size).values())
         lines.append(f"{m} on {world_size} ranks ({dist.get_backend()}): 3 Adam steps "
-                     f"{'equal' if diff.item() < 1e-4 else 'DIFFER from'} one process (max |diff| {diff.item():.1e} over ranks); rank {rank} holds {got} bytes of model state, "
-                     f"the formula {want} ({got / want:.3f}x)")
+                     f"{'equal' if diff.item() < 1e-4 else 'DIFFER from'} one process (max |diff| {diff.item():.1e} "
+                     f"over ranks); rank {rank} holds {got} bytes of model state, the formula {want} "
+                     f"({got / want:.3f}x)")
     return "\n".join(lines)

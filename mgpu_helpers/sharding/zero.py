@@ -27,12 +27,9 @@ def model_state_bytes(n_params: int, *, zero_stage: int = 0, world_size: int = 1
     "optimizer", "total"}``) for ``n_params`` parameters trained with ZeRO stage ``zero_stage`` (0 = plain
     data parallelism) on ``world_size`` ranks; bytes per parameter from :data:`PRECISIONS`.
 
-    A sharded category is ``world_size`` equal shards of ``ceil(n_params / world_size)`` elements: the flat
-    buffer is padded to a multiple of the world size (as ZeRO-2/3 implementations do), so the sum over ranks
-    may exceed the unsharded figure by under ``world_size`` elements per category. ``torch.autocast`` is the
-    fp32 row; the 18 and 20 bytes/param met elsewhere are Megatron-LM's mixed precision with fp32 gradients
-    (or 16-bit ones plus an fp32 copy), which the paper's model has not. The paper's example, 7.5B
-    parameters on 64 GPUs, in decimal GB: 120 / 31.4 / 16.6 / 1.88.
+    A sharded category is ``world_size`` shards of ``ceil(n_params / world_size)`` elements: the flat buffer
+    is padded to a multiple of the world size, as ZeRO-2/3 implementations do. ``torch.autocast`` is the fp32
+    row; the 18 and 20 bytes/param met elsewhere are Megatron-LM's, which the paper's model has not.
     """
     if isinstance(n_params, bool) or not isinstance(n_params, int):
         raise TypeError(f"n_params must be an int, got {type(n_params).__name__}")
@@ -60,26 +57,16 @@ def comm_bytes_per_step(n_params: int, *, zero_stage: int, world_size: int, para
                         grad_bytes: int = 4) -> dict[str, int]:
     """Bytes **one rank receives** per training step, by collective, for ZeRO stage ``zero_stage`` as the
     course and torch build it, with ring collectives over padded shards of ``L = ceil(n / N)`` elements: a
-    reduce-scatter or an all-gather receives ``(N - 1) L`` elements, an all-reduce twice that, a broadcast
-    from each owner the ``(N - 1) / N`` of the parameters a rank does not own. Stage 0: DDP's all-reduce
-    (1x); 1: that plus the owners' broadcast (1.5x: the paper's section 7 counts 1x, reduce-scattering
-    instead, but ZeroRedundancyOptimizer and 8.1 keep DDP's all-reduce); 2: reduce-scatter and all-gather
-    (1x); 3: FSDP2 all-gathers in forward and again in backward (1.5x).
+    reduce-scatter or an all-gather receives ``(N - 1) L`` elements, an all-reduce twice that. Stage 1 keeps
+    DDP's all-reduce and adds the owners' broadcast (as ZeroRedundancyOptimizer and 8.1 do; the paper's
+    section 7 reduce-scatters instead); stage 3 all-gathers in forward and again in backward.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    n, peers = world_size, world_size - 1
-    shard = ceil_div(n_params, n)
+    peers, shard = world_size - 1, ceil_div(n_params, world_size)
     rs, ag = peers * shard * grad_bytes, peers * shard * param_bytes   # one reduce-scatter, one all-gather
-    out = {"all-reduce": 0, "reduce-scatter": 0, "all-gather": 0, "broadcast": 0}
-    if zero_stage <= 1:
-        out["all-reduce"] = 2 * rs
-    if zero_stage == 1:
-        out["broadcast"] = ag
-    if zero_stage == 2:
-        out.update({"reduce-scatter": rs, "all-gather": ag})
-    if zero_stage == 3:
-        out.update({"reduce-scatter": rs, "all-gather": 2 * ag})
+    out = {"all-reduce": 2 * rs if zero_stage <= 1 else 0, "reduce-scatter": rs if zero_stage >= 2 else 0,
+           "all-gather": (0, 0, ag, 2 * ag)[zero_stage], "broadcast": ag if zero_stage == 1 else 0}
     out["total"] = sum(out.values())
     return out
 
@@ -89,8 +76,7 @@ def linears(model: nn.Module) -> list[nn.Linear]:
 
 
 def unique(params) -> list[torch.Tensor]:
-    """Each tensor once, in first-seen order (``module.parameters()`` does this; lists built by hand don't).
-    A tensor hashes by identity, so a dict never compares two tensors' values."""
+    """Each tensor once, in first-seen order (a tensor hashes by identity: no values compared)."""
     return list(dict.fromkeys(params))
 
 
@@ -101,15 +87,13 @@ class Zero2:
 
     def __init__(self, model: nn.Module, optimizer_cls, reduce_scatter_fn, **kwargs):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.params = [p for p in unique(model.parameters()) if p.requires_grad]
-        n = sum(p.numel() for p in self.params)
-        self.shard_len = ceil_div(n, self.world)
+        self.params = [p for p in model.parameters() if p.requires_grad]  # each tensor once, tied or not
+        sizes = [p.numel() for p in self.params]
+        self.shard_len = ceil_div(sum(sizes), self.world)
         self.flat = torch.zeros(self.shard_len * self.world, device=self.params[0].device)
-        off = 0
-        for p in self.params:  # the parameters now live in the flat buffer (no second copy)
-            self.flat[off:off + p.numel()].copy_(p.detach().flatten())
-            p.data = self.flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
+        for p, view in zip(self.params, self.flat[:sum(sizes)].split(sizes)):
+            view.copy_(p.detach().flatten())
+            p.data = view.view_as(p)  # the parameters now live in the flat buffer (no second copy)
         self.shard = nn.Parameter(self.flat[self.rank * self.shard_len:(self.rank + 1) * self.shard_len])
         self.optimizer = optimizer_cls([self.shard], **kwargs)
         self.reduce_scatter_fn = reduce_scatter_fn
@@ -120,6 +104,5 @@ class Zero2:
         all_gather_flat(self.flat, self.shard.detach().clone())  # the input must not alias the output
 
 
-def all_gather_flat(out: torch.Tensor, shard: torch.Tensor) -> None:
-    """``all_gather_single`` (torch >= 2.13; its older name ``all_gather_into_tensor`` now warns)."""
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor) -> None:  # all_gather_into_tensor warns from 2.13 on
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, shard)
