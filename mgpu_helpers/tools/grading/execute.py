@@ -282,7 +282,7 @@ def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: 
         return RunResult(error="interrupted")
     job.mkdir(parents=True, exist_ok=True)
     spec = {**asdict(limits), "notebook": notebook, "exercises": exercises, "keep": keep, "mask": hidden_from_kernel(),
-            "net": net, "namespace": prefix is not None, "setuid": _setuid(prefix) if prefix is not None else own_user(),
+            "net": net, "namespace": prefix is not None, "setuid": own_user() if prefix is None else _setuid(prefix),
             "tasks": limits.processes or default_processes(), "env": kernel_env(import_paths), "mpl_cache": mpl_cache,
             "extra": sorted(extra)}
     for rel, data in extra.items():
