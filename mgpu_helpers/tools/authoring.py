@@ -1,16 +1,6 @@
-"""The notebook metadata schema, the solution → student transformation, and the mutant harness.
-
-Schema
-------
-* notebook: ``metadata.mgpu = {"notebook": "04", "module": "ddp"}``
-* exercise cell (code): tag ``exercise``;
-  ``metadata.mgpu = {"exercise": "4.1", "function": "average_gradients", "task": "<what to do>"}``;
-  its source holds exactly one ``### BEGIN SOLUTION`` … ``### END SOLUTION`` block.
-* check cell (code): tag ``check``; ``metadata.mgpu = {"check": "4.1", "points": 2}``; it calls the
-  registered check, e.g. ``check_4_1(average_gradients)``.
-
-Release replaces each solution block by ``raise NotImplementedError("Exercise 4.1: <task>")`` at the
-block's indentation, clears outputs and execution counts, and keeps cell ids, tags and metadata.
+"""The notebook metadata schema (AUTHORING.md, "Cells": ``validate``), the solution → student transformation,
+and the mutant harness. Release replaces each solution block by ``raise NotImplementedError("Exercise 4.1:
+<task>")`` at the block's indentation, clears outputs and execution counts, and keeps ids, tags and metadata.
 """
 from __future__ import annotations
 
@@ -124,7 +114,7 @@ def release_notebook(nb):
 def dumps(nb) -> str:
     import nbformat
 
-    return nbformat.writes(nb) + ("" if nbformat.writes(nb).endswith("\n") else "\n")
+    return nbformat.writes(nb) + "\n"  # json.dumps ends without one; nbformat.write adds it
 
 
 # --- mutant harness: run a check on the solution, the stub, and planted mistakes ---------------------

@@ -2,23 +2,12 @@
 
     python -m mgpu_helpers.tools.lab [--port 8888] [--root notebooks] [--open 00_setup.ipynb] [--no-browser]
 
-What plain ``jupyter lab`` gets wrong for this course, and what this does instead:
-
-* As root (most containers and cloud GPU boxes) it exits with "Running as root is not recommended.
-  Use --allow-root to bypass." -- we pass ``--allow-root`` when the effective user is root.
-* On a machine without a display it tries to start a browser (on Linux, possibly a text browser in
-  the terminal) -- we never let Jupyter open one; we open the system browser ourselves only where
-  there is a display (DISPLAY/WAYLAND_DISPLAY on Linux; always on macOS and Windows).
-* A busy port: Jupyter moves on to the next free one (``port_retries``), and the URL it printed is
-  lost among its log lines -- we read the port it actually bound from its runtime file and print one
-  line to open, token included, pointing at notebook 00.
-* Ctrl-C, a closed terminal or a kill of this launcher stops JupyterLab too: the server runs in its own
-  session (so Ctrl-C does not reach it and ask "Shutdown this Jupyter server (y/[n])?"), we stop it
-  (SIGTERM, then SIGKILL after a few seconds), and on Linux the kernel kills it the moment this launcher
-  dies any other way, SIGKILL included (PR_SET_PDEATHSIG); its kernels follow it (ipykernel exits when its
-  parent does).
-* The "Would you like to get notified about official Jupyter news?" pop-up sits over the notebook:
-  an ``overrides.json`` in this environment turns news and update checks off.
+Unlike plain ``jupyter lab``, it runs as root (``--allow-root`` there: containers, cloud GPU boxes); it opens
+the system browser only where there is a display, never a text browser in the terminal; it prints one URL
+to open, token included, on the port Jupyter actually bound (read from its runtime file, a busy port moves
+it); Ctrl-C, a closed terminal or any death of this launcher stops JupyterLab and its kernels (the server
+runs in its own session so Ctrl-C does not ask "Shutdown this Jupyter server?"; SIGTERM, then SIGKILL; on
+Linux PR_SET_PDEATHSIG); and an ``overrides.json`` keeps Jupyter's news pop-up off the notebook.
 
 On a remote GPU box: ``ssh -L 8888:localhost:8888 user@gpu-box`` on your laptop, then open the
 printed URL (use the port it printed on both sides of ``-L``).
@@ -26,7 +15,6 @@ printed URL (use the port it printed on both sides of ``-L``).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import secrets
@@ -84,13 +72,11 @@ def lab_command(root: Path, port: int, config: Path, extra: list[str] = ()) -> l
 def server_info(runtime_dir: Path, pid: int, timeout: float = 120.0, proc=None) -> dict:
     """The running server's own record of itself (port actually bound, URL): ``jpserver-<pid>.json``."""
     deadline = time.monotonic() + timeout
-    pattern = str(runtime_dir / f"jpserver-{pid}.json")
     while time.monotonic() < deadline:
-        for f in glob.glob(pattern):
-            try:
-                return json.loads(Path(f).read_text())
-            except ValueError:
-                pass  # being written
+        try:
+            return json.loads((runtime_dir / f"jpserver-{pid}.json").read_text())
+        except (OSError, ValueError):
+            pass  # not written yet, or being written
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"JupyterLab exited with status {proc.returncode} before it was ready")
         time.sleep(0.2)
@@ -175,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
             webbrowser.open(url)
         return proc.wait()
     except KeyboardInterrupt:
-        stop(proc)
         return 130
     finally:
         stop(proc)  # a no-op once it has exited

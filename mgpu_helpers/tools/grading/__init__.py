@@ -1,23 +1,13 @@
 """`mgpu-grade`: grade submitted notebooks without trusting them.
 
-Pipeline, one module each::
-
-    assemble  learner's exercise cells (by id, cleaned) spliced into a pristine copy of the solution
-              notebook, plus the grader's "prime" and "harvest" cells around each check cell
-    execute   writes a job and runs it in the sandbox: sandbox.py (pid 1 of new namespaces, an empty root
-              holding an allowlist; limits on memory, time, output and processes; no capabilities),
-              nbplugin.py (per-cell records, output and process caps); brings back the learner's results
-              on the grader's inputs (harvest.py)
-    judge     decides each check in a process that never runs learner code (Check.judge_all on
-              torch.load(weights_only=True) data), including hidden checks (hidden.py)
-    score     combines nbval status, the kernel's reply status and the judge's verdict per check;
-              re-runs a notebook with the offending exercise stubbed when it took the kernel down
-    report    grades.csv, per-student feedback.md and Gradescope results.json, class summary plot
-    shards    a class split over SLURM array tasks, and the merge of their grades
-    gradescope  the course as a Gradescope autograder (its zip, and run_autograder inside it)
-    cli       the command line
-
-This package is imported by the sandbox and the kernel, so it must stay light: no torch at import time.
+Pipeline, one module each: ``assemble`` (the learner's exercise cells spliced into a pristine solution
+notebook, with the grader's cells around each check), ``execute`` and ``sandbox`` (nbval run on it in new
+namespaces on an allowlisted root, with limits; ``nbplugin`` records each cell; ``harvest`` brings back what
+the learner's functions returned on the grader's inputs), ``judge`` (each check decided in a process that never
+runs learner code, hidden checks included: ``hidden``), ``score`` (nbval's status, the kernel's and the judge's
+per check; a re-run with the culprit stubbed when the kernel was taken down), ``report`` (grades.csv, feedback,
+results.json, the summary plot), ``shards`` (SLURM array tasks and their merge), ``gradescope`` (the autograder
+zip and its run_autograder) and ``cli``. Imported by the sandbox and the kernel: no torch at import time.
 """
 
 

@@ -1,13 +1,10 @@
 """Build the notebook the grader executes, never trusting the submitted file.
 
-Only the learner's *exercise cells* are taken, found by the exercise id in ``metadata.mgpu.exercise``;
-their tags, outputs and metadata are dropped and any ``# NBVAL_*`` comment line is removed. Their source
-is spliced into a pristine copy of the instructor's solution notebook, so check cells, expected outputs
-and every other cell come from the instructor. Around each check cell the grader adds two cells of its
-own (harvest.py): *prime* before it (the check runs on the grader's seed and records what the learner's
-function returns) and *harvest* after it (saves those results, plus the hidden cases' results, for the
-judge). An exercise that is missing or duplicated in the submission, or that took the kernel
-down in an earlier run ("stubbed"), gets the release's stub (``raise NotImplementedError``) instead.
+Only the source of the learner's *exercise cells* is taken (by the id in ``metadata.mgpu.exercise``, without
+``# NBVAL_*`` lines), spliced into a pristine copy of the solution notebook: every other cell, tag and expected
+output is the instructor's. The grader's *prime* and *harvest* cells (harvest.py) go around each check cell.
+An exercise missing or duplicated in the submission, or "stubbed" (it took the kernel down in an earlier
+run), gets the release's stub instead.
 """
 from __future__ import annotations
 
@@ -157,16 +154,6 @@ def assemble(course: CourseNotebook, sources: dict[str, str], stubbed: set[str],
         for ex in [e for e, j in last.items() if j == i]:
             cells.append(_grader_cell(ex, work, "harvest"))
     nb.cells = cells
-    layout = Layout({}, {}, {}, 0)
-    for c in nb.cells:
-        if c.cell_type != "code":
-            continue
-        m = mgpu(c)
-        if m.get("exercise") in ids:
-            layout.exercise[m["exercise"]] = layout.n_code
-        if m.get("check") in ids:
-            layout.check[m["check"]] = layout.n_code
-        if "harvest" in c.metadata.get("mgpu_grade", {}):
-            layout.harvest[c.metadata["mgpu_grade"]["harvest"]] = layout.n_code
-        layout.n_code += 1
-    return nb, layout
+    code = [{**mgpu(c), **c.metadata.get("mgpu_grade", {})} for c in cells if c.cell_type == "code"]
+    roles = ({m[key]: n for n, m in enumerate(code) if m.get(key) in ids} for key in ("exercise", "check", "harvest"))
+    return nb, Layout(*roles, len(code))

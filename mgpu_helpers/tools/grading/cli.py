@@ -39,12 +39,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def resolve_module(name: str) -> str:
     """A notebook's helper module: ``memory`` -> ``mgpu_helpers.memory``, else the name as given."""
-    if not name or "." in name:
-        return name
-    try:
-        return f"mgpu_helpers.{name}" if find_spec(f"mgpu_helpers.{name}") else name
-    except (ImportError, ValueError):
-        return name
+    return f"mgpu_helpers.{name}" if name and "." not in name and find_spec(f"mgpu_helpers.{name}") else name
 
 
 def grader_key(arg: str | None, out: Path) -> bytes:
@@ -139,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     whole = load_course(a.solutions)
     course = [nb for nb in whole if nb.exercises]  # nothing to grade in the others
-    ungraded = {nb.name for nb in whole} - {nb.name for nb in course}
     if not course:
         print(f"mgpu-grade: no solution notebooks (NN_name.ipynb) with exercises in {a.solutions}", file=sys.stderr)
         return 2
@@ -196,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / MARKER).unlink(missing_ok=True)  # an earlier run's: this one has not finished yet
         print(f"mgpu-grade: shard {k}/{n}: {len(students)} of {len(everyone)} students", flush=True)
     for s in students:
-        extra = sorted({p.name for p in (a.submissions / s).glob("*.ipynb")} - {nb.name for nb in course})
-        foreign = [n for n in extra if n not in ungraded]
+        foreign = sorted({p.name for p in (a.submissions / s).glob("*.ipynb")} - {nb.name for nb in whole})
         if foreign:
             print(f"mgpu-grade: {s}: ignored {', '.join(foreign)} (not a notebook of this course)")
     judges: queue.Queue = queue.Queue()
@@ -221,10 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(scratch / f"{i:05d}", ignore_errors=True)
 
     rows: list[Row] = []
-
-    def _terminate(signum, frame):  # SLURM's time limit and scancel send SIGTERM: stop as on Ctrl-C
-        raise KeyboardInterrupt
-    before = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # SLURM's time limit and scancel send SIGTERM: stop as on Ctrl-C (the handler raises KeyboardInterrupt)
+    before = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     pool = ThreadPoolExecutor(a.jobs)
     try:
         for k, got in enumerate(pool.map(grade, tasks), 1):

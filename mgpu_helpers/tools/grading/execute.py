@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 NS_WORK = "/tmp/mgpu-grade/work"  # the notebook's directory inside the sandbox (sandbox.ROOT + /work)
@@ -50,8 +50,7 @@ def sandbox(disable: bool = False, user_only: bool = False) -> tuple[list[str] |
     if disable:
         _probed = (None, False, DISABLED, False, False)
     if user_only:
-        why = _own_user_works()
-        _probed = (None, False, "namespaces not used (--isolation user)" + (f"; {why}" if why else ""), not why, not why)
+        _probed = _without_namespaces("namespaces not used (--isolation user)")
     if _probed is None:
         _probed = _probe()
     return _probed[:3]
@@ -59,7 +58,8 @@ def sandbox(disable: bool = False, user_only: bool = False) -> tuple[list[str] |
 
 def processes_bounded() -> bool:
     """Whether the probe saw RLIMIT_NPROC hold a process of the kernel's kind (False: warn)."""
-    return (bool(sandbox()[0]) or own_user()) and _probed[3]
+    sandbox()
+    return _probed[3]
 
 
 def own_user() -> bool:
@@ -67,6 +67,12 @@ def own_user() -> bool:
     read only what every user can (the grader checks that the protected paths are not among them)."""
     sandbox()
     return _probed[4]
+
+
+def _without_namespaces(why: str) -> tuple:
+    """The probe's answer where namespaces are not used: the kernel's own user if root can run it, else none."""
+    user = _own_user_works()
+    return None, False, why + (f"; {user}" if user else ""), not user, not user
 
 
 def _own_user_works() -> str:
@@ -127,11 +133,8 @@ def reset_sandbox() -> None:
 def _probe():
     unshare = shutil.which("unshare")
     if not unshare or not sys.platform.startswith("linux"):
-        user = _own_user_works()
-        return None, False, "unshare(1) is not available" + (f"; {user}" if user else ""), not user, not user
-    users = [[]] if os.geteuid() == 0 else [["--map-root-user"]]
-    if os.geteuid() == 0:
-        users.append(["--map-root-user"])
+        return _without_namespaces("unshare(1) is not available")
+    users = [[], ["--map-root-user"]] if os.geteuid() == 0 else [["--map-root-user"]]
     why = ""
     import tempfile
     for net in (True, False):
@@ -148,8 +151,7 @@ def _probe():
             if r.returncode in (0, 3):
                 return prefix, net, "", r.returncode == 0, False
             why = (r.stderr.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
-    user = _own_user_works()  # a container as root without namespaces (Gradescope's, a cluster's): its own user
-    return None, False, why + (f"; {user}" if user else ""), not user, not user
+    return _without_namespaces(why)  # a container as root without namespaces (Gradescope's, a cluster's)
 
 
 def kernel_env(import_paths: list[str]) -> dict:
@@ -193,10 +195,8 @@ def needed_paths(import_paths: list[str]) -> list[str]:
     paths.update(p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p)
     paths.update(p for p in sys.path if p and os.path.abspath(p).startswith(tuple(  # e.g. lib-dynload, .zip
         os.path.abspath(q).rstrip("/") + "/" for q in (sys.prefix, sys.base_prefix) if q not in SYSTEM_PREFIXES)))
-    # Folders of installed distributions on sys.path beyond the prefix's: `pip install --user` (under HOME,
-    # which is otherwise hidden) or `pip install --target DIR` with DIR on PYTHONPATH. Without them the kernel
-    # (nbval's, ipykernel) would not start in the sandbox. Only folders that hold installed distributions'
-    # metadata (*.dist-info, *.egg-info), other than this package's own: never a course or source checkout.
+    # Folders of installed distributions beyond the prefix's (`pip install --user` or `--target`), which the
+    # kernel needs to start: only those holding *.dist-info or *.egg-info not this package's, never a checkout.
     paths.update(p for p in sys.path if p and os.path.isdir(p) and any(
         n.endswith((".dist-info", ".egg-info")) and not n.startswith("mgpu") for n in os.listdir(p)))
     return sorted(os.path.abspath(p) for p in paths if p and os.path.lexists(p))
@@ -211,13 +211,7 @@ def hidden_from_kernel() -> list[str]:
 
 def protected_paths(paths: list[Path]) -> list[str]:
     """What must never be visible in the sandbox: the given paths, the repository around the package, HOME."""
-    out = {os.path.realpath(p) for p in paths if p}
-    if _repo():
-        out.add(_repo())
-    home = os.path.realpath(os.path.expanduser("~"))
-    if home != "/":
-        out.add(home)
-    return sorted(out)
+    return sorted({os.path.realpath(p) for p in [*paths, _repo(), os.path.expanduser("~")] if p} - {"/"})
 
 
 def check_allowlist(keep: list[str], protect: list[str]) -> None:
@@ -282,19 +276,16 @@ def work_dir(job: Path) -> str:
 
 
 def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: list[str], limits: Limits,
-            keep: list[str], import_paths: list[str], mpl_cache: str,
-            extra: dict[str, bytes] | None = None) -> RunResult:
+            keep: list[str], import_paths: list[str], mpl_cache: str, extra: dict[str, bytes]) -> RunResult:
     prefix, net, _ = sandbox()
     if STOP.is_set():
         return RunResult(error="interrupted")
     job.mkdir(parents=True, exist_ok=True)
-    spec = {"notebook": notebook, "exercises": exercises, "cell_timeout": limits.cell_timeout,
-            "notebook_timeout": limits.notebook_timeout, "memory": limits.memory, "output_cap": limits.output_cap,
-            "output_cap_total": limits.output_cap_total, "keep": keep, "mask": hidden_from_kernel(), "net": net,
-            "namespace": prefix is not None, "setuid": _setuid(prefix) if prefix is not None else own_user(),
+    spec = {**asdict(limits), "notebook": notebook, "exercises": exercises, "keep": keep, "mask": hidden_from_kernel(),
+            "net": net, "namespace": prefix is not None, "setuid": own_user() if prefix is None else _setuid(prefix),
             "tasks": limits.processes or default_processes(), "env": kernel_env(import_paths), "mpl_cache": mpl_cache,
-            "extra": sorted(extra or {})}
-    for rel, data in (extra or {}).items():
+            "extra": sorted(extra)}
+    for rel, data in extra.items():
         (job / rel).parent.mkdir(parents=True, exist_ok=True)
         (job / rel).write_bytes(data)
     for name, data in (("job.json", json.dumps(spec).encode()), (notebook, nb_text.encode("utf-8")),

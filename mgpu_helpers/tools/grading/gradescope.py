@@ -1,24 +1,14 @@
 """The course as a Gradescope autograder: ``mgpu-course autograder --out autograder.zip`` builds the zip,
 ``run_autograder`` (inside it) grades one submission with ``mgpu-grade``.
 
-Gradescope's autograder specification, as this follows it: GRADING.md ("Gradescope"). Each submission runs in
-a fresh container; what run_autograder prints is shown to the instructor only.
-
-The zip::
-
-    setup.sh            python3 venv in /opt/mgpu-grade: CPU torch, the package and nbval at this
-                        environment's versions (constraints.txt); then course/ readable by root alone
-    run_autograder      python -m mgpu_helpers.tools.grading.gradescope /autograder
-    constraints.txt
-    package/            the mgpu_helpers source, installed (not editable: the kernel sees no solutions)
-    course/solutions/   the solution notebooks (+ assets/)    } the grading key, hidden checks and
-    course/hidden/      hidden checks, if any                 } solutions: root only in the container,
-    course/grading.json the key and the limits                } never in the learner's kernel's view
-    imports/N/          --import-path folders, if any (course modules the kernel imports: readable)
+GRADING.md ("Gradescope") gives the specification this follows. The zip holds ``setup.sh`` (a venv in
+/opt/mgpu-grade with CPU torch and this environment's versions, ``constraints.txt``), ``run_autograder``,
+``package/`` (the source, installed not editable: the kernel sees no solutions), ``course/`` (solution
+notebooks, hidden checks, ``grading.json`` with the key and limits: root's alone in the container) and
+``imports/N/`` (the --import-path folders, which the kernel reads).
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import secrets
@@ -88,15 +78,15 @@ def _add_tree(z: zipfile.ZipFile, src: Path, prefix: str) -> None:
             _add(z, f"{prefix}/{p.relative_to(src).as_posix()}", p.read_bytes())
 
 
-def build(out: Path, solutions: Path, hidden: Path | None = None, import_paths: list[Path] = (),
-          key: str | None = None, limits: dict | None = None, package: Path | None = None) -> dict:
+def build(out: Path, solutions: Path, hidden: Path | None, import_paths: list[Path], key: str | None,
+          limits: dict) -> dict:
     """Write the autograder zip; returns its grading.json (key included)."""
     import torch
-    package = package or Path(__file__).resolve().parents[3]
+    package = Path(__file__).resolve().parents[3]
     config = {"key": key or secrets.token_hex(32), "hidden": hidden is not None,
-              "imports": [f"imports/{i}" for i in range(len(import_paths))], **(limits or {})}
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
+              "imports": [f"imports/{i}" for i in range(len(import_paths))], **limits}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(out, "w") as z:
         _add(z, "setup.sh", SETUP_SH.format(venv=VENV, torch=torch.__version__.split("+")[0]).encode(), 0o755)
         _add(z, "run_autograder", RUN_AUTOGRADER.format(venv=VENV).encode(), 0o755)
         _add(z, "constraints.txt", constraints().encode())
@@ -112,8 +102,6 @@ def build(out: Path, solutions: Path, hidden: Path | None = None, import_paths: 
         for i, d in enumerate(import_paths):
             _add_tree(z, d, f"imports/{i}")
         _add(z, "course/grading.json", (json.dumps(config, indent=1) + "\n").encode(), 0o600)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(buf.getvalue())
     return config
 
 
@@ -166,7 +154,7 @@ def run(root: Path) -> int:
                          + ", ".join(sorted(names)[:2]) + ")")
         argv = [str(tmp / "submissions"), "--out", str(tmp / "out"), "--solutions", str(course / "solutions"),
                 "--key", config["key"], "--jobs", str(config.get("jobs", 1))]
-        for flag in ("timeout", "notebook_timeout", "memory", "max_processes"):
+        for flag in ("timeout", "notebook_timeout", "memory"):
             if flag in config:
                 argv += [f"--{flag.replace('_', '-')}", str(config[flag])]
         if config.get("hidden"):

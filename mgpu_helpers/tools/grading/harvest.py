@@ -52,17 +52,10 @@ def prime(exercise: str, work: str) -> None:
 
     chk.make_cases = lambda seed_=None: make_cases(seed)
     chk.run = recording_run
-    # The verdict is the outside judge's (judge.py), so the kernel does not judge: a judge may need a
-    # reference that the sandbox hides from every learner-reachable process (checks/references/), and a
-    # verdict reached here would be one the learner could forge anyway. The check cell still runs the
-    # learner's function on the grader's cases and prints the line nbval expects; a function that raises
-    # or is a stub still fails it. Left in place after the harvest, so that later cells asking
-    # ``check.passed(fn)`` / ``passes(fn)`` get "it ran" instead of an import of a hidden file.
-    chk.judge_one = _no_verdict
-
-
-def _no_verdict(i, n, case, result) -> None:
-    """Grading: the check cell in the kernel gives no verdict of its own (see ``prime``)."""
+    # No verdict in the kernel (the judge's, outside, may need a reference the sandbox hides): the cell still
+    # runs the function on the grader's cases, so a stub or a raise fails it. Kept after the harvest, so a
+    # later cell's ``check.passed(fn)`` reads "it ran" instead of importing a hidden file.
+    chk.judge_one = lambda i, n, case, result: None
 
 
 def harvest(exercise: str, user_ns: dict, work: str) -> None:

@@ -12,9 +12,8 @@ Every ``*.py`` file in DIR may define subclasses of :class:`HiddenCheck`::
             return [{"n_params": rng.randrange(10**9, 10**10), "dtype": "bfloat16"}]
         # def judge(self, case, result): ...   optional; the public check's judge by default
 
-The grader loads these files itself and ships only the *cases* (data) into the kernel, where the public
-check's ``run`` calls the learner's function; the verdict is made outside (judge.py).
-Feedback shows the check's name and verdict message, never this source.
+Only the *cases* (data) go into the kernel, where the public check's ``run`` calls the learner's function;
+the verdict is made outside (judge.py). Feedback shows the check's name and message, never this source.
 """
 from __future__ import annotations
 

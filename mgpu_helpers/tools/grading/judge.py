@@ -1,11 +1,10 @@
 """Decide every check outside the learner's kernel: a verdict computed inside it can always be subverted there.
 
-A judge is a separate, long-lived process (``python -m mgpu_helpers.tools.grading.judge CONFIG``) that never
-runs learner code. Before any notebook is executed it imports the course's check modules and the hidden
-checks, so a file changed on disk later cannot alter it. For each exercise it loads the harvested results
-with ``torch.load(weights_only=True)`` -- plain data and tensors only, never an object the learner made --
-and calls ``Check.judge_all(seed, results)``, which regenerates the cases from the seed and computes the
-reference itself. Tasks and verdicts travel as JSON lines over stdin/stdout.
+A judge (``python -m mgpu_helpers.tools.grading.judge CONFIG``) is a long-lived process that never runs learner
+code and imports the checks, hidden ones included, before any notebook runs. It loads the harvested results
+with ``torch.load(weights_only=True)`` (plain data and tensors, never an object the learner made) and calls
+``Check.judge_all(seed, results)``, which regenerates the cases and computes the reference itself. Tasks and
+verdicts travel as JSON lines over stdin/stdout.
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from .execute import die_with_parent
@@ -34,10 +32,10 @@ def _load(path):
         return None, f"its results could not be loaded safely ({type(e).__name__}); return plain data or tensors"
     if not isinstance(data, dict):
         return None, "its results are malformed"
-    for key in ("missing", "unsaveable"):
-        if key in data:
-            return None, f"{str(data[key])[:300]}" if key == "missing" else \
-                f"its results could not be saved ({str(data[key])[:200]}); return plain data or tensors"
+    if "missing" in data:
+        return None, str(data["missing"])[:300]
+    if "unsaveable" in data:
+        return None, f"its results could not be saved ({str(data['unsaveable'])[:200]}); return plain data or tensors"
     return data, ""
 
 
@@ -105,12 +103,8 @@ class Judge:
         return self
 
     def _readline(self, timeout):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            if r:
-                return self.proc.stdout.readline()
-        return ""
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.proc.stdout.readline() if ready else ""
 
     def __call__(self, tasks: list[dict], timeout: float = 600) -> list[dict]:
         self.start()

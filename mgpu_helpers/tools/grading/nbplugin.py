@@ -1,18 +1,11 @@
 """pytest plugin for the sandboxed nbval process (``-p mgpu_helpers.tools.grading.nbplugin``), never the kernel.
 
-It writes one JSON line per notebook cell to ``--mgpu-report-fd``: pytest's outcome (passed, failed,
-error, skipped, xfailed, xpassed), the kernel's own ``execute_reply`` status, the error name and value,
-the bytes of output, and whether the cell timed out, the kernel died, or the output cap was hit.
-
-It also hardens nbval for untrusted code:
-* a dead kernel is noticed within half a second instead of after the whole cell timeout;
-* output beyond ``--mgpu-output-cap`` bytes per cell (or ``--mgpu-output-cap-total`` per notebook) kills
-  the kernel, so a flood cannot exhaust nbval's memory;
-* processes and threads left running after a cell near ``--mgpu-max-tasks`` (the sandbox's RLIMIT_NPROC:
-  a fork bomb) kill the kernel too, since nothing later could start a thread;
-* the run stops at the first cell that timed out, killed the kernel or hit a cap;
-* the notebook file is deleted once collected (the kernel cannot read the stored outputs) and the
-  process is made non-dumpable (the kernel cannot open its fds or memory).
+It writes one JSON line per cell to ``--mgpu-report-fd``: pytest's outcome, the kernel's ``execute_reply``
+status, the error, the bytes of output, and whether the cell timed out, the kernel died or a cap was hit.
+It hardens nbval for untrusted code: a dead kernel is noticed at once, not at the cell timeout; output beyond
+the caps, or tasks near ``--mgpu-max-tasks`` (the sandbox's RLIMIT_NPROC: a fork bomb) left after a cell, kill
+the kernel; the run stops at the first such cell; the notebook file is deleted once collected (the kernel
+cannot read the stored outputs) and this process is non-dumpable (the kernel cannot open its fds).
 """
 from __future__ import annotations
 
@@ -27,6 +20,7 @@ import pytest
 
 _state: dict = {"cell": None, "total": 0, "cap": 1 << 20, "cap_total": 8 << 20, "out": None, "tasks": None}
 POLL = 0.1  # seconds between liveness (and output) checks of the kernel while waiting for a message
+OUTPUTS = ("stream", "display_data", "execute_result", "update_display_data", "error")
 
 
 def pytest_addoption(parser):
@@ -63,14 +57,8 @@ def _tasks() -> int:
 
 
 def _output_bytes(msg) -> int:
-    c, t = msg["content"], msg["msg_type"]
-    if t == "stream":
-        return len(c.get("text", ""))
-    if t in ("display_data", "execute_result", "update_display_data"):
-        return sum(len(str(v)) for v in c.get("data", {}).values())
-    if t == "error":
-        return len(c.get("evalue", "")) + sum(len(line) for line in c.get("traceback", []))
-    return 0
+    """What the cell shows (streams, displays, errors); the protocol's own messages are free."""
+    return len(json.dumps(msg["content"], ensure_ascii=False, default=str)) if msg["msg_type"] in OUTPUTS else 0
 
 
 def _patch_nbval():

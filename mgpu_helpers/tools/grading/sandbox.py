@@ -3,39 +3,24 @@
 The grader starts ``unshare --mount --pid --kill-child [--net] [--map-root-user] python -m
 mgpu_helpers.tools.grading.sandbox JOB_DIR JOB_FD``; this process is then pid 1 of a fresh pid namespace and:
 
-1. builds the kernel's file system (``isolate``): an empty tmpfs at ``JOB_DIR/root``, filled, pivoted into
-   and the host's tree detached, so no other path exists inside:
-
-     /                  the empty tmpfs, read-only once built
-     spec["keep"]       read-only binds at their own paths: the interpreter and its standard library, the
-                        environment (venv or conda prefix, with its site-packages), the mgpu_helpers package
-                        directory alone (never the repository around it), the --import-path directories
-     spec["mask"]       an empty read-only tmpfs over each (the judges' references inside the package)
-     SYSTEM             /usr/bin, /usr/lib*, /usr/libexec read-only (/bin, /lib* as the host has them: symlinks)
-     /etc               passwd, group, hosts, nsswitch.conf written here; ld.so.cache and localtime bound
-     /dev               null, zero, full, random, urandom, tty, the GPU nodes; /dev/shm a private tmpfs
-     /sys               devices/system/{cpu,node} read-only (all of /sys with GPUs: the driver and NCCL read it)
-     /proc              a new proc: only the sandbox's own processes
-     /tmp               a private, size-capped tmpfs holding the kernel's work dir
-
-   Binds are recursive (a user namespace refuses to bind a mount without its submounts) and every mount
-   is then remounted read-only but /tmp, /dev/shm and /proc, keeping the flags the host locked. Loopback
-   is brought up in the new network namespace (kernel and nbval talk over 127.0.0.1);
-2. runs ``pytest --nbval`` from /tmp/mgpu-grade/work with RLIMIT_AS, RLIMIT_NPROC, no capabilities and
-   no_new_privs (so the kernel cannot undo the mounts), its per-cell records (nbplugin.py) coming back
-   over a pipe. RLIMIT_NPROC counts the tasks of one user in one user namespace, and never binds root:
-   a grader running as root (no user namespace) runs the kernel as a user of its own, UID_BASE + this
-   process's pid on the host, so each sandbox has its own count;
+1. ``isolate``: pivots into an empty tmpfs holding only read-only binds at their own paths, so no other path
+   exists inside: ``spec["keep"]`` (the interpreter, the environment, the mgpu_helpers package directory
+   alone, the --import-path directories), SYSTEM, /etc (passwd, group, hosts, nsswitch.conf written; ETC
+   bound), /dev's DEV_NODES and GPU nodes, /sys's cpu and node folders (all of /sys with GPUs: the driver
+   and NCCL read it); a new /proc, and private, size-capped /tmp and /dev/shm. ``spec["mask"]`` (the judges'
+   references inside the package) is covered by an empty tmpfs. Every other mount is remounted read-only,
+   keeping the flags the host locked; loopback is brought up in the new network namespace;
+2. runs ``pytest --nbval`` with RLIMIT_AS, RLIMIT_NPROC, no capabilities and no_new_privs (so the kernel
+   cannot undo the mounts), its per-cell records (nbplugin.py) coming back over a pipe. RLIMIT_NPROC never
+   binds root: a grader running as root (no user namespace) runs the kernel as a user of its own,
+   UID_BASE + this process's pid on the host, so each sandbox has its own count;
 3. kills everything in the namespace at the notebook timeout, and copies the results out through
    JOB_FD, a directory fd the grader opened outside the namespace (its mount stays writable).
 
-Without namespaces (``spec["namespace"]`` false: a container as root under seccomp, as on Gradescope) step 1
-is skipped. As root, the kernel still runs as a user of its own (UID_BASE + this process's pid), in a folder
-it owns inside the job (``work/``), bounded by RLIMIT_NPROC; it reads only what every user may (the grader
-checks its protected paths are not), its results come out as in step 3, and at the end every process of
-that user is killed. Not root either: best effort, the grader warns and says so in every results.json.
-Only the standard library is imported here (and execute.py, which imports no more): this process starts
-once per notebook.
+Without namespaces (a container as root under seccomp, as on Gradescope) step 1 is skipped: as root the
+kernel still runs as its own user, in a folder it owns (``work/``), reading only what every user may, and
+every process of that user is killed at the end. Not root either: best effort, and the grader says so.
+Only the standard library is imported here: this process starts once per notebook.
 """
 from __future__ import annotations
 
@@ -287,24 +272,20 @@ def _copy_out(work, jobfd, names):
             f.write(data)
 
 
-def main(job, jobfd=None):
+def main(job, jobfd):
+    """``jobfd``: opened by the grader outside the namespace, so it stays writable once all here is read-only."""
     spec = json.load(open(os.path.join(job, "job.json")))
     _libc.prctl(4, 0, 0, 0, 0)                       # PR_SET_DUMPABLE 0: the kernel cannot open our fds
-    # Opened by the grader outside the namespace, so it stays writable after everything here is read-only.
-    jobfd = os.open(job, os.O_RDONLY | os.O_DIRECTORY) if jobfd is None else jobfd
-    names = (spec["notebook"], "mgpu_grade_in.pt", *spec.get("extra", []))  # extra: the course's assets/
+    names = (spec["notebook"], "mgpu_grade_in.pt", *spec["extra"])  # extra: the course's assets/
     inputs = {n: open(os.path.join(job, n), "rb").read() for n in names}
     mpl = {}
     if spec.get("mpl_cache") and os.path.isdir(spec["mpl_cache"]):
         mpl = {n: open(os.path.join(spec["mpl_cache"], n), "rb").read()
                for n in os.listdir(spec["mpl_cache"]) if n.endswith(".json")}
-    uid = 0
     from .execute import UID_BASE                    # standard library only, like this module
+    uid = UID_BASE + int(os.readlink("/proc/self")) if spec["setuid"] else 0  # the host's pid: its /proc, still
     if spec["namespace"]:
-        uid = UID_BASE + int(os.readlink("/proc/self")) if spec.get("setuid") else 0  # the host's proc, still
         isolate(spec, job, uid)
-    elif spec.get("setuid"):
-        uid = UID_BASE + os.getpid()
     work = f"{ROOT}/work" if spec["namespace"] else os.path.join(job, "work") if uid else job
     home = os.path.join(os.path.dirname(work) if spec["namespace"] or uid else work, "home")
     for d in (work, home, os.path.join(home, "mpl"), os.path.join(home, "runtime")):
@@ -402,4 +383,4 @@ def probe(base: str, net: bool, setuid: bool) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "--probe":
         sys.exit(probe(sys.argv[2], "--net" in sys.argv[3:], "--setuid" in sys.argv[3:]))
-    sys.exit(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))

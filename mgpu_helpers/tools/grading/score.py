@@ -1,14 +1,10 @@
 """Grade one student's notebook: assemble, run, judge, score; re-run when the kernel was taken down.
 
 A check scores its points only if BOTH its check cell PASSED under nbval with the kernel replying "ok"
-AND the outside judge accepts the harvested results. A *catastrophe* (a cell timeout, the kernel dying,
-the output cap, processes left running near the sandbox's limit, a harvest cell that did not run, the
-notebook timeout) ends what the run can say about
-every later cell: the exercise whose code was running gets the catastrophe's status, and the exercises
-after it are graded in a fresh run with that exercise stubbed -- so the damage stays with the exercise
-that caused it (naive alternative: one kernel per exercise, which would double the execution time).
-An exercise cell still equal to the release's stub is "not-implemented" without running (its check fails
-on the stub); a notebook with nothing but such cells is not run at all.
+AND the outside judge accepts the harvested results. A *catastrophe* (a timeout, the kernel dying, an output
+or process cap, a harvest cell that did not run) ends what the run can say about every later cell: the
+exercise whose code was running gets its status, and the exercises after it are graded in a fresh run with
+that exercise stubbed, so the damage stays with its cause without a kernel per exercise (twice the time).
 """
 from __future__ import annotations
 
@@ -172,31 +168,30 @@ def untouched(source: str | None, stub: str) -> bool:
 
 def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, sub: Submission,
                    job: Path) -> list[Row]:
-    final: dict[str, tuple] = {}  # exercise id -> (public (status, msg), {hidden name: (status, msg)})
     hidden = {e.id: ctx.hidden.get(e.id, []) for e in course.exercises}
-    if sub.status != "ok":
-        for e in course.exercises:
-            final[e.id] = ((sub.status, sub.message), {h.name: (sub.status, sub.message) for h in hidden[e.id]})
-    for ex, (status, msg) in sub.problems.items():
-        final[ex] = ((status, msg), {h.name: (status, msg) for h in hidden[ex]})
-    # An exercise cell that is still the release's stub is not implemented: its check fails on the stub
-    # (each check's tests prove it), so nothing needs to run. A class mid-course submits every notebook, and
-    # running the untouched ones, whole, was most of the grading time; a notebook with nothing else is not run.
+    final: dict[str, tuple] = {}  # exercise id -> (public (status, msg), {hidden name: (status, msg)})
+
+    def settle(ex: str, st: tuple[str, str]) -> None:  # the public check and its hidden ones alike
+        final[ex] = (st, {h.name: st for h in hidden[ex]})
+
     for e in course.exercises:
-        if e.id not in final and untouched(sub.sources.get(e.id), e.stub):
-            st = ("not-implemented", f"Exercise {e.id} ✗ {e.function}: not implemented yet")
-            final[e.id] = (st, {h.name: st for h in hidden[e.id]})
+        if sub.status != "ok":
+            settle(e.id, (sub.status, sub.message))
+        elif e.id in sub.problems:
+            settle(e.id, sub.problems[e.id])
+        elif untouched(sub.sources.get(e.id), e.stub):
+            # Its check fails on the stub (each check's tests prove it): nothing needs to run, and a notebook
+            # with nothing else (a class mid-course submits every notebook) is not run at all.
+            settle(e.id, ("not-implemented", f"Exercise {e.id} ✗ {e.function}: not implemented yet"))
     pending = [e.id for e in course.exercises if e.id not in final]
     specs = {e.id: e for e in course.exercises}
     stubbed: set[str] = set()
     grade_in, seeds = _harvest_spec(ctx, student, course) if pending else (b"", {})
-    for attempt in range(len(course.exercises) + 1):
-        if not pending:
-            break
-        nb, layout = assemble(course, sub.sources, stubbed, work_dir(job / str(attempt)))
-        run = run_job(job / str(attempt), course.name, nbformat.writes(nb), grade_in,
-                      [e.id for e in course.exercises], ctx.limits, ctx.keep, ctx.import_paths, ctx.mpl_cache,
-                      ctx.extra)
+    while pending:  # each run but the last stubs one more exercise
+        work = job / str(len(stubbed))
+        nb, layout = assemble(course, sub.sources, stubbed, work_dir(work))
+        run = run_job(work, course.name, nbformat.writes(nb), grade_in, [e.id for e in course.exercises],
+                      ctx.limits, ctx.keep, ctx.import_paths, ctx.mpl_cache, ctx.extra)
         event = _events(run, layout, pending)
         done = [ex for ex in pending if event is None or layout.span_end(ex) < event[0]]
         tasks = [{"exercise": ex, "module": ctx.modules[course.name], "seed": seeds[ex][0],
@@ -210,18 +205,14 @@ def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, su
         # The culprit: the learner's exercise cell that ran last before the catastrophe.
         learner = [ex for ex in sub.sources if ex not in stubbed and layout.exercise[ex] <= event[0]]
         culprit = max(learner, key=lambda ex: layout.exercise[ex]) if learner else None
-        if culprit in pending:
-            st = _catastrophe(event[1], culprit, ctx, run)
-            final[culprit] = (st, {h.name: st for h in hidden[culprit]})
-            pending.remove(culprit)
         if culprit is None:  # instructor code or the environment failed: nothing to stub, nothing to retry
             for ex in pending:
-                st = _catastrophe(event[1], ex, ctx, run)
-                final[ex] = (st, {h.name: st for h in hidden[ex]})
-            pending = []
+                settle(ex, _catastrophe(event[1], ex, ctx, run))
+            break
+        if culprit in pending:
+            settle(culprit, _catastrophe(event[1], culprit, ctx, run))
+            pending.remove(culprit)
         stubbed.add(culprit)
-    for ex in pending:  # not reachable: every attempt stubs one more exercise
-        final[ex] = (("error", "grader error: gave up re-running"), {h.name: ("error", "") for h in hidden[ex]})
     rows = []
     for e in course.exercises:
         (status, msg), hid = final[e.id]

@@ -1,9 +1,6 @@
 """A class split over SLURM array tasks: ``mgpu-grade SUB --out OUT_K --shard K/N``, then ``mgpu-grade merge
-OUT_1 ... OUT_N --out OUT`` (GRADING.md, "A SLURM cluster": the slices, the key, a missing shard).
-
-Students are ordered by a keyed hash, so the shards are balanced whatever the names, and dealt round-robin.
-Merge copies each student's feedback.md and results.json as the shard wrote them and rebuilds grades.csv and
-summary.png from all rows, as one run over the whole class would have written them.
+OUT_1 ... OUT_N --out OUT`` (GRADING.md, "A SLURM cluster"). Students are ordered by a keyed hash and dealt
+round-robin; merge copies each student's files as the shard wrote them and rebuilds grades.csv and summary.png.
 """
 from __future__ import annotations
 
@@ -54,11 +51,9 @@ def merge(dirs: list[Path], out: Path) -> int:
     markers, problems = {}, []
     for d in dirs:
         try:
-            m = json.loads((d / MARKER).read_text())
+            markers[d] = json.loads((d / MARKER).read_text())
         except (OSError, ValueError):
             problems.append(f"{d}: no {MARKER} (the shard did not finish)")
-            continue
-        markers[d] = m
     if not markers:
         print("mgpu-grade merge: no finished shard among " + ", ".join(map(str, dirs)), file=sys.stderr)
         return 2
@@ -92,8 +87,7 @@ def merge(dirs: list[Path], out: Path) -> int:
             print(f"mgpu-grade merge: {p}", file=sys.stderr)
     elif missing_txt.exists():
         missing_txt.unlink()
-    graded = len(order)
-    print(f"mgpu-grade merge: {len(got)}/{first['of']} shards, {graded} students -> {out}"
+    print(f"mgpu-grade merge: {len(got)}/{first['of']} shards, {len(order)} students -> {out}"
           + (f"; {sum(len(first['slices'][k - 1]) for k in missing)} students missing (see MISSING.txt)"
              if missing else ""))
     return 1 if problems else 0

@@ -1,9 +1,8 @@
 """Where ``mgpu-plan`` gets a model: a built-in name, a Hugging Face config, or ``module:function``.
 
-Each source gives a :class:`Source`: a ``model_fn`` the planner calls under ``FakeTensorMode`` (so nothing
-real is allocated: a 70B config builds in a second), the batch it takes (shapes and dtypes only), and a
-loss. Any failure to resolve or build a source is a :class:`PlanInputError` with one line that says what
-to fix; ``mgpu-plan`` prints it and exits 2.
+Each gives a :class:`Source`: a ``model_fn`` the planner calls under ``FakeTensorMode`` (nothing real is
+allocated), the batch it takes (shapes and dtypes only) and a loss. A failure to resolve or build one is a
+:class:`PlanInputError` whose one line says what to fix; ``mgpu-plan`` prints it and exits 2.
 """
 from __future__ import annotations
 

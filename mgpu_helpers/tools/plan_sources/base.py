@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-
 from dataclasses import dataclass, field
 
 
@@ -35,15 +34,11 @@ def first_line(e: BaseException) -> str:
 def quiet():
     """stderr stays the user's: the libraries' warnings and logs while tracing (transformers' advice, the
     fake-tensor mode's log of an op it refuses) are not the plan; a failure is the one line main prints."""
-    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
-                                                "transformers", "torch.utils.checkpoint")]
-    levels = [lg.level for lg in loggers]
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.CRITICAL)
         try:
             yield
         finally:
-            for lg, level in zip(loggers, levels):
-                lg.setLevel(level)
+            logging.disable(previous)

@@ -1,13 +1,9 @@
 """Every causal-LM family the installed transformers offers, as a tiny config: what ``mgpu-plan`` is held
 against (tests/test_plan_catalogue.py).
 
-:func:`tiny_config` starts from the family's own defaults (``CONFIG_MAPPING[model_type]()``, as
-``AutoConfig.for_model`` would) and shrinks every size by the field's name -- width 64, 2 layers (4 for
-hybrids, so that each kind of layer is in the model), 4 heads, 4 experts with 2 per token, a 1024-token
-vocabulary -- keeping what makes the family itself: grouped heads, sliding windows, layer patterns, shared
-experts. Nothing is downloaded. :func:`trains` is transformers' own CPU step on it (the model's loss and
-backward): a family that fails there is one transformers cannot train on a CPU, skipped and counted by
-the catalogue, not blamed on the planner.
+:func:`tiny_config` shrinks the family's own defaults field by field name, keeping what makes the family
+(grouped heads, sliding windows, layer patterns, shared experts); nothing is downloaded. A family that fails
+transformers' own CPU step (:func:`trains`) is skipped and counted, not blamed on the planner.
 """
 from __future__ import annotations
 

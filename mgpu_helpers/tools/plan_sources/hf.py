@@ -1,16 +1,9 @@
 """A Hugging Face config as ``mgpu-plan`` plans it: the step its users run, not the course's.
 
-A user of transformers trains with ``loss = model(input_ids=x, labels=x).loss`` (the model's own loss:
-``ForCausalLMLoss`` upcasts the logits to fp32, one more logits-sized tensor in bf16 autocast), checkpoints
-with the model's own ``gradient_checkpointing_enable()`` (non-reentrant by default in transformers 5), steps
-AdamW, and gets the attention implementation transformers picks (``sdpa`` where the family supports it,
-else ``eager``). :class:`UserStep` is that model as the planner's ``train_step`` calls it: tokens in, the
-model's loss out (``output_loss`` passes it through), ``gradient_checkpointing_enable`` the model's own.
-
-Mixture-of-experts layers: transformers 5 runs the experts as one grouped matmul over every (token, chosen
-expert) row (``experts_implementation="grouped_mm"``, its default on an sm80+ GPU), whose tensors do not
-depend on the routing; families that loop over the experts hit are traced with the routing
-``planner.dynamic`` states (``--moe-imbalance``). The plan's assumptions say which.
+:class:`UserStep` is ``model(input_ids=x, labels=x).loss`` (the model's own loss, which upcasts the logits to
+fp32), with the model's own ``gradient_checkpointing_enable()``, AdamW and the attention transformers picks.
+Mixture-of-experts layers: transformers' grouped matmul holds every (token, expert) row whatever the routing;
+families that loop over the experts are traced with the routing ``planner.dynamic`` states (``--moe-imbalance``).
 """
 from __future__ import annotations
 
@@ -102,17 +95,10 @@ class UserStep(nn.Module):
 
 @contextlib.contextmanager
 def _one_sequence_per_row():
-    """Tell transformers' mask code what a real step of the planner's batch finds: one unpadded sequence per
-    row, so no mask where the real step passes none.
-
-    It reads the position ids' values to find sequences packed into one row, and the padding mask's values
-    (``fast_all``) to skip the mask for SDPA's ``is_causal``; it also treats any fake tensor as a traced graph
-    (``is_tracing``), whose mask it always builds. A fake tensor has no values, so the trace built a
-    (batch, 1, seq, seq) mask, which makes attention expand grouped key/value heads and skip ``is_causal``;
-    the real step of the same tokens passes no mask (measured on the H200: OPT, whose model makes a padding
-    mask of ones itself, planned 2.7% above the allocated peak; Llama with grouped heads ran a fused kernel
-    in the trace and the math one for real). Within this, the mask code answers as it does on those tokens:
-    no packed sequences, a padding mask of all ones, not a traced graph."""
+    """Make transformers' mask code answer on fake tensors as it does on the planner's real tokens (one unpadded
+    sequence per row): no packed sequences, a padding mask of all ones, not a traced graph. It reads values a
+    fake tensor lacks, so the trace would build a (batch, 1, seq, seq) mask the real step never passes, and
+    attention would then expand grouped key/value heads and skip ``is_causal``."""
     masking = sys.modules.get("transformers.masking_utils")
     names = ("find_packed_sequence_indices", "fast_all", "is_tracing")  # older transformers lack some
     originals = {k: getattr(masking, k) for k in names if hasattr(masking, k)}
