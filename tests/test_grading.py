@@ -317,6 +317,8 @@ def test_assembly_takes_only_cleaned_exercise_cells(tmp_path):
     assert ck.source == "check_90_1(scale)" and ck.outputs[0]["text"] == OK1 + "\n"
     code = [c for c in built.cells if c.cell_type == "code"]
     assert "harvest('90.1'" in code[layout.harvest["90.1"]].source and layout.harvest["90.1"] == layout.check["90.1"] + 1
+    # the run ends at the last harvest: the summary after it decides no grade and is not run
+    assert "harvest" in built.cells[-1].metadata["mgpu_grade"] and not any("## Summary" in c.source for c in built.cells)
     stubbed, _ = asm.assemble(course, sub.sources, {"90.1"}, "/work")
     assert "raise NotImplementedError" in cell(stubbed, "exercise", "90.1").source
 

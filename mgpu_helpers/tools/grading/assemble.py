@@ -133,7 +133,8 @@ def _grader_cell(ex: str, work: str, step: str):
 
 
 def assemble(course: CourseNotebook, sources: dict[str, str], stubbed: set[str], work: str):
-    """(notebook, layout): the solution notebook with the learner's exercise sources and harvest cells."""
+    """(notebook, layout): the solution notebook with the learner's exercise sources and harvest cells, up to
+    the last harvest."""
     nb = copy.deepcopy(course.nb)
     ids = {e.id: e for e in course.exercises}
     last: dict[str, int] = {}  # the harvest goes after the later of an exercise's exercise and check cells
@@ -153,7 +154,9 @@ def assemble(course: CourseNotebook, sources: dict[str, str], stubbed: set[str],
         cells.append(c)
         for ex in [e for e, j in last.items() if j == i]:
             cells.append(_grader_cell(ex, work, "harvest"))
-    nb.cells = cells
+    # Nothing after the last harvest decides a grade: the run stops there.
+    harvests = [i for i, c in enumerate(cells) if "harvest" in c.metadata.get("mgpu_grade", {})]
+    nb.cells = cells[:harvests[-1] + 1] if harvests else cells
     code = [{**mgpu(c), **c.metadata.get("mgpu_grade", {})} for c in cells if c.cell_type == "code"]
     roles = ({m[key]: n for n, m in enumerate(code) if m.get(key) in ids} for key in ("exercise", "check", "harvest"))
     return nb, Layout(*roles, len(code))
