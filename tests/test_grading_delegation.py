@@ -1,4 +1,4 @@
-"""Issue 20, end to end: a class whose exercise cells hand the work to the course's own package scores 0 on
+"""End to end: a class whose exercise cells hand the work to the course's own package scores 0 on
 those checks, with a row saying why, while an honest submission of the same notebook scores full marks."""
 import csv
 import shutil

@@ -1,4 +1,4 @@
-"""Issue 20: no exercise's answer within a learner's reach.
+"""No exercise's answer within a learner's reach.
 
 * Every function and class the package defines (enumerated, public and private), used by an exercise's
   answer -- called from a wrapper, aliased, subclassed or imported inside the function -- scores 0 on that

@@ -1,4 +1,4 @@
-"""Issue 20, the proof behind the refusal: no function or class of the package, handed to an exercise's check
+"""The proof behind the refusal: no function or class of the package, handed to an exercise's check
 as the answer itself, passes it. Run with the delegation refusal switched off, so the check judges the
 callable on its merits. Candidates: every callable a graded kernel can import (lesson modules, runtime,
 checks; not tools, not the masked references) whose required positional parameters match the exercise's.

@@ -1,4 +1,4 @@
-"""Issue 20: a learner who runs a released notebook top to bottom without solving anything sees each check
+"""A learner who runs a released notebook top to bottom without solving anything sees each check
 fail and nothing else -- every other cell falls back to torch's own machinery or says in one line what to
 finish first. (The solutions are run by nbval; this runs notebooks/ as learners get them.)"""
 import re
