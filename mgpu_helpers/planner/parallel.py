@@ -9,9 +9,9 @@
 the embedding rowwise, the head colwise into ``loss_parallel``), then activation checkpointing per block,
 then FSDP2 ``fully_shard`` per block + root over the data-parallel mesh dims (``dp_shard`` alone: 2-D FSDP
 x TP; ``dp_replicate`` x ``dp_shard``: HSDP) -- and runs steady training steps through its pipeline
-stage (:func:`pipeline_step`: the course's own stages, GPipe, 1F1B or interleaved 1F1B). Real ranks run it over gloo under
-the course's ``MemoryTracker`` (:func:`measure_layout`); the plan runs the same function on fake tensors
-in a fake process group under the planner's fake-storage tracker (:func:`plan_layout`), once per rank
+stage or stages (:func:`pipeline_step`: the course's own, GPipe, 1F1B or interleaved 1F1B). Real ranks run
+it over gloo under the course's ``MemoryTracker`` (:func:`measure_layout`); the plan runs the same function
+on fake tensors in a fake process group under the planner's fake-storage tracker (:func:`plan_layout`), once per rank
 that differs -- its pipeline stage (the first holds the embedding, the last the norm, head and loss;
 stages split layers as ``torch.tensor_split``, so unequal) and, where FSDP2's ``torch.chunk`` shards are
 uneven, its dp_shard coordinate. Tensor-parallel and replicate ranks are symmetric: one trace serves them.
