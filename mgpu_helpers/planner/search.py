@@ -30,7 +30,7 @@ four terms (:class:`RankPlan`, the worst moment's):
   made so far with the activations not yet let go (feed-forward gradients first, then attention's);
 - **transient**: alive only inside one op or one backward: the loss's (the log-softmax's gradient and
   its input's in fp32; ``loss_parallel``'s composite keeps one more and per-token indices), the head's
-  and the embedding's new weight gradient, a block's backward (two ``T ffn / tp`` gradients, the residual
+  and the embedding's new weight gradient, a block's backward (three ``T ffn / tp`` gradients, the residual
   stream's gradient arriving and leaving, sequence parallel's gathered gradient, a weight's new gradient
   before it is accumulated), the recomputed block under checkpointing, Adam's foreach square root of
   ``exp_avg_sq`` (4 B/param) in the step.
@@ -131,10 +131,11 @@ def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: boo
 
 
 def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16) -> int:
-    """Bytes alive only inside one block's backward: two ``T ffn / tp`` gradients of the SwiGLU (the
-    product's, then its factors'), the residual stream's gradient arriving and the one leaving (fp32)."""
+    """Bytes alive only inside one block's backward: three ``T ffn / tp`` gradients of the SwiGLU (the
+    product's, alive while ``mul``'s backward makes both factors'), the residual stream's gradient arriving
+    and the one leaving (fp32)."""
     sp_grad = c * tokens * cfg.d if tp > 1 else 0  # sequence parallel's gathered gradient, before its reduce-scatter
-    return 2 * c * tokens * cfg.ffn // tp + 2 * P32 * tokens * cfg.d // tp + sp_grad
+    return 3 * c * tokens * cfg.ffn // tp + 2 * P32 * tokens * cfg.d // tp + sp_grad
 
 
 def in_flight(layout: Layout, stage: int) -> int:
