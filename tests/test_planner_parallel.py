@@ -10,6 +10,7 @@ import pytest
 from mgpu_helpers.planner.parallel import Layout, LlamaConfig, check_layout, measure_layout, plan_layout, schedule_order
 
 CFG = LlamaConfig(vocab=512, d=64, layers=4, heads=4, kv_heads=4, ffn=172)
+CFG8 = CFG._replace(layers=8)  # interleaved layouts: pp x v chunks of at least one block each
 BATCH, SEQ = 8, 32
 EXACT = [  # layouts whose plan equals the tracker to the byte on every rank
     Layout(pp=2, microbatches=4, schedule="gpipe"),
@@ -34,6 +35,12 @@ EP = [  # routed experts sharded over ep (borrowed from dp_shard x cp), tokens d
     Layout(dp_shard=4, ep=2),                                 # ep2 x fsdp: each expert's FSDP2 over 2 ranks
     Layout(dp_shard=2, cp=2, ep=2),                           # ep over cp's ranks
 ]
+INTERLEAVED = [  # v = 2 chunks per rank, Megatron's order (on CFG8)
+    Layout(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2),
+    Layout(pp=4, microbatches=4, schedule="interleaved", virtual_stages=2),
+    Layout(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2, checkpointing=True),
+    Layout(pp=4, microbatches=8, schedule="interleaved", virtual_stages=2, checkpointing=True),
+]
 
 
 def _show(layout, measured, planned):
@@ -41,10 +48,11 @@ def _show(layout, measured, planned):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", EXACT + TP, ids=lambda l: l.describe().replace(" ", "-"))
+@pytest.mark.parametrize("layout", EXACT + TP + INTERLEAVED, ids=lambda l: l.describe().replace(" ", "-"))
 def test_every_rank_equals_its_tracker(layout):
-    measured = measure_layout(CFG, layout, BATCH, SEQ)
-    planned = plan_layout(CFG, layout, BATCH, SEQ)
+    cfg = CFG8 if layout.virtual_stages > 1 else CFG
+    measured = measure_layout(cfg, layout, BATCH, SEQ)
+    planned = plan_layout(cfg, layout, BATCH, SEQ)
     assert planned == measured, _show(layout, measured, planned)
 
 
@@ -77,8 +85,24 @@ def test_schedule_order_runs_every_micro_batch_once(schedule):
         for m in (1, 2, 4, 8):
             for s in range(pp):
                 ops = schedule_order(schedule, m, pp, s)
-                assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
-                assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(m))
+                assert sorted(ops) == sorted([("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)])
+                assert all(ops.index(("F", 0, i)) < ops.index(("B", 0, i)) for i in range(m))
+
+
+def test_interleaved_order_is_torchs():
+    # the ops (chunk c = torch's stage index // pp) in the order torch's ScheduleInterleaved1F1B gives each rank
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+    for pp in (2, 4):
+        for v in (2, 3):
+            for m in (pp, 2 * pp, 4 * pp):
+                sched = SimpleNamespace(n_local_stages=v, pp_group_size=pp, microbatches_per_round=pp,
+                                        _n_microbatches=m)
+                for s in range(pp):
+                    torchs = [(a.computation_type.value, a.stage_index // pp, a.microbatch_index)
+                              for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, s) if a]
+                    assert schedule_order("interleaved", m, pp, s, v) == torchs, (pp, v, m, s)
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -87,6 +111,8 @@ def test_schedule_order_runs_every_micro_batch_once(schedule):
     (dict(dp_shard=3), "global batch 8 is not divisible by dp (3)"),
     (dict(schedule="zb"), "schedule must be one of"),
     (dict(ep=2, dp_shard=2), "ep=2 needs routed experts"),
+    (dict(pp=2, schedule="interleaved", microbatches=3), "interleaved 1F1B needs microbatches (3) divisible by pp (2)"),
+    (dict(pp=2, virtual_stages=2), "virtual_stages=2 needs schedule='interleaved' and pp > 1"),
 ])
 def test_impossible_layouts_say_what_to_change(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):

@@ -10,14 +10,14 @@ on one mesh.
 the embedding rowwise, the head colwise into ``loss_parallel``), then activation checkpointing per block,
 then FSDP2 ``fully_shard`` per block + root over the data-parallel mesh dims x cp (``dp_shard`` alone: 2-D
 FSDP x TP; ``dp_replicate`` x ``dp_shard``: HSDP) -- and runs steady training steps through its pipeline
-stage (:func:`pipeline_step`: the course's own stages, GPipe or 1F1B). Real ranks run it over gloo under
-the course's ``MemoryTracker`` (:func:`measure_layout`); the plan runs the same function on fake tensors
-in a fake process group under the planner's fake-storage tracker (:func:`plan_layout`), once per rank
-that differs -- its pipeline stage (the first holds the embedding, the last the norm, head and loss;
+stage or stages (:func:`pipeline_step`: the course's own, GPipe, 1F1B or interleaved 1F1B). Real ranks run
+it over gloo under the course's ``MemoryTracker`` (:func:`measure_layout`); the plan runs the same function
+on fake tensors in a fake process group under the planner's fake-storage tracker (:func:`plan_layout`), once
+per rank that differs -- its pipeline stage (the first holds the embedding, the last the norm, head and loss;
 stages split layers as ``torch.tensor_split``, so unequal) and, where FSDP2's ``torch.chunk`` shards are
 uneven, its dp_shard and cp coordinates. Tensor-parallel and replicate ranks are symmetric: one trace serves them.
 On the CPU the plan equals the tracker to the byte on every rank at 2 and 4 ranks: pipeline stages (GPipe,
-1F1B), TP, FSDP2, HSDP, FSDP2 x TP, PP x TP, CP (alone, x FSDP2, x TP) and EP (alone, x FSDP2, x CP)
+1F1B, interleaved), TP, FSDP2, HSDP, FSDP2 x TP, PP x TP, CP (alone, x FSDP2, x TP) and EP (alone, x FSDP2, x CP)
 (tests/test_planner_parallel.py) -- once DTensor's sharding propagation is kept out of the count as on real
 ranks (:func:`_as_on_real_ranks`).
 
@@ -33,11 +33,13 @@ tokens reach them and come back by ``all_to_all_single``.
 
 **The schedule's in-flight micro-batches** come from running it, not from a rule: GPipe keeps all ``m``
 forwards' activations before the first backward; 1F1B runs ``min(m, pp - stage - 1)`` warm-up forwards
-and then alternates, so stage s holds ``min(m, pp - s)``. Point-to-point: sends are ``isend``; a rank
-posts its next ``irecv`` and then waits for it and for its pending sends together (no rank blocks on a
-send before its peer posts the receive, so 1F1B cannot deadlock), so a sent tensor lives until the next receive completes -- which the plan
-counts because it runs the same code. Interleaved 1F1B (``pp`` x virtual stages) is planned by the
-search's arithmetic only (``planner.search``), not run here.
+and then alternates, so stage s holds ``min(m, pp - s)``. Interleaved 1F1B (``virtual_stages`` v: each
+rank holds v chunks, chunk c being global stage ``c pp + rank``; torch's ``ScheduleInterleaved1F1B`` order)
+holds ``min(m v, (v - 1) pp + 2 (pp - s - 1) + 1)`` chunk micro-batches. Point-to-point: sends are
+``isend``; a rank posts its next ``irecv`` and then waits for it and for its pending sends together (no
+rank blocks on a send before its peer posts the receive, so 1F1B cannot deadlock), so a sent tensor lives
+until the next receive completes; under interleaving until the step's end (:class:`_P2P`) -- which the
+plan counts because it runs the same code.
 
 **Scale** (70B/405B, 50+ layouts): a full trace per layout would take minutes, so ``planner.search``
 composes the per-rank peak by arithmetic over the same layout: the stage's sharded state (TP local shapes, then
@@ -158,6 +160,8 @@ def check_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) 
         raise ValueError(f"seq={seq} must be divisible by tp x cp = {L.tp * L.cp} (sequence parallel shards it)")
     if L.pp * L.virtual_stages > cfg.layers:
         raise ValueError(f"pp={L.pp} x {L.virtual_stages} virtual stage(s) exceeds the model's {cfg.layers} layers")
+    if L.virtual_stages > 1 and (L.schedule != "interleaved" or L.pp == 1):
+        raise ValueError(f"virtual_stages={L.virtual_stages} needs schedule='interleaved' and pp > 1")
     if L.schedule == "interleaved" and L.pp > 1 and L.microbatches % L.pp:
         raise ValueError(f"interleaved 1F1B needs microbatches ({L.microbatches}) divisible by pp ({L.pp})")
     if global_batch % (L.dp * L.microbatches):
@@ -427,27 +431,33 @@ def apply_layout(model: Llama, layout: Layout, mesh):
 # --- the course's own pipeline stages --------------------------------------------------------------------
 
 class _P2P:
-    """Point-to-point between neighbouring stages: ``isend``; ``recv`` posts an ``irecv`` and waits for it
-    and every pending send together (a sent tensor lives until then). ``fake``: the same tensors made and
-    kept, nothing moved (the plan's run in a fake process group)."""
+    """Point-to-point between stages: ``isend``; ``recv`` posts an ``irecv`` and waits for it and every
+    pending send together (a sent tensor lives until then). ``hold`` (interleaved 1F1B): sends are waited
+    only at the step's end, as torch's ``_PipelineScheduleRuntime`` does (its ``send_ops``,
+    torch/distributed/pipelining/schedules.py), so every sent tensor lives until then: waiting at each
+    receive deadlocks Megatron's order (pp=2, v=2, m=4: rank 0 waits in a backward for rank 1 to take a
+    forward's activation while rank 1 waits for rank 0 to take a gradient). Activations go on tag 0,
+    gradients on tag 1: under interleaving both may travel between the same two ranks, each in its own
+    order. ``fake``: the same tensors made and kept, nothing moved (the plan's run in a fake process group)."""
 
-    def __init__(self, mesh, fake):
-        self.fake, self.pending = fake, []
+    def __init__(self, mesh, fake, hold=False):
+        self.fake, self.hold, self.pending = fake, hold, []
         if not fake and mesh is not None:
             self.group = mesh["pp"].get_group()
             self.ranks = dist.get_process_group_ranks(self.group)
 
-    def send(self, t, stage):
-        self.pending.append((t, None if self.fake else dist.isend(t, self.ranks[stage], group=self.group)))
+    def send(self, t, peer, tag):
+        self.pending.append((t, None if self.fake else dist.isend(t, self.ranks[peer], group=self.group, tag=tag)))
 
-    def recv(self, shape, dtype, device, stage):
+    def recv(self, shape, dtype, device, peer, tag):
         buf = torch.empty(shape, dtype=dtype, device=device)
         if not self.fake:
-            work = dist.irecv(buf, self.ranks[stage], group=self.group)
-            for _, w in self.pending:
-                w.wait()
+            work = dist.irecv(buf, self.ranks[peer], group=self.group, tag=tag)
+            if not self.hold:
+                self.flush()
             work.wait()
-        self.pending.clear()
+        if not self.hold:
+            self.pending.clear()
         return buf
 
     def flush(self):
@@ -457,51 +467,61 @@ class _P2P:
         self.pending.clear()
 
 
-def schedule_order(schedule: str, m: int, pp: int, stage: int):
-    """The stage's ops in order: ("F", i) / ("B", i). GPipe: every forward, then every backward; 1F1B
-    (torch's ``Schedule1F1B``): ``min(m, pp - stage - 1)`` warm-up forwards, then one forward one backward."""
+def schedule_order(schedule: str, m: int, pp: int, stage: int, v: int = 1):
+    """The stage's ops in order: ("F", chunk, i) / ("B", chunk, i). GPipe: every forward, then every
+    backward; 1F1B (torch's ``Schedule1F1B``): ``min(m, pp - stage - 1)`` warm-up forwards, then one forward
+    one backward. Interleaved (torch's ``ScheduleInterleaved1F1B``, torch/distributed/pipelining/schedules.py:
+    ``_get_warmup_ops``, ``_get_1f1b_rank_ops``; Megatron's order, ``m`` a multiple of ``pp``): the rank
+    holds ``v`` chunks, its forwards go through them in rounds of ``pp`` micro-batches (chunk 0, then 1, ...),
+    its backwards from the last chunk back; ``min((v - 1) pp + 2 (pp - stage - 1), m v)`` warm-up forwards."""
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(m, pp - stage - 1)
-    ops, f, b = [("F", i) for i in range(warm)], warm, 0
-    while f < m:
-        ops += [("F", f), ("B", b)]
-        f, b = f + 1, b + 1
-    return ops + [("B", i) for i in range(b, m)]
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    if schedule == "1f1b":
+        v, warm = 1, min(m, pp - stage - 1)
+    else:
+        warm = min((v - 1) * pp + 2 * (pp - stage - 1), m * v)
+    # the k-th forward (backward): chunk (k // pp) % v (counted from the last), micro-batch of its round
+    fwd = [("F", (k // pp) % v, k // (pp * v) * pp + k % pp) for k in range(m * v)]
+    bwd = [("B", v - 1 - (k // pp) % v, k // (pp * v) * pp + k % pp) for k in range(m * v)]
+    steady = [op for pair in zip(fwd[warm:], bwd) for op in pair]
+    return fwd[:warm] + steady + bwd[m * v - warm:]
 
 
-def pipeline_step(stage: Llama, opt, tokens, targets, *, layout: Layout, pp_rank: int, p2p: _P2P, d: int,
+def pipeline_step(chunks: list, opt, tokens, targets, *, layout: Layout, pp_rank: int, p2p: _P2P, d: int,
                   act_dtype=torch.float32):
-    """One training step of this rank's stage: the schedule's forwards and backwards over ``m`` micro-batches
+    """One training step of this rank's model chunks (one, or ``virtual_stages`` under interleaving: chunk c
+    is global stage ``c pp + pp_rank``): the schedule's forwards and backwards over ``m`` micro-batches
     (each loss / m), then the optimizer step and ``zero_grad``."""
     from torch.distributed.tensor.parallel import loss_parallel
-    m, pp = layout.microbatches, layout.pp
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    m, pp, v = layout.microbatches, layout.pp, len(chunks)
+    last = pp * v - 1
+    prev, nxt = (pp_rank - 1) % pp, (pp_rank + 1) % pp
     xs, ys = tokens.tensor_split(m), targets.tensor_split(m)
     b, t = xs[0].shape
     boundary = (b, t // layout.tp if layout.tp > 1 else t, d)  # what crosses stages: sequence-sharded under SP
     device = tokens.device
     lossy = loss_parallel if layout.tp > 1 else contextlib.nullcontext
     saved = {}
-    for kind, i in schedule_order(layout.schedule if pp > 1 else "1f1b", m, pp, pp_rank):
+    for kind, c, i in schedule_order(layout.schedule if pp > 1 else "1f1b", m, pp, pp_rank, v):
+        g = c * pp + pp_rank
         if kind == "F":
-            x = xs[i] if first else p2p.recv(boundary, act_dtype, device, pp_rank - 1).requires_grad_()
-            out = stage(x)
-            if last:
+            x = xs[i] if g == 0 else p2p.recv(boundary, act_dtype, device, prev, 0).requires_grad_()
+            out = chunks[c](x)
+            if g == last:
                 with lossy():
                     out = F.cross_entropy(out.flatten(0, 1), ys[i].flatten()) / m
             else:
-                p2p.send(out.detach(), pp_rank + 1)
-            saved[i] = (x, out)
+                p2p.send(out.detach(), nxt, 0)
+            saved[c, i] = (x, out)
         else:
-            x, out = saved.pop(i)
-            if last:
+            x, out = saved.pop((c, i))
+            if g == last:
                 with lossy():
                     out.backward()
             else:
-                out.backward(p2p.recv(boundary, out.dtype, device, pp_rank + 1))
-            if not first:
-                p2p.send(x.grad, pp_rank - 1)
+                out.backward(p2p.recv(boundary, out.dtype, device, nxt, 1))
+            if g > 0:
+                p2p.send(x.grad, prev, 1)
             del x, out
     p2p.flush()
     opt.step()
@@ -512,20 +532,23 @@ def rank_step(cfg: LlamaConfig, layout: Layout, rank: int, tokens, targets, trac
     """Build rank ``rank``'s stage under ``tracker`` (entered before the model exists, as planner.validation
     measures), apply the layout, run :data:`STEPS` steps; returns the tracker (its peak: the last step's)."""
     pp_rank = layout.coords(rank)[0]
-    n = stage_layers(cfg.layers, layout.pp)[pp_rank]
-    p2p = _P2P(mesh if layout.pp > 1 else None, fake)
+    sizes = stage_layers(cfg.layers, layout.pp * layout.virtual_stages)  # chunk c: global stage c pp + pp_rank
+    p2p = _P2P(mesh if layout.pp > 1 else None, fake, hold=layout.schedule == "interleaved")
     with tracker as mt:
         with torch.device(device):
-            stage = Llama(cfg, n, first=pp_rank == 0, last=pp_rank == layout.pp - 1, ep=layout.ep)
-        apply_layout(stage, layout, mesh)
-        opt = torch.optim.Adam([p for p in stage.parameters() if p.requires_grad], lr=1e-3, foreach=True)
+            chunks = [Llama(cfg, sizes[g], first=g == 0, last=g == len(sizes) - 1, ep=layout.ep)
+                      for g in range(pp_rank, len(sizes), layout.pp)]
+        for chunk in chunks:  # each chunk its own FSDP2 root, as torchtitan parallelizes each model part
+            apply_layout(chunk, layout, mesh)
+        opt = torch.optim.Adam([p for chunk in chunks for p in chunk.parameters() if p.requires_grad], lr=1e-3,
+                               foreach=True)
         if fake and layout.dp * layout.cp > 1:
             from .fsdp import step_on_shards
             step_on_shards(opt)  # DTensor's foreach sharding propagation is slow under fake tensors; same tensors
         for i in range(STEPS):
             if i == STEPS - 1:
                 mt.reset_peak()
-            pipeline_step(stage, opt, tokens, targets, layout=layout, pp_rank=pp_rank, p2p=p2p, d=cfg.d)
+            pipeline_step(chunks, opt, tokens, targets, layout=layout, pp_rank=pp_rank, p2p=p2p, d=cfg.d)
     return mt
 
 

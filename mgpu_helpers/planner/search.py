@@ -24,11 +24,13 @@ four terms (:class:`RankPlan`, the worst moment's):
   the fp32 norm output, three ``T d`` more per block); micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``,
   interleaved (torch's ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)``
   capped at ``m v`` (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first
-  steady forward, in chunks of ``layers / v``); at a moment inside the first backward, the gradients
+  steady forward, each one chunk's blocks and input, the head's on the last rank once: its last chunk's
+  backward follows its forward; the sends, waited at the step's end, keep each finished backward's
+  output and gradient); at a moment inside the first backward (one chunk's), the gradients
   made so far with the activations not yet let go (feed-forward gradients first, then attention's);
 - **transient**: alive only inside one op or one backward: the loss's (the log-softmax's gradient and
   its input's in fp32; ``loss_parallel``'s composite keeps one more and per-token indices), the head's
-  and the embedding's new weight gradient, a block's backward (two ``T ffn / tp`` gradients, the residual
+  and the embedding's new weight gradient, a block's backward (three ``T ffn / tp`` gradients, the residual
   stream's gradient arriving and leaving, sequence parallel's gathered gradient, a weight's new gradient
   before it is accumulated), the recomputed block under checkpointing, Adam's foreach square root of
   ``exp_avg_sq`` (4 B/param) in the step.
@@ -60,17 +62,16 @@ Held against the traced plan (``parallel.plan_layout``, itself equal to the trac
 like with like -- the trace computes in fp32 with the CPU's kernels, so the arithmetic with ``c=4,
 kernels="cpu"`` (torch's composite RMSNorm also saves its normalised input; the CPU's flash attention
 saves what a GPU's does) -- a 4-layer d=256 decoder over 17 layouts of 2 and 4 ranks (TP, PP GPipe and
-1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing): from 16 B to +7.4% over
-per rank, never under (the loosest: FSDP2's); CP and a MoE's EP (8 layouts: cp2, cp4, cp2 x FSDP2,
-cp2 x TP2, ep2, ep4, ep2 x FSDP2, ep2 x cp2) from 16 B to +5.7%.
+1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing) and its 8-layer twin under
+interleaved 1F1B (pp 2 and 4, two chunks a rank): never under, within +8% (the loosest: FSDP2's); CP and
+a MoE's EP (8 layouts: cp2, cp4, cp2 x FSDP2, cp2 x TP2, ep2, ep4, ep2 x FSDP2, ep2 x cp2) from 16 B to +5.7%.
 tests/test_planner_search.py holds that, and the in-flight counts to the schedules the ranks run
 (``parallel.schedule_order``) and the stage parameters to the model's. On one H100 (NCCL, world size 1;
 ``bench/plan_layouts_gpu.py``: 0.5B decoder, 4 x 2048 tokens, with and without checkpointing and with 2
 and 4 micro-batches) the default bf16 arithmetic equals ``rank_step``'s ``max_memory_allocated`` under
 autocast within 9 KiB (flash attention, fused RMSNorm), and ``c=4`` its fp32 step within 1 KiB where
 the heads are not grouped (grouped heads in fp32 run SDPA's math kernel: refused). FSDP2's bf16 gathers
-(``dp_shard > 1``) are not held against GPUs yet. Interleaved 1F1B is planned by arithmetic only;
-CP, MoE and EP are held against CPU traces only.
+(``dp_shard > 1``) are not held against GPUs yet. CP, MoE and EP are held against CPU traces only.
 """
 from __future__ import annotations
 
@@ -162,9 +163,10 @@ def block_activations(cfg: LlamaConfig, tp: int, tokens: int, checkpointing: boo
 
 def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16, cp: int = 1) -> int:
     """Bytes alive only inside one block's backward, at the larger of two moments, with the residual
-    stream's gradient arriving and the one leaving (fp32): the SwiGLU's two ``T ffn / tp`` gradients (the
-    product's, then its factors'); the attention's gradients of its output, q, and the keys and values
-    (``cp`` times this rank's under context parallel), one of those made contiguous for its reduce-scatter."""
+    stream's gradient arriving and the one leaving (fp32): three ``T ffn / tp`` gradients of the SwiGLU (the
+    product's, alive while ``mul``'s backward makes both factors'); the attention's gradients of its output,
+    q, and the keys and values (``cp`` times this rank's under context parallel), one of those made
+    contiguous for its reduce-scatter."""
     sp_grad = c * tokens * cfg.d if tp > 1 else 0  # sequence parallel's gathered gradient, before its reduce-scatter
     hd = cfg.d // cfg.heads
     attention = c * tokens * (2 * cfg.heads + (3 if cp > 1 else 2) * cfg.kv_heads * cp) * hd // tp
@@ -173,12 +175,13 @@ def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16, cp: in
         f, d = cfg.expert_ffn, cfg.d
         ffn = c * cfg.experts * capacity(cfg, tokens) * max(3 * f + d, f + 3 * d)
     else:
-        ffn = 2 * c * tokens * cfg.ffn // tp
+        ffn = 3 * c * tokens * cfg.ffn // tp
     return max(ffn, attention) + 2 * P32 * tokens * cfg.d // tp + sp_grad
 
 
-def in_flight(layout: Layout, stage: int) -> float:
-    """Micro-batches (in units of a whole stage's activations) stage ``stage`` holds at its peak."""
+def in_flight(layout: Layout, stage: int) -> int:
+    """Micro-batches of one model chunk (the stage's, or under interleaving one of its ``v`` chunks) the
+    rank holds at its peak: its warm-up forwards and the first steady one (``parallel.schedule_order``)."""
     m, pp, v = layout.microbatches, layout.pp, layout.virtual_stages
     if pp == 1:
         return 1
@@ -186,8 +189,7 @@ def in_flight(layout: Layout, stage: int) -> float:
         return m
     if layout.schedule == "1f1b":
         return min(m, pp - stage)
-    chunks = min(m * v, (v - 1) * pp + 2 * (pp - stage - 1) + 1)
-    return chunks / v
+    return min(m * v, (v - 1) * pp + 2 * (pp - stage - 1) + 1)
 
 
 def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int, c: int = BF16,
@@ -233,23 +235,36 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # torchtitan runs a model FSDP2 does not wrap); its casts are saved per micro-batch (block_activations)
     autocast = c < P32 and not fsdp
     a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels, autocast, layout.cp, seq)
-    blocks = n * a + P32 * sp  # the blocks', and the stage's input (the embedding's output, or received)
-    acts = blocks
+    # one micro-batch of one chunk (v = 1: the stage): its blocks' activations and its input (the
+    # embedding's output, or received); under interleaving the rank's first chunk, its largest
+    v = layout.virtual_stages
+    nc = stage_layers(cfg.layers, layout.pp * v)[stage]
+    blocks = nc * a + P32 * sp
+    head_acts = 0
     if last:  # the final norm's gathered output and rstd (on a CPU its normalised input); log-softmax's output
-        acts += c * tokens * cfg.d + P32 * tokens // tp + (c * sp if kernels == "cpu" else 0) \
+        head_acts = c * tokens * cfg.d + P32 * tokens // tp + (c * sp if kernels == "cpu" else 0) \
             + P32 * tokens * cfg.vocab // tp + 2 * P32 \
             + (c * cfg.vocab * cfg.d // tp if autocast else 0)  # (the loss before and after its 1 / m; the head's cast)
+    acts = blocks + head_acts
     k = in_flight(layout, stage)
-    held = int(k * acts)
-    back = block_backward(cfg, tp, tokens, c, layout.cp)
-    if layout.checkpointing:  # the block being recomputed holds its activations through its backward
-        back += block_activations(cfg, tp, tokens, False, c, kernels, autocast, layout.cp, seq)
+    # micro-batches holding the head's activations: every one in flight, but under interleaving one (the
+    # last rank runs its last chunk's backward right after its forward)
+    heads = (lambda j: j) if v == 1 else (lambda j: min(j, 1))
+    held = k * blocks + heads(k) * head_acts
+    # the block being recomputed (checkpointing) holds its activations through its backward
+    recomputed = block_activations(cfg, tp, tokens, False, c, kernels, autocast, layout.cp, seq) \
+        if layout.checkpointing else 0
+    back = block_backward(cfg, tp, tokens, c, layout.cp) + recomputed
     # the moments the step can peak at: (state, gathered, activations, transient). Once the first
     # micro-batch's backward is done every gradient exists, and the schedule holds k micro-batches again
     # (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k)
     m = layout.microbatches
-    later = int((k if m > k else max(k - 1, 0)) * acts) if m > 1 else None
-    if later is not None and stage > 0:  # with the last backward's gradient, sent, until the next receive
+    kl = k if m * v > k else max(k - 1, 0)
+    later = kl * blocks + heads(kl) * head_acts if m > 1 else None
+    if later is not None and v > 1:  # interleaved: sends are waited at the step's end (``parallel._P2P``),
+        # so each backward done keeps its chunk's output and the gradient it sent: at most 2 (m v - k)
+        later += 2 * P32 * sp * (m * v - k)
+    elif later is not None and stage > 0:  # with the last backward's gradient, sent, until the next receive
         later += P32 * sp
     moments = []
     # the embedding's backward: the gradient received, the embedding output's, and the stage's output,
@@ -271,13 +286,14 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
             new, one = P32 * cfg.experts // layout.ep * cfg.d * cfg.expert_ffn, c * cfg.experts * cap * cfg.expert_ffn
         else:
             new, one = P32 * cfg.d * cfg.ffn // tp, c * tokens * cfg.ffn // tp
-        adding = 2 * P32 * sp + one + (g if fsdp else new) + (c * tokens * cfg.d if tp > 1 else 0)
+        adding = 2 * P32 * sp + one + (g if fsdp else new) + (c * tokens * cfg.d if tp > 1 else 0) \
+            + recomputed  # (w2's new gradient comes first in the recomputed block's backward)
         # (the micro-batch in backward has let go of its loss's and head's activations)
-        moments.append((weights + grads, in_block + (g_head + g_block) * fsdp, later - (acts - blocks),
+        moments.append((weights + grads, in_block + (g_head + g_block) * fsdp, later - heads(1) * head_acts,
                         max(back, adding)))
         if stage == 0:  # the embedding's new gradient, at the end of the micro-batch's backward
             emb_new = 0 if fsdp else P32 * cfg.vocab * cfg.d // tp + wide
-            moments.append((weights + grads, (c * root + g_root) * fsdp, later - int(acts), emb_new + out_grad))
+            moments.append((weights + grads, (c * root + g_root) * fsdp, later - acts, emb_new + out_grad))
     # the first backward: the gradients appear as the first micro-batch's activations go: the head's
     # first, then a block's at a time, the embedding's last: its peak at the last block, at the first,
     # or at the end (activations and the gradients made so far, together). Within a block the
@@ -286,10 +302,12 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # (with checkpointing: the recomputed ones, in ``back``)
     a_ffn = ffn_activations(cfg, tp, tokens, c) + c * tokens * cfg.d
     in_blk = max(g_block * ffn_params(cfg, tp, layout.ep) // blk, g_block - a_ffn)  # beyond a's
-    prev = g_block * fsdp * (n > 1)  # FSDP2: past the last block, the previous block's wait to be reduce-scattered
-    mb0 = max(blocks + g_head + in_blk, g_head + (n - 1) * g + P32 * sp + a + in_blk + prev)
-    moments.append((weights, in_block, int((k - 1) * acts) + mb0, back))
-    moments.append((weights, c * root * fsdp, int((k - 1) * acts) + n * g + g_root, out_grad))  # at the end
+    # (under interleaving the first backward is one chunk's: its nc blocks' gradients)
+    prev = g_block * fsdp * (nc > 1)  # FSDP2: past the last block, the previous block's wait to be reduce-scattered
+    mb0 = max(blocks + g_head + in_blk, g_head + (nc - 1) * g + P32 * sp + a + in_blk + prev)
+    others = (k - 1) * blocks + heads(k - 1) * head_acts if v == 1 else (k - 1) * blocks
+    moments.append((weights, in_block, others + mb0, back))
+    moments.append((weights, c * root * fsdp, others + nc * g + g_root, out_grad))  # at the end
     # Adam's step (foreach): every gradient, and exp_avg_sq's square root, one fp32 tensor per parameter
     moments.append((weights + grads, 0, 0, P32 * local))
     state, gathered, activations, transient = max(moments, key=sum)
