@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -172,6 +173,20 @@ def check_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) 
 
 # --- the model, torchtitan's names ------------------------------------------------------------------------
 
+def _settled(collective, out, inp, group):
+    """Run ``collective(out, inp)`` and return once nothing but this thread holds the two tensors. gloo runs
+    it on a worker thread whose Work keeps them until that thread lets go of it, after the call has returned
+    here: a tensor this thread dropped meanwhile would be freed there, at a moment of the thread's choosing,
+    and a rank's measured peak would vary from run to run. (On GPUs NCCL's watchdog holds them instead and
+    the caching allocator's stream rules decide: nothing to wait for.)"""
+    held = [t._use_count() for t in (out, inp)]
+    collective(out, inp, group=group)
+    deadline = time.monotonic() + 10
+    while out.device.type == "cpu" and time.monotonic() < deadline and \
+            any(t._use_count() > n for t, n in zip((out, inp), held)):
+        time.sleep(1e-4)
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather over the cp group along the sequence (dim 1); backward reduce-scatters the gradient.
     (gloo takes the concatenated form only: chunks along dim 0.)"""
@@ -180,7 +195,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group, n = group, dist.get_world_size(group)
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        _settled(dist.all_gather_into_tensor, out, x.contiguous(), group)
         return out.unflatten(0, (n, -1)).movedim(0, 1).flatten(1, 2)
 
     @staticmethod
@@ -188,7 +203,7 @@ class _GatherSequence(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         whole = grad.unflatten(1, (n, -1)).movedim(1, 0).flatten(0, 1).contiguous()
         out = whole.new_empty((whole.shape[0] // n, *whole.shape[1:]))
-        dist.reduce_scatter_single(out, whole, group=ctx.group)
+        _settled(dist.reduce_scatter_tensor, out, whole, ctx.group)
         return out, None
 
 
@@ -199,7 +214,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
+        _settled(dist.all_to_all_single, out, x.contiguous(), group)
         return out
 
     @staticmethod
