@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..accumulation import AllReduceCount, flat_grads
 from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device
-from .base import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
+from .base import (Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
                    expect_equal, expect_type, plain, run_learner_ranks)
 
 
@@ -213,8 +213,6 @@ class AccumulateDDP(Check):
             _judge_rank(case, rank, case["world"], res)
 
 
-check_5_1 = REGISTRY["5.1"]
-check_5_2 = REGISTRY["5.2"]
 
 
 def script(rank, world, k=4):

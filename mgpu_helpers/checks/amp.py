@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import Check, CheckFailure, REGISTRY, _matches, describe_value, expect, expect_close, expect_equal
+from .base import Check, CheckFailure, _matches, describe_value, expect, expect_close, expect_equal
 from ..memory import make_optimizer, mlp, nbytes
 from ..runtime.tracker import MemoryTracker
 
@@ -382,7 +382,3 @@ class MixedStepCheck(Check):
                                dict(row, gradients=row["gradients"] + n4),
                                "freed the 16-bit gradients: leave them on the model as backward() does":
                                dict(row, gradients=0)})
-
-
-check_6_1 = REGISTRY["6.1"]
-check_6_2 = REGISTRY["6.2"]

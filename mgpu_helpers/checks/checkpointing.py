@@ -9,7 +9,7 @@ from torch.utils.checkpoint import CheckpointError
 from ..checkpointing import (Stack, no_checkpointing, plan_for, predict_peak, segments)
 from ..memory import make_batch
 from ..runtime.tracker import MemoryTracker
-from .base import REGISTRY, Check, describe_value, expect, expect_close, expect_equal, expect_type, flat
+from .base import Check, describe_value, expect, expect_close, expect_equal, expect_type, flat
 
 
 def _case(rng, layers, k, seed=None):
@@ -176,6 +176,3 @@ class CheckpointEvery(Check):
                      mistakes={n: v for n, v in mistakes.items() if v != expected},
                      hint=f"(The expected value is predict_peak for segments of {k}.) Hint: segments are blocks "
                           f"0..{k - 1}, {k}..{2 * k - 1}, ... (the last may be shorter), each one checkpointed.")
-
-
-check_7_1 = REGISTRY["7.1"]

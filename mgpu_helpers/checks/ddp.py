@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device, run_ranks
-from .base import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
+from .base import (Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
                    expect_equal, expect_ranks, expect_type, plain, run_learner_ranks)
 
 
@@ -229,7 +229,3 @@ class Check42(_AverageCheck):
                              mistakes={k: len(v) for k, v in mistakes.items()}, hint=hint)
                 expect_equal(seen, buckets, f"rank {r}: the bytes of each all_reduce'd bucket", mistakes=mistakes,
                              hint=hint)
-
-
-check_4_1 = REGISTRY["4.1"]
-check_4_2 = REGISTRY["4.2"]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 
-from .base import REGISTRY, Check, expect, expect_close, expect_ranks, flat, run_learner_ranks
+from .base import Check, expect, expect_close, expect_ranks, flat, run_learner_ranks
 from ..fsdp_practice import MODEL, blocks, budgets, knob_sweep, make_model, measure, shard
 from ..runtime.launch import rank_device
 from ..runtime.fake_world import fake_world
@@ -311,8 +311,3 @@ class ShardedCheckpointCheck(Check):
                          "set_state_dict": flat(lr_lost),
                          "nothing was loaded": flat(fresh_final)},
                      hint="Training must continue exactly as one process trained without stopping would.")
-
-
-check_12_1 = REGISTRY["12.1"]
-check_12_2 = REGISTRY["12.2"]
-__all__ = ["check_12_1", "check_12_2"]

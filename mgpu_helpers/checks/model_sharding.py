@@ -9,7 +9,7 @@ from ..memory import make_batch
 from ..model_sharding.pipeline import StepRecorder, Stuck, make_model, single_process_step, stage_bounds
 from ..runtime.launch import rank_device
 from ..model_sharding.tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
-from .base import (REGISTRY, CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
+from .base import (CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
                    expect_type, plain, run_learner_ranks)  # plain: a rank hands back CPU tensors
 
 
@@ -150,7 +150,6 @@ class PipelineStep(RemembersVerdict):
                 2 * m * p})
 
 
-check_9_1 = REGISTRY["9.1"]
 
 
 # --- check 9.2: the tensor-parallel MLP --------------------------------------------------------------
@@ -294,7 +293,6 @@ class ParallelMLPCheck(RemembersVerdict):
             expect_equal(bwd[0], 1, "all_reduce calls per rank in backward (f)")
 
 
-check_9_2 = REGISTRY["9.2"]
 
 
 # --- the script ---------------------------------------------------------------------------------------
@@ -330,5 +328,3 @@ def script(rank, world):
             f"one process: {bool(flags[0])}; tensor-parallel MLP d={d} h={h}: output and gradients equal the dense "
             f"MLP: {bool(flags[1])}; parameter bytes per rank {param_bytes(tp)} "
             f"(formula {parameter_bytes_formula(d, h, world)}, dense {parameter_bytes_formula(d, h, 1)})")
-
-

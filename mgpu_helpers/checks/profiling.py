@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..memory import make_optimizer
 from ..profiling import scenario_inputs, scenario
-from .base import REGISTRY, Check, expect, expect_equal, expect_type, plain
+from .base import Check, expect, expect_equal, expect_type, plain
 
 
 class PeakMemory(Check):
@@ -82,7 +82,3 @@ class PeakPhase(Check):
         expect_equal(result, expected, "the phase where memory peaks",
                      mistakes={"; or ".join(names): value for value, names in wrong.items()},
                      hint="Hint: mark the three phases, then take the one with the largest phase_peaks().")
-
-
-check_2_1 = REGISTRY["2.1"]
-check_2_2 = REGISTRY["2.2"]

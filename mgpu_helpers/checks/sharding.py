@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from ..memory import make_batch, mlp
 from ..runtime.comm_log import CommLog
 from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, unique
-from .base import (REGISTRY, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks, expect_type, flat,
+from .base import (RemembersVerdict, expect, expect_close, expect_equal, expect_ranks, expect_type, flat,
                    run_learner_ranks)
 
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
@@ -413,7 +413,3 @@ class ReduceScatterCheck(RemembersVerdict):
             expect_equal(len(res["shards"]), case["steps"], f"rank {r}: steps taken")
             expect_close(flat(res["params"]), flat(final),
                          f"rank {r}'s parameters after {case['steps']} ZeRO-2 steps", rtol=1e-4, atol=1e-5)
-
-
-check_8_1 = REGISTRY["8.1"]
-check_8_2 = REGISTRY["8.2"]
