@@ -13,13 +13,6 @@ from .base import (Check, CheckFailure, CollectiveLedger, collective_mismatch, e
                    expect_equal, expect_type, plain, run_learner_ranks)
 
 
-def _grads_of(widths, seed, x, y):
-    """Single-process reference: gradients of the mean loss over (x, y), and that loss."""
-    model = mlp(widths, seed=seed)
-    (loss := F.cross_entropy(model(x), y)).backward()
-    return flat_grads(model), loss.item()
-
-
 def _model_case(rng, k: int, m: int) -> dict:
     widths = [rng.randint(4, 24)] + [rng.randint(8, 40) for _ in range(rng.randint(1, 2))] + [rng.randint(3, 6)]
     return {"widths": widths, "k": k, "micro": m, "seed": rng.randrange(2**31)}
@@ -45,10 +38,16 @@ def _prefill(model, case):
 
 
 def _summed(widths, seed, x, y):
-    """Gradient and value of the SUMMED loss over (x, y)'s counted targets, and their count."""
+    """Single-process reference: gradient and value of the SUMMED loss over (x, y)'s counted targets, their count."""
     model = mlp(widths, seed=seed)
     (loss := F.cross_entropy(model(x), y, reduction="sum")).backward()
     return flat_grads(model), loss.item(), int((y != -100).sum())
+
+
+def _grads_of(widths, seed, x, y):
+    """Gradients of the mean loss over (x, y), and that loss."""
+    g, loss, n = _summed(widths, seed, x, y)
+    return g / n, loss / n
 
 
 def _run_counted(model, call):

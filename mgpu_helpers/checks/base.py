@@ -28,6 +28,7 @@ import traceback
 import weakref
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -343,6 +344,14 @@ def plain(x: Any, _depth: int = 0) -> Any:
     return {"__type__": describe_value(x)}
 
 
+def scalar(x: Any) -> Any:
+    """A returned number as plain data: a 1-element tensor becomes a Python number; anything else but a number,
+    a string or None becomes its description ("a list"), for messages."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        return x.item()
+    return x if x is None or isinstance(x, (bool, int, float, str)) else describe_value(x)
+
+
 def describe_value(x: Any) -> str:
     """'an int', 'a tensor of shape (3,)', 'a dict with keys [...]' -- for wrong-type messages."""
     if isinstance(x, dict) and list(x) == ["__type__"]:  # what plain() made of an object it cannot ship
@@ -392,7 +401,7 @@ def expect_ranks(result: Any, world_size: int) -> None:
 
 def flat(tensors) -> torch.Tensor:
     """The tensors flattened into one, to compare a model's parameters or gradients at once."""
-    return torch.cat([t.flatten() for t in tensors])
+    return torch.cat([t.detach().flatten() for t in tensors])
 
 
 # --- distributed checks: the ranks' collectives, matched as they happen -------------------------------
@@ -455,25 +464,17 @@ class CollectiveLedger:
         self._dist.all_gather_object(lists, self.calls)
         return lists
 
-    @contextlib.contextmanager
-    def watching(self, ops=("all_reduce", "broadcast", "barrier")):
-        dist, real = self._dist, {op: getattr(self._dist, op) for op in ops}
-
-        def wrap(op):
+    def watching(self):
+        def wrap(op, real):
             def collective(*args, **kwargs):
                 t = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
                 if self.admit(op, 0 if t is None else t.numel() * t.element_size()):
-                    return real[op](*args, **kwargs)
+                    return real(*args, **kwargs)
                 return _Skipped() if kwargs.get("async_op") else None
             return collective
 
-        for op in ops:
-            setattr(dist, op, wrap(op))
-        try:
-            yield self
-        finally:
-            for op, f in real.items():
-                setattr(dist, op, f)
+        ops = ("all_reduce", "broadcast", "barrier")
+        return mock.patch.multiple(self._dist, **{op: wrap(op, getattr(self._dist, op)) for op in ops})
 
 
 def collective_mismatch(per_rank: list[list], tag: str = "") -> str:

@@ -10,19 +10,13 @@ from ..model_sharding.pipeline import StepRecorder, Stuck, make_model, single_pr
 from ..runtime.launch import rank_device
 from ..model_sharding.tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
 from .base import (CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
-                   expect_type, plain, run_learner_ranks)  # plain: a rank hands back CPU tensors
+                   expect_type, plain, run_learner_ranks, scalar)  # plain: a rank hands back CPU tensors
 
 
 def passes(check, fn) -> bool:
     """Whether ``fn`` passes ``check`` (quietly): the check cell's verdict on this very function (no second
     run, no second timeout), else a quiet run."""
     return check.passed(fn)
-
-
-def _plain(value):  # a returned loss, as plain data the grader can ship
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value)
-    return value if value is None or isinstance(value, (int, float)) else repr(value)[:80]
 
 
 # --- check 9.1: the pipeline step --------------------------------------------------------------------
@@ -37,7 +31,7 @@ def _pipe_rank(rank, world, fn, case):
         loss, stuck = None, str(e)
     except ValueError as e:
         return {"raised": f"ValueError: {e}"}
-    return {"grads": [plain(p.grad) for p in model.parameters()], "loss": _plain(loss), "stuck": stuck,
+    return {"grads": [plain(p.grad) for p in model.parameters()], "loss": scalar(loss), "stuck": stuck,
             "batches": rec.batches, "steps": rec.steps, "clock": rec.clock}
 
 

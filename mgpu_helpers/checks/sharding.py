@@ -2,8 +2,8 @@
 ``reduce_scatter_gradients``): every rank against one process training the same model unsharded."""
 from __future__ import annotations
 
-import contextlib
 import warnings
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -262,13 +262,12 @@ _SIZED = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "a
           "all_gather_into_tensor")
 
 
-@contextlib.contextmanager
 def _same_sizes():
     """Before each sized collective the learner makes, the ranks exchange (output, input) element counts and
     all raise :class:`_ShardSizes` naming them when they cannot pair up -- else gloo fails with "Connection
     reset by peer" (or waits) and nothing says why."""
     from torch.utils._python_dispatch import _disable_current_modes
-    real, gather = {n: getattr(dist, n) for n in _SIZED if hasattr(dist, n)}, dist.all_gather
+    gather = dist.all_gather
 
     def guard(name, fn):
         def sized(output, input, *args, **kwargs):
@@ -291,13 +290,7 @@ def _same_sizes():
             return fn(output, input, *args, **kwargs)
         return sized
 
-    for name, fn in real.items():
-        setattr(dist, name, guard(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
+    return mock.patch.multiple(dist, **{n: guard(n, getattr(dist, n)) for n in _SIZED if hasattr(dist, n)})
 
 
 def _rank_82(rank, world, fn, case):
