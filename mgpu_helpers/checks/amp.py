@@ -18,9 +18,8 @@ DTYPES16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # --- 6.1: scripted overflows --------------------------------------------------------------------------
 
 def param_groups(params) -> list[dict]:
-    """Two parameter groups (the first layer, the rest; different learning rates), as real training
-    scripts have (no weight decay on biases, a lower lr for a pretrained part): a scaler must unscale and
-    check every group, not only ``param_groups[0]``."""
+    """Two parameter groups with different learning rates, as real training scripts have: a scaler must
+    unscale and check every group, not only ``param_groups[0]``."""
     half = len(params) // 2
     return [{"params": params[:half]}, {"params": params[half:], "lr": 0.02}]
 

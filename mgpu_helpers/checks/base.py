@@ -478,7 +478,7 @@ class CollectiveLedger:
 
 
 def collective_mismatch(per_rank: list[list], tag: str = "") -> str:
-    """"rank 0 made 2 all_reduce, rank 1 made 4 all_reduce: the ranks' collectives do not match", or, when
+    """"rank 0 made 2 all_reduce calls, rank 1 made 4: the ranks' collectives do not match", or, when
     the counts agree, the first call that differs. ``tag`` names what a call's tag counts ("micro-step")."""
     from collections import Counter
     counts = [Counter(c[0] for c in calls) for calls in per_rank]
@@ -487,8 +487,13 @@ def collective_mismatch(per_rank: list[list], tag: str = "") -> str:
            "different order, breaks that)")
     if any(c != counts[0] for c in counts):
         ops = sorted(set().union(*counts))
-        return ", ".join(f"rank {r} made " + " and ".join(f"{c[op]} {op}" for op in ops)
-                         for r, c in enumerate(counts)) + ": " + why
+        if len(ops) == 1:
+            op = ops[0]
+            said = [f"rank 0 made {counts[0][op]} {op} call{'s' * (counts[0][op] != 1)}"]
+            said += [f"rank {r} made {c[op]}" for r, c in enumerate(counts) if r]
+        else:
+            said = [f"rank {r} made " + ", ".join(f"{c[op]} {op}" for op in ops) for r, c in enumerate(counts)]
+        return ", ".join(said) + ": " + why
     for i, calls in enumerate(zip(*per_rank)):
         if any(c != calls[0] for c in calls):
             where = [f"rank {r}'s is {op} of {b} bytes" + (f" in {tag} {t}" if tag else "")
