@@ -89,19 +89,21 @@ class Check:
     function: str = ""      # the name of the learner's function, for messages
     points: int = 1
     may_use: tuple = ()     # the parts of the package the learner's answer may name (delegation.py): none
+    rank_fn = None          # a distributed check's rank, rank_fn(rank, world_size, fn, case): the default run's
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         if cls.id:
             REGISTRY[cls.id] = check = cls()
-            setattr(sys.modules[cls.__module__], "check_" + cls.id.replace(".", "_"), check)
+            if cls.__module__ in sys.modules:  # `from mgpu_helpers.checks.ddp import check_4_1`
+                setattr(sys.modules[cls.__module__], "check_" + cls.id.replace(".", "_"), check)
 
     # --- to implement -------------------------------------------------------------------------------
     def cases(self, rng: random.Random) -> list[dict]:
         raise NotImplementedError
 
     def run(self, fn: Callable, case: dict) -> Any:
-        raise NotImplementedError
+        return run_learner_ranks(self.rank_fn, case["world_size"], fn, case, backend="gloo", timeout=15)
 
     def judge(self, case: dict, result: Any) -> None:
         raise NotImplementedError

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device, run_ranks
 from .base import (Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
-                   expect_equal, expect_ranks, expect_type, plain, run_learner_ranks)
+                   expect_equal, expect_ranks, expect_type, plain)
 
 
 # Every case is a fixed edge case with random sizes: world sizes 1 to 3, uneven shards, a parameter the forward
@@ -100,6 +100,8 @@ def _expected_buckets(sizes: list[int], cap: int, close_at_cap: bool = False, af
 
 
 class _AverageCheck(Check):
+    rank_fn = staticmethod(_learner_rank)
+
     def describe(self, case):
         text = (f"{case['world_size']} rank{'s' * (case['world_size'] > 1)}, shards of {case['rows']} rows, "
                 f"widths={case['widths']}, bias={case['bias']}")
@@ -108,7 +110,7 @@ class _AverageCheck(Check):
 
     def run(self, fn, case):
         try:
-            return run_learner_ranks(_learner_rank, case["world_size"], fn, case, backend="gloo", timeout=15)
+            return super().run(fn, case)
         except NotImplementedError:
             raise
         except Exception as e:

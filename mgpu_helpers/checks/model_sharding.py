@@ -10,7 +10,7 @@ from ..model_sharding.pipeline import StepRecorder, Stuck, make_model, single_pr
 from ..runtime.launch import rank_device
 from ..model_sharding.tensor_parallel import AllReduceCounter, make_mlp, param_bytes, parameter_bytes_formula
 from .base import (CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
-                   expect_type, plain, run_learner_ranks, scalar)  # plain: a rank hands back CPU tensors
+                   expect_type, plain, scalar)  # plain: a rank hands back CPU tensors
 
 
 def passes(check, fn) -> bool:
@@ -75,6 +75,7 @@ def _deadlock(result):
 
 class PipelineStep(RemembersVerdict):
     id, function, points = "9.1", "pipeline_step", 3
+    rank_fn = staticmethod(_pipe_rank)
 
     def cases(self, rng):
         def case(p, n_layers, m, per_micro=None):
@@ -90,9 +91,6 @@ class PipelineStep(RemembersVerdict):
     def describe(self, case):
         return (f"{case['world_size']} rank(s), {case['n_layers']} layers, batch {case['batch']}, "
                 f"n_micro={case['n_micro']}")
-
-    def run(self, fn, case):
-        return run_learner_ranks(_pipe_rank, case["world_size"], fn, case, backend="gloo", timeout=15)
 
     def judge(self, case, result):
         p, n, m, b = case["world_size"], case["n_layers"], case["n_micro"], case["batch"]
@@ -212,6 +210,7 @@ def _partial(dense, x, gy, rank, world):
 
 class ParallelMLPCheck(RemembersVerdict):
     id, function, points = "9.2", "parallel_mlp", 3
+    rank_fn = staticmethod(_tp_rank)
 
     def cases(self, rng):
         def case(n, bad=False):
@@ -222,9 +221,6 @@ class ParallelMLPCheck(RemembersVerdict):
 
     def describe(self, case):
         return f"{case['world_size']} rank(s), d={case['d']}, h={case['h']}, batch {case['batch']}"
-
-    def run(self, fn, case):
-        return run_learner_ranks(_tp_rank, case["world_size"], fn, case, backend="gloo", timeout=15)
 
     def judge(self, case, result):
         n, d, h = case["world_size"], case["d"], case["h"]

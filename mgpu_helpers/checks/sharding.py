@@ -12,8 +12,7 @@ from torch.nn import functional as F
 from ..memory import make_batch, mlp
 from ..runtime.comm_log import CommLog
 from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, unique
-from .base import (RemembersVerdict, expect, expect_close, expect_equal, expect_ranks, expect_type, flat,
-                   run_learner_ranks)
+from .base import RemembersVerdict, expect, expect_close, expect_equal, expect_ranks, expect_type, flat
 
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -143,6 +142,7 @@ def _train_case(rng, world, optimizer, **over):
 
 class ShardedOptimizerCheck(RemembersVerdict):
     id, function, points = "8.1", "ShardedOptimizer", 3
+    rank_fn = staticmethod(_rank_81)
 
     def cases(self, rng):
         # SGD first: Adam divides by the gradient's own scale, so a rescaled gradient changes an Adam step by
@@ -161,9 +161,6 @@ class ShardedOptimizerCheck(RemembersVerdict):
         return (f"{case['world_size']} rank(s), {case['optimizer']}{case['kwargs']}, widths={case['widths']}, "
                 f"tie={case['tie']}, frozen={case['freeze']}, groups={case['groups']}, add_param_group="
                 f"{case['add_group']}")
-
-    def run(self, fn, case):
-        return run_learner_ranks(_rank_81, case["world_size"], fn, case, backend="gloo", timeout=15)
 
     def hint(self, error):
         if "more than one parameter group" in error:
@@ -341,6 +338,7 @@ def _baseline_82(case):
 
 class ReduceScatterCheck(RemembersVerdict):
     id, function, points = "8.2", "reduce_scatter_gradients", 3
+    rank_fn = staticmethod(_rank_82)
 
     def cases(self, rng):
         def case(world, divides):
@@ -359,9 +357,6 @@ class ReduceScatterCheck(RemembersVerdict):
     def describe(self, case):
         return (f"{case['world_size']} rank(s), widths={case['widths']} ({case['n']} trainable elements), "
                 f"frozen={case['freeze']}, {case['optimizer']}")
-
-    def run(self, fn, case):
-        return run_learner_ranks(_rank_82, case["world_size"], fn, case, backend="gloo", timeout=15)
 
     def judge(self, case, result):
         world, n = case["world_size"], case["n"]
