@@ -13,12 +13,6 @@ from .base import (CheckFailure, RemembersVerdict, expect, expect_close, expect_
                    expect_type, plain, scalar)  # plain: a rank hands back CPU tensors
 
 
-def passes(check, fn) -> bool:
-    """Whether ``fn`` passes ``check`` (quietly): the check cell's verdict on this very function (no second
-    run, no second timeout), else a quiet run."""
-    return check.passed(fn)
-
-
 # --- check 9.1: the pipeline step --------------------------------------------------------------------
 
 def _pipe_rank(rank, world, fn, case):
