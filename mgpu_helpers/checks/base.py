@@ -82,8 +82,8 @@ class CheckFailure(AssertionError):
 
 
 class Check:
-    """Base class: subclasses set ``id``, ``function`` and implement ``cases``, ``run`` and ``judge``. A check's
-    module gets it as ``check_<id>`` (``check_4_1``), the name a notebook imports."""
+    """Base class: subclasses set ``id``, ``function`` and implement ``cases``, ``run`` (or name a ``rank_fn``)
+    and ``judge``. A check's module gets it as ``check_<id>`` (``check_4_1``), the name a notebook imports."""
 
     id: str = ""            # "4.1": the same id in the stub, the check line, the grade row and the test marker
     function: str = ""      # the name of the learner's function, for messages
