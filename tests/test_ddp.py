@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mgpu_helpers import ddp as lesson
-from mgpu_helpers.checks import ddp
+from mgpu_helpers.checks import REGISTRY, ddp
 from mgpu_helpers.memory import make_batch
 from mgpu_helpers.tools.authoring import exec_cell, exercise_source
 from mgpu_helpers.runtime.launch import run_ranks
@@ -87,7 +87,7 @@ def test_collective_mismatch_messages():
 
 @pytest.mark.parametrize("ex,name", [("4.1", "average_gradients"), ("4.2", "allreduce_bucketed")])
 def test_grading_split_ships_plain_data(ex, name):
-    check, seed = ddp.REGISTRY[ex], 11
+    check, seed = REGISTRY[ex], 11
     results = check.run_all(_solution(ex, name), seed)
     buf = io.BytesIO()
     torch.save(results, buf)
@@ -102,7 +102,7 @@ def test_aliased_all_reduce_is_not_penalised():
     alias = "import torch.distributed as dist\nfrom torch.distributed import all_reduce"
     src = exercise_source(NB, "4.2").replace("import torch.distributed as dist", alias)
     src = src.replace("dist.all_reduce(flat,", "all_reduce(flat,")
-    check = ddp.REGISTRY["4.2"]
+    check = REGISTRY["4.2"]
     ok, msg = check.judge_all(5, check.run_all(exec_cell(src)["allreduce_bucketed"], 5))
     assert ok, msg
 
@@ -114,7 +114,7 @@ def test_wrong_type_is_named():
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
         return [1]
-    ok, msg = ddp.REGISTRY["4.2"].judge_all(2, ddp.REGISTRY["4.2"].run_all(returns_a_list, 2))
+    ok, msg = REGISTRY["4.2"].judge_all(2, REGISTRY["4.2"].run_all(returns_a_list, 2))
     assert not ok and "returned a list; expected an int" in msg, msg
 
 
@@ -129,7 +129,7 @@ def test_right_grads_wrong_packing_fails():
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
         return 1
-    ok, msg = ddp.REGISTRY["4.2"].judge_all(2, ddp.REGISTRY["4.2"].run_all(packs_everything, 2))
+    ok, msg = REGISTRY["4.2"].judge_all(2, REGISTRY["4.2"].run_all(packs_everything, 2))
     assert not ok and "number of collectives returned: got 1" in msg
 
 
@@ -151,7 +151,7 @@ def test_spawn_from_notebook_fails_as_described():
 @pytest.mark.slow
 def test_check_runs_under_spawn(monkeypatch):
     # GPU machines spawn (fork after CUDA init is fatal): the learner's __main__ function must travel by value.
-    check = ddp.REGISTRY["4.2"]
+    check = REGISTRY["4.2"]
     case = check.make_cases(4)[0]
     monkeypatch.setenv("MGPU_START_METHOD", "spawn")
     result = check.run(_solution("4.2", "allreduce_bucketed"), case)

@@ -1,40 +1,25 @@
 """Notebook 06's checks: 6.1 a dynamic loss scaler against ``torch.amp.GradScaler``, 6.2 a mixed-precision
-step with fp32 master weights against the library way (an fp32 model under ``torch.autocast``).
-
-The references are torch's own: every expected value comes from ``GradScaler`` or ``autocast`` runs in
-``judge``; the named mistakes are the same library calls used wrongly (``clip_grad_norm_`` before
-``unscale_``, no unscaling, the loss taken in 16 bits) or a scale-decision rule with one planted slip
-(``_decisions``), so no working scaler or master-weight step lives in this package.
+step with fp32 master weights against the library way (an fp32 model under ``torch.autocast``). Expected values
+come from torch's own ``GradScaler`` and ``autocast``; the named mistakes are those calls used wrongly, or a
+scale-decision rule with one planted slip (``_decisions``): no working scaler or master-weight step lives here.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .base import Check, CheckFailure, REGISTRY, _matches, describe_value, expect, expect_close, expect_equal
+from .base import Check, CheckFailure, _matches, describe_value, expect, expect_close, expect_equal, flat, scalar
 from ..memory import make_optimizer, mlp, nbytes
 from ..runtime.tracker import MemoryTracker
 
 DTYPES16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _plain(x):
-    """A learner's value as plain data: 1-element tensors become numbers; the rest is kept for messages."""
-    if isinstance(x, torch.Tensor) and x.numel() == 1:
-        return x.item()
-    return x if isinstance(x, (bool, int, float, str, type(None))) else describe_value(x)
-
-
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().float().flatten() for t in tensors])
-
-
 # --- 6.1: scripted overflows --------------------------------------------------------------------------
 
 def param_groups(params) -> list[dict]:
-    """Two parameter groups (the first layer, the rest; different learning rates), as real training
-    scripts have (no weight decay on biases, a lower lr for a pretrained part): a scaler must unscale and
-    check every group, not only ``param_groups[0]``."""
+    """Two parameter groups with different learning rates, as real training scripts have: a scaler must
+    unscale and check every group, not only ``param_groups[0]``."""
     half = len(params) // 2
     return [{"params": params[:half]}, {"params": params[half:], "lr": 0.02}]
 
@@ -57,17 +42,17 @@ def scripted_run(case, scale, step, get_scale, counter) -> dict:
     for event, where in zip(case["script"], case["where"]):
         x, y = torch.randn(6, widths[0], generator=g), torch.randint(widths[-1], (6,), generator=g)
         opt.zero_grad(set_to_none=True)
-        rec["scale"].append(_plain(get_scale()))
+        rec["scale"].append(scalar(get_scale()))
         scale(F.cross_entropy(model(x), y)).backward()
         if event != "ok":
             p = params[where % len(params)]
             p.grad.view(-1)[where % p.numel()] = float(event)
-        before = _flat(params)
-        rec["stepped"].append(_plain(step(opt)))
-        rec["moved"].append(not torch.equal(_flat(params), before))
-        rec["clean_steps"].append(_plain(counter()))
-    rec["final_scale"] = _plain(get_scale())
-    rec["params"] = _flat(params)
+        before = flat(params)
+        rec["stepped"].append(scalar(step(opt)))
+        rec["moved"].append(not torch.equal(flat(params), before))
+        rec["clean_steps"].append(scalar(counter()))
+    rec["final_scale"] = scalar(get_scale())
+    rec["params"] = flat(params)
     return rec
 
 
@@ -238,7 +223,7 @@ def watch_steps(opt, params) -> list:
     params = list(params)
 
     def hook(optimizer, args, kwargs):
-        seen.append(None if any(p.grad is None for p in params) else _flat(p.grad for p in params))
+        seen.append(None if any(p.grad is None for p in params) else flat(p.grad for p in params))
 
     opt.register_step_pre_hook(hook)
     return seen
@@ -269,8 +254,8 @@ def library_step(case, mistake=None) -> dict:
             gs.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), case["max_norm"])
         gs.step(opt)  # unscales here if unscale_ was not called
-    return {"loss": loss.item(), "master": _flat(model.parameters()), "step_grads": seen,
-            "model": _flat(p.to(DTYPES16[case["dtype"]]) for p in model.parameters())}
+    return {"loss": loss.item(), "master": flat(model.parameters()), "step_grads": seen,
+            "model": flat(p.to(DTYPES16[case["dtype"]]) for p in model.parameters())}
 
 
 def _unscale16_differs(case) -> bool:
@@ -284,12 +269,7 @@ def _unscale16_differs(case) -> bool:
 
 
 def _grad_norm(case) -> float:
-    model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]]).float()
-    x, y = _batch(case)
-    with torch.autocast("cpu", dtype=DTYPES16[case["dtype"]]):
-        loss = F.cross_entropy(model(x).float(), y)
-    loss.backward()
-    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    return library_step({**case, "max_norm": float("inf")})["step_grads"][0].norm().item()
 
 
 class MixedStepCheck(Check):
@@ -334,7 +314,7 @@ class MixedStepCheck(Check):
             loss = fn(model, master, opt, x, y, case["loss_scale"], case["max_norm"])
         b = mt.breakdown()  # the tracker files the master (the optimizer's parameters) under parameters
         counters = nbytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
-        return {"loss": _plain(loss), "model": _flat(model.parameters()), "master": _flat(master),
+        return {"loss": scalar(loss), "model": flat(model.parameters()), "master": flat(master),
                 "step_grads": seen,
                 "model_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                 "bytes": {"parameters": b["parameters"] - nbytes(master), "gradients": b["gradients"],
@@ -369,7 +349,7 @@ class MixedStepCheck(Check):
                      "then clip, then optimizer.step() (it updates the master).")
         expect_equal(result["model_dtypes"], [str(DTYPES16[case["dtype"]])], "the model's parameter dtypes",
                      hint="Hint: copy the master into the 16-bit parameters in place (p.copy_(m)).")
-        start = _flat(_start(case)[0].parameters())
+        start = flat(_start(case)[0].parameters())
         expect_close(result["model"], want["model"], f"the {case['dtype']} model's weights after the step",
                      rtol=0, atol=0, mistakes={
                          "the model still has its old weights: copy the master into it after optimizer.step()": start,
@@ -382,7 +362,3 @@ class MixedStepCheck(Check):
                                dict(row, gradients=row["gradients"] + n4),
                                "freed the 16-bit gradients: leave them on the model as backward() does":
                                dict(row, gradients=0)})
-
-
-check_6_1 = REGISTRY["6.1"]
-check_6_2 = REGISTRY["6.2"]

@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
 import traceback
 import weakref
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -39,8 +41,7 @@ _TIMED_OUT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # functio
 
 @contextlib.contextmanager
 def one_thread():
-    """Checks use small inputs, for which a second intra-op thread only adds overhead: on a busy
-    2-core machine it made check 5.1 30x slower (2.5 s vs 0.08 s)."""
+    """Checks use small inputs, for which a second intra-op thread only adds overhead."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -63,11 +64,9 @@ def is_stub(e: BaseException | str) -> bool:
 
 
 class CheckFailure(AssertionError):
-    """A check did not pass; the message says what differed and, when it can, why.
-
-    In a notebook IPython shows it through :meth:`_render_traceback_`: the check's message alone -- the
-    check's own source lines would only hide it -- preceded, when the learner's code raised, by that
-    exception's traceback without the course package's frames (the learner's lines and torch's)."""
+    """A check did not pass; the message says what differed and, when it can, why. IPython shows it through
+    :meth:`_render_traceback_`: the message alone, after the learner's exception's traceback (if it raised)
+    without the course package's frames."""
 
     def _render_traceback_(self) -> list[str]:
         lines: list[str] = []
@@ -83,25 +82,28 @@ class CheckFailure(AssertionError):
 
 
 class Check:
-    """Base class: subclasses set ``id``, ``function`` and implement ``cases``, ``run`` and ``judge``."""
+    """Base class: subclasses set ``id``, ``function`` and implement ``cases``, ``run`` (or name a ``rank_fn``)
+    and ``judge``. A check's module gets it as ``check_<id>`` (``check_4_1``), the name a notebook imports."""
 
     id: str = ""            # "4.1": the same id in the stub, the check line, the grade row and the test marker
     function: str = ""      # the name of the learner's function, for messages
     points: int = 1
     may_use: tuple = ()     # the parts of the package the learner's answer may name (delegation.py): none
-
+    rank_fn = None          # a distributed check's rank, rank_fn(rank, world_size, fn, case): the default run's
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         if cls.id:
-            REGISTRY[cls.id] = cls()
+            REGISTRY[cls.id] = check = cls()
+            if cls.__module__ in sys.modules:  # `from mgpu_helpers.checks.ddp import check_4_1`
+                setattr(sys.modules[cls.__module__], "check_" + cls.id.replace(".", "_"), check)
 
     # --- to implement -------------------------------------------------------------------------------
     def cases(self, rng: random.Random) -> list[dict]:
         raise NotImplementedError
 
     def run(self, fn: Callable, case: dict) -> Any:
-        raise NotImplementedError
+        return run_learner_ranks(self.rank_fn, case["world_size"], fn, case, backend="gloo", timeout=15)
 
     def judge(self, case: dict, result: Any) -> None:
         raise NotImplementedError
@@ -117,9 +119,7 @@ class Check:
         return self.cases(random.Random(seed))
 
     def hint(self, error: str) -> str:
-        """A hint for an exception the learner's code raised, given as "Type: message" ("" if none):
-        subclasses name the places where learners usually stick (a dtype mismatch, an in-place copy into
-        a leaf that requires grad). Used in the notebook and by the grader alike."""
+        """A hint for an exception the learner's code raised, given as "Type: message" ("" if none)."""
         return ""
 
     def _raised(self, error: str) -> str:
@@ -129,9 +129,8 @@ class Check:
                     "or send/recv must be on rank_device(). " + hint).strip()
         return f"Exercise {self.id} ✗ {self.function} raised {error}" + (f"\n  Hint: {hint}" if hint else "")
 
-    # A function whose run timed out (a hung rank) is not run again by a later call of the same check (by
-    # id: the grader's hidden-case wrapper shares it) on the same function object -- a plot's `passes`, the
-    # grader's harvest: that would pay the timeout twice. Redefining the function (re-running its cell)
+    # A function whose run timed out (a hung rank) is not run again by the same check (by id: the grader's
+    # wrapper shares it) on the same function object: that would pay the timeout twice. Re-running its cell
     # makes a new object, which runs again.
     def _timeout_of(self, fn: Callable) -> str | None:
         try:
@@ -251,10 +250,9 @@ class Check:
 
 
 class RemembersVerdict(Check):
-    """A check whose ``passed(fn)`` returns the verdict of its last ``check(fn)`` on that very function object
-    (re-running the exercise cell makes a new one), else runs quietly. Cells after an exercise ask it, and
-    running the check again there repeats its work and, for a function that hangs, its timeout (71 s in
-    notebook 08). Only the kernel's display uses it: grading decides outside the kernel (``tools.grading.judge``)."""
+    """A check whose ``passed(fn)`` returns the verdict of its last ``check(fn)`` on that very function object,
+    else runs quietly: cells after a slow exercise ask it without repeating its work (or its timeout). Only the
+    kernel's display uses it: grading decides outside the kernel."""
 
     def __call__(self, fn: Callable, seed: int | None = None) -> None:
         self._last = (fn, False)        # a failure, a timeout or an interrupt leaves "not passed"
@@ -334,10 +332,9 @@ def _matches(named: list[str]) -> str:
 
 
 def plain(x: Any, _depth: int = 0) -> Any:
-    """What a learner's function returned, as data a grader can ship (``torch.save`` and
-    ``torch.load(weights_only=True)``) and a judge can inspect: numbers, strings, None, CPU tensors
-    (detached), lists and dicts of them. Anything else becomes ``{"__type__": "a Foo"}``, which
-    :func:`describe_value` reads back, so that ``expect_type`` can say what was returned."""
+    """What a learner's function returned, as data a grader can ship (``torch.load(weights_only=True)``):
+    numbers, strings, None, detached CPU tensors, lists and dicts of them; anything else becomes
+    ``{"__type__": "a Foo"}``, which :func:`describe_value` reads back."""
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, torch.Tensor):
@@ -347,6 +344,14 @@ def plain(x: Any, _depth: int = 0) -> Any:
     if _depth < 4 and isinstance(x, dict):
         return {str(k): plain(v, _depth + 1) for k, v in x.items()}
     return {"__type__": describe_value(x)}
+
+
+def scalar(x: Any) -> Any:
+    """A returned number as plain data: a 1-element tensor becomes a Python number; anything else but a number,
+    a string or None becomes its description ("a list"), for messages."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        return x.item()
+    return x if x is None or isinstance(x, (bool, int, float, str)) else describe_value(x)
 
 
 def describe_value(x: Any) -> str:
@@ -398,7 +403,7 @@ def expect_ranks(result: Any, world_size: int) -> None:
 
 def flat(tensors) -> torch.Tensor:
     """The tensors flattened into one, to compare a model's parameters or gradients at once."""
-    return torch.cat([t.flatten() for t in tensors])
+    return torch.cat([t.detach().flatten() for t in tensors])
 
 
 # --- distributed checks: the ranks' collectives, matched as they happen -------------------------------
@@ -418,15 +423,11 @@ class _Skipped:
 
 class CollectiveLedger:
     """Inside each rank of a distributed check: the learner's collectives, and a guard against ranks that
-    make different ones. Before each collective, the ranks compare (operation, call number, bytes, tag)
-    with one small all_gather of their own; as soon as one rank differs -- one rank all-reduces and the
-    other does not, or the order or sizes differ -- every rank stops issuing the learner's collectives
-    (they return at once), so the function runs to its end instead of hanging or crashing the peers, and
-    :meth:`finish` hands back every rank's calls for :func:`collective_mismatch` to describe.
-
-    ``with ledger.watching(): fn(...)`` watches calls made as ``dist.<op>(...)``; a comm hook calls
-    :meth:`admit` itself (see ``accumulation.py``). ``tag`` is any number that must agree across ranks
-    when the call is made (e.g. the micro-step)."""
+    make different ones. Before each collective the ranks compare (operation, call number, bytes, tag) with
+    one small all_gather; once they differ, every rank stops issuing the learner's collectives (they return
+    at once), so the function runs to its end instead of hanging, and :meth:`finish` hands back every rank's
+    calls for :func:`collective_mismatch`. ``with ledger.watching(): fn(...)`` watches ``dist.<op>(...)``
+    calls; a comm hook calls :meth:`admit` itself. ``tag``: a number that must agree across ranks (a micro-step)."""
 
     def __init__(self, device=None):
         import torch.distributed as dist
@@ -465,31 +466,22 @@ class CollectiveLedger:
         self._dist.all_gather_object(lists, self.calls)
         return lists
 
-    @contextlib.contextmanager
-    def watching(self, ops=("all_reduce", "broadcast", "barrier")):
-        dist, real = self._dist, {op: getattr(self._dist, op) for op in ops}
-
-        def wrap(op):
+    def watching(self):
+        def wrap(op, real):
             def collective(*args, **kwargs):
                 t = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
                 if self.admit(op, 0 if t is None else t.numel() * t.element_size()):
-                    return real[op](*args, **kwargs)
+                    return real(*args, **kwargs)
                 return _Skipped() if kwargs.get("async_op") else None
             return collective
 
-        for op in ops:
-            setattr(dist, op, wrap(op))
-        try:
-            yield self
-        finally:
-            for op, f in real.items():
-                setattr(dist, op, f)
+        ops = ("all_reduce", "broadcast", "barrier")
+        return mock.patch.multiple(self._dist, **{op: wrap(op, getattr(self._dist, op)) for op in ops})
 
 
 def collective_mismatch(per_rank: list[list], tag: str = "") -> str:
     """"rank 0 made 2 all_reduce calls, rank 1 made 4: the ranks' collectives do not match", or, when
-    the counts agree, the first call that differs. ``tag`` names what a call's tag counts (e.g.
-    "micro-step")."""
+    the counts agree, the first call that differs. ``tag`` names what a call's tag counts ("micro-step")."""
     from collections import Counter
     counts = [Counter(c[0] for c in calls) for calls in per_rank]
     why = ("the ranks' collectives do not match: every rank must make the same collectives, in the same "

@@ -5,7 +5,7 @@ import random
 
 from ..capstone import candidate_plans
 from ..planner import Plan
-from .base import REGISTRY, RemembersVerdict, describe_value, expect, expect_equal
+from .base import RemembersVerdict, describe_value, expect, expect_equal
 
 
 def _summary(p):
@@ -101,6 +101,3 @@ class Check11_1(RemembersVerdict):
         expect_equal(result["plan"], _summary(right), "the chosen plan",
                      mistakes={k: _summary(v) for k, v in wrong.items()},
                      hint="Fits: device_bytes <= capacity. Cheapest: fewest ranks, then the lowest step_cost.")
-
-
-check_11_1 = REGISTRY["11.1"]

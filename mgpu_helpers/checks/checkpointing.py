@@ -9,7 +9,7 @@ from torch.utils.checkpoint import CheckpointError
 from ..checkpointing import (Stack, no_checkpointing, plan_for, predict_peak, segments)
 from ..memory import make_batch
 from ..runtime.tracker import MemoryTracker
-from .base import REGISTRY, Check, describe_value, expect, expect_close, expect_equal, expect_type, flat
+from .base import Check, describe_value, expect, expect_close, expect_equal, expect_type, flat
 
 
 def _case(rng, layers, k, seed=None):
@@ -17,6 +17,13 @@ def _case(rng, layers, k, seed=None):
     # activations dominate (batch >= 16·d): the regime checkpointing is for, where predict_peak is exact
     return {"layers": layers, "k": k, "d": d, "h": rng.choice([2, 3, 4]) * d, "classes": rng.randint(2, 8),
             "batch": rng.choice([16, 32]) * d, "seed": rng.randrange(2**31) if seed is None else seed}
+
+
+def _problem(case, dropout=True):
+    """The case's stack (with its dropout, unless ``dropout=False``), its batch and targets."""
+    model = Stack(case["layers"], case["d"], case["h"], case["classes"], seed=case["seed"],
+                  dropout=case.get("dropout", 0.0) if dropout else 0.0)
+    return (model, *make_batch(case["batch"], case["d"], case["classes"], seed=case["seed"]))
 
 
 def _mistake_plans(L, k):
@@ -76,16 +83,12 @@ class CheckpointEvery(Check):
                 + (f", dropout {case['dropout']}" if case.get("dropout") else ""))
 
     def run(self, fn, case):
-        model = Stack(case["layers"], case["d"], case["h"], case["classes"], seed=case["seed"],
-                      dropout=case.get("dropout", 0.0))
-        x, y = make_batch(case["batch"], case["d"], case["classes"], seed=case["seed"])
+        model, x, y = _problem(case)
         if case.get("bad"):
             try:
                 fn(model.blocks, x, case["k"])
-            except ValueError as e:
-                return {"raised": "ValueError", "message": str(e)}
             except Exception as e:  # noqa: BLE001 - the judge names what was raised instead
-                return {"raised": type(e).__name__, "message": str(e)}
+                return {"raised": "ValueError" if isinstance(e, ValueError) else type(e).__name__, "message": str(e)}
             return {"raised": None}
         # Which blocks backward re-runs, and whether each gets the input it had in forward (the same
         # storage: checkpoint keeps the segment's input): names reading loop variables inside the
@@ -129,8 +132,7 @@ class CheckpointEvery(Check):
                    f"{result['checkpoint_error']}\n  " + (_stale(result.get("recomputed") or []) or
                    "Hint: checkpoint(function, *its inputs, use_reentrant=False), with everything the function "
                    "uses passed as an argument."))
-        model = Stack(L, case["d"], case["h"], case["classes"], seed=case["seed"], dropout=case.get("dropout", 0.0))
-        x, y = make_batch(case["batch"], case["d"], case["classes"], seed=case["seed"])
+        model, x, y = _problem(case)
         torch.manual_seed(case["seed"])
         F.cross_entropy(model.head(no_checkpointing(model.blocks, x)), y).backward()
         names = [n for n, _ in model.named_parameters()]
@@ -153,7 +155,7 @@ class CheckpointEvery(Check):
             expect(not _stale(result.get("recomputed") or []), "the gradients differ from the same step without "
                    "checkpointing: " + _stale(result.get("recomputed") or []))
             if case.get("dropout"):
-                off = Stack(L, case["d"], case["h"], case["classes"], seed=case["seed"])  # same weights, no dropout
+                off = _problem(case, dropout=False)[0]  # same weights
                 F.cross_entropy(off.head(no_checkpointing(off.blocks, x)), y).backward()
                 expect(not torch.allclose(got, flat(p.grad for p in off.parameters()),
                                           rtol=1e-4, atol=1e-6),
@@ -176,6 +178,3 @@ class CheckpointEvery(Check):
                      mistakes={n: v for n, v in mistakes.items() if v != expected},
                      hint=f"(The expected value is predict_peak for segments of {k}.) Hint: segments are blocks "
                           f"0..{k - 1}, {k}..{2 * k - 1}, ... (the last may be shorter), each one checkpointed.")
-
-
-check_7_1 = REGISTRY["7.1"]

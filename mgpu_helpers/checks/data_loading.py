@@ -1,7 +1,7 @@
 """Check of notebook 10: 10.1 the indices of each rank, against torch's DistributedSampler itself."""
 from __future__ import annotations
 
-from .base import REGISTRY, Check, expect_equal, expect_type
+from .base import Check, expect_equal, expect_type
 
 
 class ShardIndices(Check):
@@ -31,9 +31,9 @@ class ShardIndices(Check):
         for r in got:
             expect_type(r, list, self.function, "a list of ints (the indices of one rank)")
         from .references import sampler_variant, sampler_shard
-        want = [sampler_shard(c["n"], c["world_size"], r, c["shuffle"], c["seed"], c["epoch"], c["drop_last"])
-                for r in range(c["world_size"])]
-        v = lambda **kw: sampler_variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], c["drop_last"], **kw)
+        args = (c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"])
+        want = [sampler_shard(*args[:2], r, *args[2:], c["drop_last"]) for r in range(c["world_size"])]
+        v = lambda drop_last=c["drop_last"], **kw: sampler_variant(*args, drop_last, **kw)  # noqa: E731
         mistakes = {"contiguous blocks per rank: DistributedSampler deals indices out round-robin "
                     "(rank, rank + world_size, ...)": v(strided=False)}
         if not c["drop_last"]:
@@ -43,18 +43,13 @@ class ShardIndices(Check):
         if c["shuffle"]:
             mistakes["shuffled with the seed alone: set_epoch forgotten, the same order every epoch"] = v(use_epoch=False)
         if c["drop_last"] and c["n"] % c["world_size"]:
-            mistakes["drop_last ignored: padded instead of dropping the tail"] = sampler_variant(
-                c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], False)
+            mistakes["drop_last ignored: padded instead of dropping the tail"] = v(False)
             # neither padded nor dropped (order[rank::world_size]): named here too, so that the diagnosis
             # does not depend on whether a drop_last case happens to be the first one that fails
             mistakes["no padding (and no dropping): ranks get different numbers of samples, so they run "
                      "different numbers of steps and the last collective hangs; with drop_last=True drop the "
-                     "tail instead"] = sampler_variant(c["n"], c["world_size"], c["shuffle"], c["seed"], c["epoch"], False,
-                                                pad=False)
+                     "tail instead"] = v(False, pad=False)
         expect_equal(got, want, "the indices of every rank (rank 0 first)",
                      mistakes={k: m for k, m in mistakes.items() if m != want},
                      hint="Hint: order (shuffled with seed + epoch), then pad or drop to a multiple of world_size, "
                           "then rank r takes every world_size-th index from r.")
-
-
-check_10_1 = REGISTRY["10.1"]

@@ -7,7 +7,7 @@ import threading
 import torch
 
 from ..data_parallel import make_problem, single_device_grads
-from .base import REGISTRY, Check, expect, expect_close, expect_equal, expect_type, plain
+from .base import Check, expect, expect_close, expect_equal, expect_type, plain
 
 
 class DataParallelStep(Check):
@@ -77,6 +77,3 @@ class DataParallelStep(Check):
                 "averaged per-replica losses without weighting the unequal chunks": bad_grads[i]},
                 hint="Hint: the loss is a mean over the gathered batch, so each replica's gradient is its "
                      "share of the total: sum them, as DataParallel's backward does.", rtol=1e-7, atol=1e-9)
-
-
-check_3_1 = REGISTRY["3.1"]

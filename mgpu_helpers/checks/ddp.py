@@ -10,15 +10,12 @@ from torch.nn import functional as F
 
 from ..memory import make_batch, mlp
 from ..runtime.launch import rank_device, run_ranks
-from .base import (REGISTRY, Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
-                   expect_equal, expect_ranks, expect_type, plain, run_learner_ranks)
+from .base import (Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
+                   expect_equal, expect_ranks, expect_type, plain)
 
 
-# --- the checks -------------------------------------------------------------------------------------
-# Every case is a fixed edge case with random sizes: world sizes 1 to 3, uneven shards, a parameter that
-# the forward pass never uses (its .grad stays None), and for 4.2 a bucket exactly at the cap. The
-# reference is the mean over ranks of each rank's own gradients -- what torch DDP computes (tests/test_ddp.py
-# checks that it does) -- computed in one process, once per case.
+# Every case is a fixed edge case with random sizes: world sizes 1 to 3, uneven shards, a parameter the forward
+# never uses (its .grad stays None), and for 4.2 a bucket exactly at the cap.
 
 class _SkipsUnused(nn.Sequential):
     def forward(self, x):  # the module named "unused" gets no input, so its parameters get no .grad
@@ -79,17 +76,12 @@ def _local_grads(case):  # each rank's own gradients, by rank
     return [_named_grads(_backward(case, rank)) for rank in range(case["world_size"])]
 
 
-_REFERENCES: dict[str, list] = {}
-
-
 def _references(case) -> list[dict]:
     """Each rank's own gradients. Computed in a rank of its own where there are GPUs: a backward pass in
     this process would start autograd's GPU threads on a CUDA build, and ranks forked after that fail."""
-    key = repr(sorted(case.items()))
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _local_grads(case) if torch.cuda.device_count() == 0 else \
-            run_ranks(lambda rank, world, c: _local_grads(c), 1, case, backend="gloo", timeout=15)[0]
-    return _REFERENCES[key]
+    if torch.cuda.device_count() == 0:
+        return _local_grads(case)
+    return run_ranks(lambda rank, world, c: _local_grads(c), 1, case, backend="gloo", timeout=15)[0]
 
 
 def _expected_buckets(sizes: list[int], cap: int, close_at_cap: bool = False, after: bool = False) -> list[int]:
@@ -108,6 +100,8 @@ def _expected_buckets(sizes: list[int], cap: int, close_at_cap: bool = False, af
 
 
 class _AverageCheck(Check):
+    rank_fn = staticmethod(_learner_rank)
+
     def describe(self, case):
         text = (f"{case['world_size']} rank{'s' * (case['world_size'] > 1)}, shards of {case['rows']} rows, "
                 f"widths={case['widths']}, bias={case['bias']}")
@@ -116,7 +110,7 @@ class _AverageCheck(Check):
 
     def run(self, fn, case):
         try:
-            return run_learner_ranks(_learner_rank, case["world_size"], fn, case, backend="gloo", timeout=15)
+            return super().run(fn, case)
         except NotImplementedError:
             raise
         except Exception as e:
@@ -229,7 +223,3 @@ class Check42(_AverageCheck):
                              mistakes={k: len(v) for k, v in mistakes.items()}, hint=hint)
                 expect_equal(seen, buckets, f"rank {r}: the bytes of each all_reduce'd bucket", mistakes=mistakes,
                              hint=hint)
-
-
-check_4_1 = REGISTRY["4.1"]
-check_4_2 = REGISTRY["4.2"]

@@ -1,15 +1,8 @@
-"""Did the learner's answer use the course's own code? (``course_code_used``)
-
-An exercise asks the learner to write something; a submission whose function only calls into the package
-(``from mgpu_helpers.accumulation import ...`` and delegate) has not done that, whatever it returns. The
-package holds no answers (references live in ``checks/references``, which the grading sandbox masks), so such
-a submission would fail anyway -- this names the reason instead of a confusing difference.
-
-The test is static and cheap: it follows what the learner's function or class refers to by name (the
-notebook's own helpers included) and reports the first object of the course's package outside
-``Check.may_use`` (nothing, unless the task says so: 2.2 measures with ``MemoryTracker``). It is a feedback
-line, not the defence: that is that no answer exists to call (and the checks, which launch ranks themselves,
-never need the learner to name the runtime).
+"""Did the learner's answer use the course's own code? (``course_code_used``) A submission that only calls into
+the package has not written the exercise; it would fail anyway (the package holds no answers), and this names
+the reason instead of a confusing difference. Static and cheap: it follows what the learner's function or class
+refers to by name (the notebook's own helpers included) and reports the first course object outside
+``Check.may_use``. A feedback line, not the defence: that is that no answer exists to call.
 """
 from __future__ import annotations
 

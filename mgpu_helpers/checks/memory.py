@@ -8,7 +8,7 @@ import torch
 
 from ..memory import BYTES, DTYPES, mlp
 from ..runtime.tracker import MemoryTracker
-from .base import REGISTRY, Check, expect, expect_equal, expect_type, plain
+from .base import Check, expect, expect_equal, expect_type, plain
 
 
 class TrainingStateBytes(Check):
@@ -91,7 +91,3 @@ class ActivationBytes(Check):
             "counted elements, not bytes": b * (hidden + ws[-1]),
             "used 4 bytes per element for bf16": b * 4 * (hidden + ws[-1]),
         }, hint="Hint: after forward, what is alive is every ReLU output (saved for backward) plus the logits.")
-
-
-check_1_1 = REGISTRY["1.1"]
-check_1_2 = REGISTRY["1.2"]

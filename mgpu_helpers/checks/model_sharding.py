@@ -7,23 +7,11 @@ import torch.distributed as dist
 
 from ..memory import make_batch
 from ..model_sharding.pipeline import StepRecorder, Stuck, make_model, single_process_step, stage_bounds
+from ..model_sharding.tensor_parallel import make_mlp, param_bytes, parameter_bytes_formula
 from ..runtime.comm_log import CommLog
 from ..runtime.launch import rank_device
-from ..model_sharding.tensor_parallel import make_mlp, param_bytes, parameter_bytes_formula
-from .base import (REGISTRY, CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
-                   expect_type, plain, run_learner_ranks)  # plain: a rank hands back CPU tensors
-
-
-def passes(check, fn) -> bool:
-    """Whether ``fn`` passes ``check`` (quietly): the check cell's verdict on this very function (no second
-    run, no second timeout), else a quiet run."""
-    return check.passed(fn)
-
-
-def _plain(value):  # a returned loss, as plain data the grader can ship
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value)
-    return value if value is None or isinstance(value, (int, float)) else repr(value)[:80]
+from .base import (CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
+                   expect_type, plain, scalar)  # plain: a rank hands back CPU tensors
 
 
 # --- check 9.1: the pipeline step --------------------------------------------------------------------
@@ -38,7 +26,7 @@ def _pipe_rank(rank, world, fn, case):
         loss, stuck = None, str(e)
     except ValueError as e:
         return {"raised": f"ValueError: {e}"}
-    return {"grads": [plain(p.grad) for p in model.parameters()], "loss": _plain(loss), "stuck": stuck,
+    return {"grads": [plain(p.grad) for p in model.parameters()], "loss": scalar(loss), "stuck": stuck,
             "batches": rec.batches, "steps": rec.steps, "clock": rec.clock}
 
 
@@ -82,6 +70,7 @@ def _deadlock(result):
 
 class PipelineStep(RemembersVerdict):
     id, function, points = "9.1", "pipeline_step", 3
+    rank_fn = staticmethod(_pipe_rank)
 
     def cases(self, rng):
         def case(p, n_layers, m, per_micro=None):
@@ -97,9 +86,6 @@ class PipelineStep(RemembersVerdict):
     def describe(self, case):
         return (f"{case['world_size']} rank(s), {case['n_layers']} layers, batch {case['batch']}, "
                 f"n_micro={case['n_micro']}")
-
-    def run(self, fn, case):
-        return run_learner_ranks(_pipe_rank, case["world_size"], fn, case, backend="gloo", timeout=15)
 
     def judge(self, case, result):
         p, n, m, b = case["world_size"], case["n_layers"], case["n_micro"], case["batch"]
@@ -151,7 +137,6 @@ class PipelineStep(RemembersVerdict):
                 2 * m * p})
 
 
-check_9_1 = REGISTRY["9.1"]
 
 
 # --- check 9.2: the tensor-parallel MLP --------------------------------------------------------------
@@ -221,6 +206,7 @@ def _partial(dense, x, gy, rank, world):
 
 class ParallelMLPCheck(RemembersVerdict):
     id, function, points = "9.2", "parallel_mlp", 3
+    rank_fn = staticmethod(_tp_rank)
 
     def cases(self, rng):
         def case(n, bad=False):
@@ -231,9 +217,6 @@ class ParallelMLPCheck(RemembersVerdict):
 
     def describe(self, case):
         return f"{case['world_size']} rank(s), d={case['d']}, h={case['h']}, batch {case['batch']}"
-
-    def run(self, fn, case):
-        return run_learner_ranks(_tp_rank, case["world_size"], fn, case, backend="gloo", timeout=15)
 
     def judge(self, case, result):
         n, d, h = case["world_size"], case["d"], case["h"]
@@ -296,7 +279,6 @@ class ParallelMLPCheck(RemembersVerdict):
             expect_equal(bwd[0], 1, "all_reduce calls per rank in backward (f)")
 
 
-check_9_2 = REGISTRY["9.2"]
 
 
 # --- the script ---------------------------------------------------------------------------------------
@@ -332,5 +314,3 @@ def script(rank, world):
             f"one process: {bool(flags[0])}; tensor-parallel MLP d={d} h={h}: output and gradients equal the dense "
             f"MLP: {bool(flags[1])}; parameter bytes per rank {param_bytes(tp)} "
             f"(formula {parameter_bytes_formula(d, h, world)}, dense {parameter_bytes_formula(d, h, 1)})")
-
-

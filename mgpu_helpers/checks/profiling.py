@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..memory import make_optimizer
 from ..profiling import scenario_inputs, scenario
-from .base import REGISTRY, Check, expect, expect_equal, expect_type, plain
+from .base import Check, expect, expect_equal, expect_type, plain
 
 
 class PeakMemory(Check):
@@ -46,12 +46,9 @@ class PeakPhase(Check):
     may_use = ("mgpu_helpers.runtime.tracker",)  # the task: measure the phases with MemoryTracker
 
     def cases(self, rng):
-        # Fixed kinds, random sizes. Weight-heavy (tiny batch): the optimizer's first step peaks (Adam's two
-        # states, momentum's buffer). Activation-heavy (big batch, narrow layers): backward peaks. Narrow layers
-        # with a batch of 48-64 and plain SGD (no state): backward. Wide layers with a batch of 96-192 and Adam:
-        # the optimizer. So no rule on the batch size alone gives every answer: it has to be measured. Each
-        # answer wins by more than 15% (tests/test_profiling.py), a margin a learner's variant of the step
-        # cannot close.
+        # Fixed kinds, random sizes: weight-heavy steps peak in the optimizer, activation-heavy ones in backward,
+        # narrow layers with plain SGD at a small batch in backward, wide ones with Adam at a larger batch in the
+        # optimizer; so no rule on the batch size alone gives every answer: it has to be measured.
         out = []
         for kind, opt in (("weights", "adam"), ("weights", "momentum"), ("activations", "adam"),
                           ("activations", "sgd"), ("narrow", "sgd"), ("wide", "adam")):
@@ -82,7 +79,3 @@ class PeakPhase(Check):
         expect_equal(result, expected, "the phase where memory peaks",
                      mistakes={"; or ".join(names): value for value, names in wrong.items()},
                      hint="Hint: mark the three phases, then take the one with the largest phase_peaks().")
-
-
-check_2_1 = REGISTRY["2.1"]
-check_2_2 = REGISTRY["2.2"]

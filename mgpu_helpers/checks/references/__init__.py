@@ -4,7 +4,6 @@ for a notebook."""
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
@@ -14,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DistributedSampler
 
 from ...accumulation import no_sync_context
-from ...checkpointing import no_checkpointing, segments
+from ...checkpointing import no_checkpointing, plan_for
 from ...memory import make_optimizer, nbytes
 from ...model_sharding.pipeline import stage_bounds
 from ...model_sharding.tensor_parallel import DenseMLP
@@ -26,13 +25,9 @@ from ...sharding.zero import ceil_div
 # --- 1.1: the training state one real step leaves behind ----------------------------------------------------
 
 def measured_training_state(model: nn.Module, optimizer: str, precision: str, batch: int = 4) -> dict[str, int]:
-    """Take one real training step and count the bytes of what it leaves behind, by category.
-
-    "mixed" is built the way mixed-precision training works without autocast: a bf16 model for
-    forward/backward, an fp32 master copy that the optimizer updates, copied back after the step.
-    The optimizer's ``step`` counter is a 0-d tensor that torch keeps on the CPU even when training
-    on a GPU, so like ``torch.cuda.memory_allocated`` we do not count it.
-    """
+    """The bytes one real training step leaves behind, by category. "mixed": a bf16 model for forward/backward
+    and an fp32 master copy the optimizer updates. The optimizer's 0-d ``step`` counter stays on the CPU even
+    when training on a GPU, so like ``torch.cuda.memory_allocated`` we do not count it."""
     work = model.to(torch.bfloat16 if precision in ("bf16", "mixed") else torch.float32)
     master = [p.detach().float().clone() for p in work.parameters()] if precision == "mixed" else None
     opt = make_optimizer(optimizer, master if master is not None else work.parameters())
@@ -89,26 +84,22 @@ def accumulate(model, loss_fn, inputs, targets, k, skip=no_sync_context) -> floa
     return total
 
 
-# --- 7.1, for the tests and benches: segments under checkpointing, and a plan runner ------------------------
+# --- 7.1, for the tests and benches: a plan runner, and segments of k blocks under checkpointing ------------
 
-def checkpoint_every(blocks, x, k: int, context_fn=None):
-    """Each segment of k blocks under non-reentrant checkpointing.
+def run_plan(blocks, x, plan, context_fn=None):
+    """Run a plan of :func:`plan_for`'s form: [(blocks in the segment, checkpointed?), ...], non-reentrant;
     ``context_fn``: e.g. :func:`selective_context` for selective checkpointing."""
-    for start, stop in segments(len(blocks), k):
-        extra = {} if context_fn is None else {"context_fn": context_fn}
-        # The segment's input is passed as an argument: it is what checkpoint keeps and recomputes from.
-        x = checkpoint(no_checkpointing, blocks[start:stop], x, use_reentrant=False, **extra)
-    return x
-
-
-def run_plan(blocks, x, plan):
-    """Run a plan of :func:`plan_for`'s form: [(blocks in the segment, checkpointed?), ...]."""
-    start = 0
+    start, extra = 0, {} if context_fn is None else {"context_fn": context_fn}
     for n, ck in plan:
-        seg = blocks[start:start + n]
-        x = checkpoint(no_checkpointing, seg, x, use_reentrant=False) if ck else no_checkpointing(seg, x)
+        seg = blocks[start:start + n]  # passed as an argument, with its input: what checkpoint recomputes from
+        x = checkpoint(no_checkpointing, seg, x, use_reentrant=False, **extra) if ck else no_checkpointing(seg, x)
         start += n
     return x
+
+
+def checkpoint_every(blocks, x, k: int, context_fn=None):
+    """Each segment of k blocks under checkpointing."""
+    return run_plan(blocks, x, plan_for(len(blocks), k), context_fn)
 
 
 # --- 8.2's contract, for the tests and the GPU bench: a ZeRO-2 gradient reduce-scatter ----------------------
@@ -122,48 +113,38 @@ def reference_reduce_scatter(params):
     for p in params:
         p.grad = None
     shard = flat.new_empty(n)
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, flat)
+    dist.reduce_scatter_tensor(shard, flat)
     return shard / world
 
 
 # --- 9.1's contract, for the tests, the GPU benches and the script: a GPipe step ----------------------------
 
-@contextlib.contextmanager
-def _busy(timeline, kind, j):
-    t0 = time.perf_counter()  # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
-    yield
-    if timeline is not None:
-        timeline.append((kind, j, t0, time.perf_counter()))
-
-
-def gpipe_step(model: nn.Sequential, inputs, targets, n_micro: int, timeline: list | None = None):
+def gpipe_step(model: nn.Sequential, inputs, targets, n_micro: int):
     """GPipe forward + backward of ``model`` split over the ranks (every rank passes the same model
     and batch; each uses its own stage). Leaves each stage's gradients in its parameters; returns the batch's
-    mean loss on the last rank, None elsewhere. ``timeline`` collects (kind, micro-batch, t0, t1)."""
+    mean loss on the last rank, None elsewhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(inputs) % n_micro:
         raise ValueError(f"n_micro={n_micro} does not divide the batch of {len(inputs)} samples")
     start, end = stage_bounds(len(model), world)[rank]
     stage, first, last = model[start:end], rank == 0, rank == world - 1
     saved, loss = [], 0.0
-    for j, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):  # all forwards...
+    for x, y in zip(inputs.chunk(n_micro), targets.chunk(n_micro)):  # all forwards...
         if not first:
             x = torch.empty_like(x)
             dist.recv(x, src=rank - 1)
             x.requires_grad_()  # its gradient is what we send back
-        with _busy(timeline, "F", j):
-            out = stage(x)
-            out = F.cross_entropy(out, y) / n_micro if last else out  # the micro-batch's share of the mean
+        out = stage(x)
+        out = F.cross_entropy(out, y) / n_micro if last else out  # the micro-batch's share of the mean
         if not last:
             dist.send(out.detach(), dst=rank + 1)
         saved.append((x, out))
-    for j, (x, out) in enumerate(saved):  # ...then all backwards
+    for x, out in saved:  # ...then all backwards
         grad = None
         if not last:
             grad = torch.empty_like(out)
             dist.recv(grad, src=rank + 1)
-        with _busy(timeline, "B", j):
-            out.backward(grad)
+        out.backward(grad)
         loss += out.item() if last else 0.0
         if not first:
             dist.send(x.grad, dst=rank - 1)
