@@ -8,12 +8,11 @@ same rules predicts two figures a sum of tensor sizes cannot:
 
 * **allocated beyond the tensors.** A request is rounded up to 512 bytes, and a free block larger than the
   request is split only if the rest is worth keeping (>= 512 B in the small pool; > 1 MiB in the large
-  pool). An unsplit block counts whole in ``memory_allocated``: up to 1 MiB per large tensor, which on the
-  H200 made ``max_memory_allocated`` 1-3% larger than the tensors it held (bench/plan_gpu.py).
+  pool). An unsplit block counts whole in ``memory_allocated``: up to 1 MiB per large tensor.
 * **reserved.** Requests of <= 1 MiB share 2 MiB segments; 1-10 MiB requests get a 20 MiB segment; larger
   ones a segment of their size rounded to 2 MiB. Segments are never given back while the program runs, and
   a free block is reused only for a request it can hold (best fit), so the reserve is whatever the order of
-  requests left behind -- 3% to 26% above the allocated peak on the H200 for the same family of models.
+  requests left behind.
 
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` changes both rules: one segment per pool grows by
 mapping pages (20 MiB in the large pool, 2 MiB in the small one), and any block splits -- nothing unsplit
@@ -69,10 +68,8 @@ class CachingAllocator:
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
     # ---- free blocks: best fit = the smallest that holds the request, then the lowest address ---------
-    # The address decides between free blocks of one size, and that choice decides what is left beside
-    # them: on the H200 (torch 2.11) cudaMalloc gave each new segment a lower address than the one before,
-    # and replaying a step's real requests with segments so ordered gave its max_memory_reserved to the
-    # byte; ordered the other way, 15% less for one checkpointed step (bench/hf_alloc_diag.py).
+    # The address decides between free blocks of one size: cudaMalloc gives each new segment a lower address
+    # than the one before (so replayed, a real step's requests gave its max_memory_reserved to the byte).
     def _insert(self, small, b):
         b.free = True
         insort(self._pools[small], (b.size, b.seg, b.off))
@@ -155,9 +152,8 @@ class CachingAllocator:
         return left
 
 
-# A real run's steady step comes after the segments stop growing: the first step makes Adam's state and
-# the cuBLAS workspaces, and the order of a step's requests can leave a free block too small for the same
-# request one step later (a logits-sized block beside a smaller one), so a second step may add a segment.
+# A real run's steady step comes after the segments stop growing: the order of a step's requests can leave
+# a free block too small for the same request one step later, so a second step may add a segment.
 MAX_WARM_UP = 4
 
 

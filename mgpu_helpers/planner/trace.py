@@ -1,19 +1,16 @@
 """Tracing one training step under fake tensors: the planner's measurement (notebook 11).
 
 ``trace_step`` builds the model under ``FakeTensorMode`` -- tensors with shapes, dtypes and devices but no
-data -- and runs one steady-state training step (:func:`train_step`, the same code a real run uses)
-under :class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at fake storages. Nothing
-real is allocated, so a 7B-parameter step traces on a laptop in seconds.
-
-The device is the machine's: fake CUDA tensors need a CUDA build (on a CPU build their in-place ops and
-CUDA autocast refuse), and CPU and CUDA autocast cast a few ops differently, so the planner traces
-``"cuda"`` where CUDA is available and ``"cpu"`` elsewhere (``device=`` overrides). On CUDA, Adam's
-``step`` counters are CPU tensors, which the GPU allocator does not hold: not counted there.
+data -- and runs one steady-state training step (:func:`train_step`, the same code a real run uses) under
+:class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at fake storages: nothing real is
+allocated. The device is ``"cuda"`` where CUDA is available, else ``"cpu"`` (``device=`` overrides): fake
+CUDA tensors need a CUDA build. On CUDA, Adam's ``step`` counters are CPU tensors: not counted there.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 from torch import nn
@@ -32,8 +29,6 @@ _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")  # AdamW: Adam's two moments, the decay applied to the weights
 FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the byte (tests/test_planner_fsdp.py)
 
-
-# --- the step, real or fake ------------------------------------------------------------------------
 
 class Checkpointed(nn.Module):
     """A block whose forward runs under non-reentrant activation checkpointing."""
@@ -123,8 +118,6 @@ def train_step(model, opt, batch, loss_fn, *, precision="fp32", micro_batches=1,
     return loss
 
 
-# --- the trace -----------------------------------------------------------------------------------------
-
 @dataclass
 class Trace:
     """One unsharded step, traced: the tracker's timeline as a (samples x categories) table with each
@@ -167,16 +160,10 @@ def _fake_batch(batch, device):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in batch)  # shapes only: fake
 
 
-@contextlib.contextmanager
 def _reassigning_apply():
     """``Module.to``/``.float()`` inside a model's constructor (families that keep a layer in fp32) by
     :func:`retensor`'s reassignment: ``Module._apply`` swaps fake tensors, which the fake mode refuses."""
-    original = nn.Module._apply
-    nn.Module._apply = lambda self, fn, recurse=True: retensor(self, fn, recurse)
-    try:
-        yield
-    finally:
-        nn.Module._apply = original
+    return mock.patch.object(nn.Module, "_apply", lambda self, fn, recurse=True: retensor(self, fn, recurse))
 
 
 def _check_fake(model):
@@ -202,11 +189,9 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
                checkpointing=False, device=None, round_to=None, fsdp=None, kernels=None) -> Trace:
     """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors.
     ``fsdp``: ``dict(world_size=, rank=, **planner.fsdp.apply_fsdp options)`` traces that rank's step of
-    the model wrapped by FSDP2 in a fake process group instead (``planner.fsdp``): two steps, the second
-    counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run).
-    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): for "cuda", the attention
-    kernel a GPU would choose (``planner.cuda``) and its kernels' scratch (cuDNN's workspace, flash
-    attention's buffers) -- ``mgpu-plan`` traces on any machine and plans for a GPU."""
+    the model wrapped by FSDP2 in a fake process group instead (``planner.fsdp``), the second step counted.
+    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): "cuda" plans a GPU's kernels
+    and their scratch on any host (``planner.cuda``)."""
     if kernels not in (None, "cpu", "cuda"):
         raise ValueError(f"kernels must be None, 'cpu' or 'cuda', got {kernels!r}")
     source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
