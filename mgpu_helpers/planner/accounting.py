@@ -16,7 +16,7 @@ import math
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.tracker import MemoryTracker
+from ..runtime.tracker import MemoryTracker, _Rec
 
 class FakeTracker(MemoryTracker):
     """Enter it inside the ``FakeTensorMode`` that made the model."""
@@ -42,7 +42,7 @@ class FakeTracker(MemoryTracker):
         if self._active and self.kernels == "cuda" and func in _GPU_SCRATCH:
             extra = -(-_GPU_SCRATCH[func](func, args) // self.round_to) * self.round_to
             if extra:  # taken and given back inside the op: a transient sample, labelled "other"
-                rec = _Scratch()
+                rec = _Rec()  # bytes no tensor owns: an event of its own for planner.allocator
                 rec.cat, rec.nbytes = "other", extra
                 with self._lock:
                     self._ws_now = extra if func in _CONVS else 0  # the budget's cuDNN line: convolutions'
@@ -55,10 +55,6 @@ class FakeTracker(MemoryTracker):
         super()._sample()
         if self._peak_idx == len(self._timeline) - 1:
             self.workspace_at_peak = self._ws_now
-
-
-class _Scratch:  # a kernel's scratch: bytes no tensor owns (an event key for planner_allocator)
-    __slots__ = ("cat", "nbytes")
 
 
 # cuDNN's workspace inside one GPU convolution, from its largest activation (input or output, in the dtype it

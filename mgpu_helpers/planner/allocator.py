@@ -58,8 +58,7 @@ class CachingAllocator:
     def __init__(self, expandable: bool = False):
         self.expandable = expandable
         self._pools = {True: [], False: []}   # small? -> sorted [(size, seg, off)] of free blocks
-        self._free = {}                         # (seg, off) -> free block
-        self._live = {}                         # key -> allocated block
+        self._free, self._live = {}, {}         # (seg, off) -> free block; key -> allocated block
         self._tail = {}                         # expandable: small? -> the segment's last block
         self._segs = 0
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
@@ -158,15 +157,11 @@ MAX_WARM_UP = 4
 
 
 def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
-    """Replay a traced step (``Trace.events``) through :class:`CachingAllocator`, as a run would make it:
-    the batch first, then what was live at the step's entry (parameters and buffers; the optimizer's state
-    is made inside the first step, at its first ``step`` event), cuBLAS's ``workspaces`` at the first
-    forward and the first backward event, one step (the warm-up) and more while they add a segment (at
-    most :data:`MAX_WARM_UP` in all), peaks reset, and the same step again.
-
-    ``events``: ``(key, delta, seed, phase, category)`` in order -- a storage's size changing by ``delta``
-    (FSDP2's ``resize_`` frees and re-allocates). Returns the measured step's ``peak_allocated`` and
-    ``peak_reserved``, and ``exact_peak``: the same requests summed unrounded (what the trace counts)."""
+    """Replay a traced step (``Trace.events``: ``(key, delta, seed, phase, category)`` in order) through
+    :class:`CachingAllocator` as a run would make it: the batch, what was live at the step's entry (the
+    optimizer's state is made inside the first step), cuBLAS's ``workspaces`` at the first forward and the
+    first backward, warm-up steps while they add a segment, peaks reset, and the same step again. Returns
+    its ``peak_allocated``, ``peak_reserved`` and ``exact_peak`` (the requests summed unrounded)."""
     alloc = CachingAllocator(expandable)
     for i, n in enumerate(batch):
         alloc.malloc(("batch", i), n)
@@ -229,13 +224,9 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
 
 
 def replay_recorded(events, reset_at: int = 0, expandable: bool = False) -> dict:
-    """The rules above over a real GPU run's requests, to hold them against what that run measured.
-
-    ``events``: ``(action, address, size)`` in order, as ``torch.cuda.memory._record_memory_history`` then
-    ``torch.cuda.memory._snapshot()["device_traces"][0]`` give them (``alloc`` and ``free_completed`` are
-    used; an address is reused only after its free). Peaks are reset at event ``reset_at`` (where the
-    measured step began). Returns ``peak_allocated`` and ``peak_reserved`` (``max_memory_allocated`` and
-    ``max_memory_reserved`` of that run, when the rules hold)."""
+    """The rules above over a real GPU run's requests (``(action, address, size)`` in order, from
+    ``torch.cuda.memory._snapshot()["device_traces"][0]``), peaks reset at event ``reset_at``: its
+    ``peak_allocated`` and ``peak_reserved``, to hold against what that run measured."""
     alloc, live = CachingAllocator(expandable), {}
     for i, (action, addr, size) in enumerate(events):
         if i == reset_at:
