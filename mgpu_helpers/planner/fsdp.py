@@ -90,19 +90,6 @@ def step_on_shards(opt) -> None:
     opt.step, opt.zero_grad = step_, zero_grad_
 
 
-def _fsdp_storages(model):
-    """Every tensor FSDP2 keeps for its unsharded parameters (all-gather outputs, unsharded parameters)."""
-    out = []
-    for m in model.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        group = state()._fsdp_param_group if state is not None else None
-        for fp in group.fsdp_params if group is not None else ():
-            out += list(getattr(fp, "all_gather_outputs", []))
-            if hasattr(fp, "_unsharded_param"):
-                out.append(fp._unsharded_param)
-    return out
-
-
 class FSDPFakeTracker(FakeTracker):
     """The fake-storage tracker, also counting FSDP2's unsharded storages from entry: FSDP2 frees them with
     ``resize_(0)`` and re-grows them the same way each step, which no op creates (the dispatcher never
@@ -111,10 +98,13 @@ class FSDPFakeTracker(FakeTracker):
     def __enter__(self):
         super().__enter__()
         with self._lock:
-            for t in _fsdp_storages(self.model):
-                st = t.untyped_storage()
-                if st._cdata not in self._recs:
-                    self._add(st, "parameters")
+            for m in self.model.modules():  # FSDP2's all-gather outputs and unsharded parameters
+                state = getattr(m, "_get_fsdp_state", None)
+                group = state()._fsdp_param_group if state is not None else None
+                for fp in group.fsdp_params if group is not None else ():
+                    for t in [*getattr(fp, "all_gather_outputs", []), getattr(fp, "_unsharded_param", None)]:
+                        if t is not None and t.untyped_storage()._cdata not in self._recs:
+                            self._add(t.untyped_storage(), "parameters")
         return self
 
 

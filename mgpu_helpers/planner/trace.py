@@ -78,14 +78,12 @@ def retensor(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
 
 def make_optimizer(model: nn.Module, optimizer: str = "adam"):
     """The optimizer the planner assumes: CUDA's default foreach implementation, whatever the machine."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     params = [p for p in model.parameters() if p.requires_grad]
-    if optimizer == "adam":
-        return torch.optim.Adam(params, lr=1e-3, foreach=True)
-    if optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    if optimizer in ("sgd", "momentum"):
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if optimizer == "momentum" else 0.0, foreach=True)
-    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if optimizer in ("adam", "adamw"):
+        return (torch.optim.Adam if optimizer == "adam" else torch.optim.AdamW)(params, lr=1e-3, foreach=True)
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if optimizer == "momentum" else 0.0, foreach=True)
 
 
 def warm_up(model: nn.Module, opt) -> None:
