@@ -173,7 +173,6 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
            conv_workspace_bytes: int | None = None, activation_bytes: int = 0,
            gpu: str | None = MEASURED_ON) -> DeviceBudget:
     """The device total of one rank whose tensors peak at ``tensor_peak`` bytes (a planner figure).
-
     ``conv_activation_bytes``: the largest activation (input or output) of any convolution in its compute
     dtype, 0 for a model without convolutions -- it also selects the conv nets' allocator reserve.
     ``allocator``: "default" or "expandable" (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).

@@ -236,8 +236,7 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
         retensor(model, lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t)
         if precision == "bf16":
             retensor(model, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
-        if precision == "bf16" and x.is_floating_point():
-            x = x.to(torch.bfloat16)
+            x = x.to(torch.bfloat16) if x.is_floating_point() else x
         if checkpointing:
             apply_checkpointing(model)
         step_precision, tracker = precision, FakeTracker
@@ -267,11 +266,9 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
                      state_sizes=[size for sizes in per_param for size in sizes],
                      grad_bytes_per_elem=params[0].element_size() if params else 4, param_state_sizes=per_param,
                      unit_numel=unit_numel, n_params=n_params)
-    trace = Trace(  # outside the fake mode: a real tensor
+    return Trace(  # outside the fake mode: a real tensor
         timeline=torch.tensor([[s[2][c] for c in CATEGORIES] for s in mt.timeline], dtype=torch.int64),
         phases=[s[0] for s in mt.timeline], round_to=round_to, **sizes,
         config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
-                    checkpointing=checkpointing, device=device.type))
-    trace.tracker_peak = (mt.peak_bytes, mt.peak_breakdown())
-    trace.events, trace.workspace_at_peak = mt.events, mt.workspace_at_peak
-    return trace
+                    checkpointing=checkpointing, device=device.type),
+        tracker_peak=(mt.peak_bytes, mt.peak_breakdown()), events=mt.events, workspace_at_peak=mt.workspace_at_peak)
