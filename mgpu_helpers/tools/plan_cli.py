@@ -55,7 +55,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv):
     ap = _Parser(prog="mgpu-plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("model", help="built-in name, Hugging Face config.json or model directory, or module:function")
     ap.add_argument("--batch", type=int, default=1, help="samples per GPU per step, split into micro-batches (1)")
     ap.add_argument("--seq", type=int, help="tokens per sample, for models that take tokens (1024)")
@@ -116,15 +116,17 @@ def settings(a):
     for p in precisions:
         if p not in TRACED_LAYOUTS:
             raise PlanInputError(f"--precision {p!r}: one of {', '.join(TRACED_LAYOUTS)} or all")
+    bf16_asked = no_bf16 and any(p.startswith("bf16") for p in precisions)  # only when asked: fp16 by default there
     notes = [f"{gpu_name} ({arch}) has no native bf16: its bf16 rows run emulated, without tensor cores (train in "
-             "fp16-autocast with a GradScaler there)"] if no_bf16 and any(p.startswith("bf16") for p in precisions) else []
+             "fp16-autocast with a GradScaler there)"] if bf16_asked else []
     if any(v.strip() not in [str(z) for z in ZERO_STAGES] for v in a.zero.split(",")):
         raise PlanInputError(f"--zero {a.zero!r}: stages among 0,1,2,3")
     if a.moe_imbalance < 1:
         raise PlanInputError(f"--moe-imbalance {a.moe_imbalance:g}: a factor >= 1 of the even share (1: balanced)")
     return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, gpu_key=gpu_key, micro=micro,
                 notes=notes, precisions=precisions, stages=sorted({int(v) for v in a.zero.split(",")}),
-                gpus=_ints(a.gpus, "--gpus"), ckpt={"both": [False, True], "on": [True], "off": [False]}[a.checkpointing])
+                gpus=_ints(a.gpus, "--gpus"),
+                ckpt={"both": [False, True], "on": [True], "off": [False]}[a.checkpointing])
 
 
 def watch_convs(model_fn, seen):
