@@ -27,7 +27,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
-from torch.utils._pytree import tree_map_only
 
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 _HALF = (torch.float16, torch.bfloat16)
@@ -241,8 +240,12 @@ CUDA_AUTOCAST_FP32_DTYPE = frozenset("prod softmax log_softmax cumprod cumsum su
 _ALIASES = {"__pow__": "pow", "__rpow__": "pow", "__rtruediv__": "reciprocal", "__rdiv__": "reciprocal"}
 
 
-def _fp32(t):
-    return t.float() if t.dtype in _HALF else t
+def _cast(x, dtype):
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.dtype in _HALF else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast(t, dtype) for t in x)
+    return x
 
 
 @functools.cache
@@ -272,7 +275,7 @@ class CudaKernels(TorchFunctionMode):
                 or not torch.is_autocast_enabled(first.device.type):
             return func(*args, **kwargs)
         if name in CUDA_AUTOCAST_FP32:
-            args, kwargs = tree_map_only(torch.Tensor, _fp32, (args, kwargs))
+            args, kwargs = _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
         elif first.is_floating_point() and kwargs.get("dtype") is None \
                 and not any(isinstance(a, torch.dtype) for a in args):
             kwargs = {**kwargs, "dtype": torch.float32}
