@@ -2,18 +2,14 @@
 
     plan(model_fn, batch, loss_fn=..., precision="bf16-autocast", zero_stage=3, world_size=8)
 
-plans what torch runs at each ZeRO stage in a named memory layout (``layouts``). Its clients are ``mgpu-plan``
-(``tools/plan_cli``, ``tools/plan_sources``), notebook 11 (its face: ``mgpu_helpers.capstone``), notebook 12
-(``fsdp_practice.plan_knobs``) and the benches.
-
-**Data flows one way: trace -> plan -> budget -> report.** Each module imports only those above it:
+Its clients are ``mgpu-plan`` (``tools/plan_cli``), notebook 11 (``mgpu_helpers.capstone``), notebook 12
+(``fsdp_practice.plan_knobs``) and the benches. **Data flows one way: trace -> plan -> budget -> report.**
+Each module imports only those above it:
 
 =================  ==========================================================================================
-``accounting``     ``FakeTracker``: the course's ``MemoryTracker`` over fake storages (on the CPU the tracker's
-                   figure to the byte), plus a GPU kernel's workspace inside one op when planning for a GPU
+``accounting``     ``FakeTracker``: the course's ``MemoryTracker`` over fake storages, plus GPU kernels' scratch
 ``cuda``           CUDA-faithful kernels on any host (attention backends, fused RMSNorm, CUDA autocast lists)
 ``dynamic``        data-dependent ops (``.item()``, ``nonzero``) answered with stated representative values
-                   (mixture-of-experts routing: balanced, or ``--moe-imbalance``), where fake tensors refuse
 ``fsdp``           FSDP2 itself on the fake model in a fake process group (stage 3: run, not ruled)
 ``trace``          one steady training step under ``FakeTensorMode`` (:func:`trace_step`, :func:`train_step`)
 ``layouts``        the memory layouts and ZeRO/FSDP shard arithmetic: each rank's timeline from a trace
@@ -22,10 +18,8 @@ plans what torch runs at each ZeRO stage in a named memory layout (``layouts``).
 ``budget``         what a GPU holds beyond the tensors: context, workspaces, allocator, NCCL (``mgpu-plan``)
 ``validation``     the plan held against the tracker on real ranks (and what the CPU allocator saw beside it)
 ``models``         the models it is held against (Llama-shaped decoders, conv nets, tied+frozen)
-``parallel``       TP(+SP), pipeline stages (GPipe, 1F1B), HSDP / FSDP2 x TP on one mesh: each rank's step run
-                   on fake ranks, equal to the tracker on real ones (``plan_layout``)
-``search``         the layout search at scale (70B/405B): per-rank peak and traffic by arithmetic (``mgpu-plan
-                   --tp/--pp/--cp/--dp-replicate --global-batch``)
+``parallel``       TP(+SP), pipeline stages, HSDP / FSDP2 x TP: each rank's step on fake ranks (``plan_layout``)
+``search``         the layout search at scale (70B/405B) by arithmetic (``mgpu-plan --tp/--pp/--global-batch``)
 =================  ==========================================================================================
 """
 from .layouts import LAYOUTS, METHOD, OPTIONS, ZERO_STAGES, rank_timeline

@@ -3,14 +3,11 @@ step, and, for a GPU's kernels, the calibrated lines for what no tensor owns (th
 
 ``MemoryTracker`` counts storages on its device, and a fake tensor's storage lives on ``meta`` whatever device
 the tensor claims, so the tracker sees nothing under a fake mode. ``FakeTracker`` counts meta storages of
-tensors that claim the planned device -- same categories, same rules, same 512-byte rounding -- which is why
-a CPU plan equals the tracker on a real step, on every CPU. It records the allocator's requests in order
-(``events``: what ``planner.allocator.replay`` replays) and, planning a GPU's kernels (``kernels="cuda"``),
-adds what a kernel borrows inside one op as a transient: each convolution's cuDNN workspace
-(:func:`cudnn_workspace`) and flash attention's backward buffers, calibrated on the H200. A CPU kernel's
-scratch (oneDNN's) is the CPU allocator's business, not the plan's: it depends on the CPU.
-
-The lowest layer of the planner: it imports the runtime's tracker; ``trace`` and ``fsdp`` build on it.
+tensors that claim the planned device -- same categories, same rules, same rounding -- which is why a CPU
+plan equals the tracker on a real step. It records the allocator's requests in order (``events``, for
+``planner.allocator.replay``) and, planning a GPU's kernels (``kernels="cuda"``), adds what a kernel borrows
+inside one op as a transient: cuDNN's workspace and flash attention's backward buffers. A CPU kernel's
+scratch (oneDNN's) depends on the CPU: it is the CPU allocator's business, not the plan's.
 """
 from __future__ import annotations
 
@@ -19,9 +16,7 @@ import math
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.tracker import MemoryTracker
-
-# --- accounting over fake storages -------------------------------------------------------------------
+from ..runtime.tracker import MemoryTracker, _Rec
 
 class FakeTracker(MemoryTracker):
     """Enter it inside the ``FakeTensorMode`` that made the model."""
@@ -47,7 +42,7 @@ class FakeTracker(MemoryTracker):
         if self._active and self.kernels == "cuda" and func in _GPU_SCRATCH:
             extra = -(-_GPU_SCRATCH[func](func, args) // self.round_to) * self.round_to
             if extra:  # taken and given back inside the op: a transient sample, labelled "other"
-                rec = _Scratch()
+                rec = _Rec()  # bytes no tensor owns: an event of its own for planner.allocator
                 rec.cat, rec.nbytes = "other", extra
                 with self._lock:
                     self._ws_now = extra if func in _CONVS else 0  # the budget's cuDNN line: convolutions'
@@ -62,18 +57,9 @@ class FakeTracker(MemoryTracker):
             self.workspace_at_peak = self._ws_now
 
 
-class _Scratch:  # a kernel's scratch: bytes no tensor owns (an event key for planner_allocator)
-    __slots__ = ("cat", "nbytes")
-
-
-# cuDNN's workspace, taken and given back inside one convolution on a GPU, from the convolution's largest
-# activation (input or output, in the dtype it runs in). Measured op by op on the H200 (torch 2.11+cu130,
-# cuDNN's default heuristics; bench/planner_gpu_diag.py conv): ResNet-50's 212 convolutions at batch
-# 64 x 224^2, forward and backward, fp32 and bf16 autocast + checkpointing. The workspace ranges from 0
-# (1x1 convolutions on large maps) to 1.54x the largest activation (a strided 1x1's backward: 302.0 MiB
-# for 196 MiB), and small convolutions add up to ~23 MiB (a 3x3's backward at 7x7: 29.5 MiB for 6.1 MiB).
-# The plan takes the envelope of all 212: at least what any of them took (an under-estimate is the
-# dangerous direction; the over-estimate is largest on the small ones, where it is a few MiB of a step).
+# cuDNN's workspace inside one GPU convolution, from its largest activation (input or output, in the dtype it
+# runs in): the envelope of ResNet-50's convolutions measured op by op (bench/planner_gpu_diag.py conv), at
+# least what any of them took (an under-estimate is the dangerous direction).
 CUDNN_WORKSPACE_FRACTION, CUDNN_WORKSPACE_EXTRA = 1.55, 26 * 2**20
 
 
@@ -81,8 +67,7 @@ def flash_backward_workspace(func, args) -> int:
     """Bytes flash attention's backward takes and frees inside the op on a GPU (mha_bwd, torch's
     flash_api.cpp): dq_accum (batch, query length rounded to 128, heads, head size rounded to 32) and
     softmax_d (batch, heads, rounded length) in fp32, and with fewer key/value heads than query heads dk and
-    dv at the query's head count before they are summed -- one block, as the H200 recorded it: 17,039,616 B
-    at 4 x 1024 tokens, 16 heads of 64; 33,816,832 B with 2 key/value heads (bench/hf_alloc_diag.py)."""
+    dv at the query's head count before they are summed -- one block, as a GPU records it."""
     q, k = args[1], args[2]
     b, h, lq, d = q.shape
     lq_r, d_r = -(-lq // 128) * 128, -(-d // 32) * 32

@@ -8,12 +8,11 @@ same rules predicts two figures a sum of tensor sizes cannot:
 
 * **allocated beyond the tensors.** A request is rounded up to 512 bytes, and a free block larger than the
   request is split only if the rest is worth keeping (>= 512 B in the small pool; > 1 MiB in the large
-  pool). An unsplit block counts whole in ``memory_allocated``: up to 1 MiB per large tensor, which on the
-  H200 made ``max_memory_allocated`` 1-3% larger than the tensors it held (bench/plan_gpu.py).
+  pool). An unsplit block counts whole in ``memory_allocated``: up to 1 MiB per large tensor.
 * **reserved.** Requests of <= 1 MiB share 2 MiB segments; 1-10 MiB requests get a 20 MiB segment; larger
   ones a segment of their size rounded to 2 MiB. Segments are never given back while the program runs, and
   a free block is reused only for a request it can hold (best fit), so the reserve is whatever the order of
-  requests left behind -- 3% to 26% above the allocated peak on the H200 for the same family of models.
+  requests left behind.
 
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` changes both rules: one segment per pool grows by
 mapping pages (20 MiB in the large pool, 2 MiB in the small one), and any block splits -- nothing unsplit
@@ -59,8 +58,7 @@ class CachingAllocator:
     def __init__(self, expandable: bool = False):
         self.expandable = expandable
         self._pools = {True: [], False: []}   # small? -> sorted [(size, seg, off)] of free blocks
-        self._free = {}                         # (seg, off) -> free block
-        self._live = {}                         # key -> allocated block
+        self._free, self._live = {}, {}         # (seg, off) -> free block; key -> allocated block
         self._tail = {}                         # expandable: small? -> the segment's last block
         self._segs = 0
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
@@ -69,10 +67,8 @@ class CachingAllocator:
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
     # ---- free blocks: best fit = the smallest that holds the request, then the lowest address ---------
-    # The address decides between free blocks of one size, and that choice decides what is left beside
-    # them: on the H200 (torch 2.11) cudaMalloc gave each new segment a lower address than the one before,
-    # and replaying a step's real requests with segments so ordered gave its max_memory_reserved to the
-    # byte; ordered the other way, 15% less for one checkpointed step (bench/hf_alloc_diag.py).
+    # The address decides between free blocks of one size: cudaMalloc gives each new segment a lower address
+    # than the one before (so replayed, a real step's requests gave its max_memory_reserved to the byte).
     def _insert(self, small, b):
         b.free = True
         insort(self._pools[small], (b.size, b.seg, b.off))
@@ -155,22 +151,17 @@ class CachingAllocator:
         return left
 
 
-# A real run's steady step comes after the segments stop growing: the first step makes Adam's state and
-# the cuBLAS workspaces, and the order of a step's requests can leave a free block too small for the same
-# request one step later (a logits-sized block beside a smaller one), so a second step may add a segment.
+# A real run's steady step comes after the segments stop growing: the order of a step's requests can leave
+# a free block too small for the same request one step later, so a second step may add a segment.
 MAX_WARM_UP = 4
 
 
 def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
-    """Replay a traced step (``Trace.events``) through :class:`CachingAllocator`, as a run would make it:
-    the batch first, then what was live at the step's entry (parameters and buffers; the optimizer's state
-    is made inside the first step, at its first ``step`` event), cuBLAS's ``workspaces`` at the first
-    forward and the first backward event, one step (the warm-up) and more while they add a segment (at
-    most :data:`MAX_WARM_UP` in all), peaks reset, and the same step again.
-
-    ``events``: ``(key, delta, seed, phase, category)`` in order -- a storage's size changing by ``delta``
-    (FSDP2's ``resize_`` frees and re-allocates). Returns the measured step's ``peak_allocated`` and
-    ``peak_reserved``, and ``exact_peak``: the same requests summed unrounded (what the trace counts)."""
+    """Replay a traced step (``Trace.events``: ``(key, delta, seed, phase, category)`` in order) through
+    :class:`CachingAllocator` as a run would make it: the batch, what was live at the step's entry (the
+    optimizer's state is made inside the first step), cuBLAS's ``workspaces`` at the first forward and the
+    first backward, warm-up steps while they add a segment, peaks reset, and the same step again. Returns
+    its ``peak_allocated``, ``peak_reserved`` and ``exact_peak`` (the requests summed unrounded)."""
     alloc = CachingAllocator(expandable)
     for i, n in enumerate(batch):
         alloc.malloc(("batch", i), n)
@@ -233,13 +224,9 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
 
 
 def replay_recorded(events, reset_at: int = 0, expandable: bool = False) -> dict:
-    """The rules above over a real GPU run's requests, to hold them against what that run measured.
-
-    ``events``: ``(action, address, size)`` in order, as ``torch.cuda.memory._record_memory_history`` then
-    ``torch.cuda.memory._snapshot()["device_traces"][0]`` give them (``alloc`` and ``free_completed`` are
-    used; an address is reused only after its free). Peaks are reset at event ``reset_at`` (where the
-    measured step began). Returns ``peak_allocated`` and ``peak_reserved`` (``max_memory_allocated`` and
-    ``max_memory_reserved`` of that run, when the rules hold)."""
+    """The rules above over a real GPU run's requests (``(action, address, size)`` in order, from
+    ``torch.cuda.memory._snapshot()["device_traces"][0]``), peaks reset at event ``reset_at``: its
+    ``peak_allocated`` and ``peak_reserved``, to hold against what that run measured."""
     alloc, live = CachingAllocator(expandable), {}
     for i, (action, addr, size) in enumerate(events):
         if i == reset_at:

@@ -1,23 +1,14 @@
 """What a GPU must hold beyond a training step's tensors -- the lines between "planned peak" and "fits".
 
 The planner (``planner.plan``) gives the peak of the bytes that *tensors* hold. A device that runs the step
-also holds, per process (rank):
+also holds, per process (rank): kernel workspaces (cuBLAS's, cuDNN's convolution workspace), allocated
+through the caching allocator but owned by no tensor; the caching allocator's rounding and reserve
+(``planner.allocator`` replays the traced step's requests through its rules; without a trace, notebook 11's
+calculator, the reserve is a calibrated fraction); the CUDA context; and NCCL's buffers on N > 1 GPUs.
 
-  * **kernel workspaces** -- allocated through PyTorch's caching allocator, so inside
-    ``max_memory_allocated``, but owned by no tensor, so invisible to a fake-tensor trace: cuBLAS's
-    workspaces (:data:`CUBLAS_WORKSPACE`) and cuDNN's convolution workspaces (one convolution runs at a
-    time, so the largest counts);
-  * **the caching allocator's rounding and reserve**: ``planner.allocator`` replays the traced step's
-    requests through the allocator's rules (the "allocator rounding" and "allocator reserve" lines);
-    without a trace (notebook 11's calculator) the reserve is a calibrated fraction;
-  * **the CUDA context** (driver state, kernels of torch, cuBLAS and cuDNN loaded), used before any tensor;
-  * **NCCL's buffers** when the process group spans N > 1 GPUs (channels' buffers per peer).
-
-Each line says where its figure comes from (:data:`SOURCES`). Figures measured on the H200 of this course
-(torch 2.11.0+cu130, driver 580.159.04; README's notebook 02 row);
-``bench/plan_gpu.py`` re-measures every line on a GPU and prints what to set here. Where a figure is a
-range, the upper end is used: an under-estimate is the dangerous direction (the plan says "fits", the run
-dies).
+Each line says where its figure comes from (:data:`SOURCES`): measured on the H200 of this course, re-measured
+by ``bench/plan_gpu.py``. Where a figure is a range, the upper end is used: an under-estimate is the
+dangerous direction (the plan says "fits", the run dies).
 """
 from __future__ import annotations
 
@@ -46,30 +37,17 @@ GPUS = {
 # Architectures without bf16 units (compute capability < 8.0): bf16 runs there emulated, without tensor cores.
 NO_NATIVE_BF16 = ("volta", "turing")
 
-# --- calibrated figures (the H200 of this course unless said otherwise) -------------------------------
-CONTEXT_BYTES = 768 * MiB           # CUDA context + cuBLAS/cuDNN loaded: used minus reserved, 747.6-767.6 MiB
-NCCL_BYTES = 558 * MiB               # one NCCL process group's buffers, unseen by torch's counters
-# cuBLAS's workspace per handle and stream (torch's CUBLAS_WORKSPACE_CONFIG defaults); a training step has two
-# handles, the forward's thread and autograd's backward thread: 64 MiB measured on the H200, on each of 2 and 4 ranks
-CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}
-# cuDNN convolution workspace as a fraction of the largest convolution's largest activation (input or
-# output, in its compute dtype). Measured on the H200: ~112 MB (fp32) / ~62 MB (bf16) at batch 64 x 224^2, where a
-# ResNet stem's output is 64x64x112x112 (205.5 MB fp32, 102.8 MB bf16): 0.55 and 0.60 -> 0.60.
-CONV_WORKSPACE_FRACTION = 0.60
-# Caching allocator's reserve above the allocated peak, as a fraction of it (H200: transformer steps
-# +2% to +27%, a conv net +14% to +48%; the upper ends). With expandable segments: not yet measured here,
-# assumed 2 MiB page rounding per segment plus 2% (bench/plan_gpu.py --expandable measures it).
+# --- calibrated figures: what each is and where it was measured, :data:`SOURCES` -----------------------
+CONTEXT_BYTES = 768 * MiB
+NCCL_BYTES = 558 * MiB
+CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}  # per handle (torch's defaults)
+CONV_WORKSPACE_FRACTION = 0.60  # of the largest convolution's largest activation, in its compute dtype
 RESERVE_FRACTION = {("default", "transformer"): 0.27, ("default", "conv"): 0.48,
                     ("expandable", "transformer"): 0.02, ("expandable", "conv"): 0.02}
 EXPANDABLE_PAGE = 2 * MiB
-# The replay (planner.allocator) against the H200's measured reserve (max reserved - max allocated; torch 2.11,
-# bench/plan_gpu.py, plans traced on a CPU): transformer rows within 0.7 points of the allocated peak
-# (default allocator; expandable: 1.0), so a margin of that size keeps "fits" on the safe side, its own line.
-# Conv nets under the default allocator reserve more than the replay finds (ResNet-50 fp32 / bf16 / batch
-# 16: 18.3 / 14.8 / 9.1% of the allocated peak where 8.0 / 4.8 / 2.5% were replayed; ConvNeXt-Tiny fp32:
-# 17.1 where 7.8): the segments are made in the first step, whose cuDNN workspaces are not the steady
-# step's (no segment grew in the second, measured op by op). Measured, that reserve is 0.12-0.20x the
-# bytes of activations (and other temporaries) at the peak: the plan takes at least the upper end.
+# The replay misses part of a conv net's reserve under the default allocator: the segments are made in the
+# first step, whose cuDNN workspaces are not the steady step's; measured, that reserve scales with the
+# activations at the peak.
 REPLAY_MARGIN = {"default": 0.01, "expandable": 0.015}
 CONV_RESERVE_OF_ACTIVATIONS = 0.20
 
@@ -195,7 +173,6 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
            conv_workspace_bytes: int | None = None, activation_bytes: int = 0,
            gpu: str | None = MEASURED_ON) -> DeviceBudget:
     """The device total of one rank whose tensors peak at ``tensor_peak`` bytes (a planner figure).
-
     ``conv_activation_bytes``: the largest activation (input or output) of any convolution in its compute
     dtype, 0 for a model without convolutions -- it also selects the conv nets' allocator reserve.
     ``allocator``: "default" or "expandable" (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).

@@ -1,34 +1,28 @@
 """What a GPU runs differently from a CPU, chosen on any host (the planner's fake trace, ``kernels="cuda"``).
 
-Some of torch's functions pick their kernels by device, and what a kernel keeps for backward differs. A
-plan traced on a CPU would follow the CPU's choices, not a GPU's. Measured on the H200 (torch 2.11), these
-made the difference:
+Some of torch's functions pick their kernels by device, and what a kernel keeps for backward differs, so a
+plan traced on a CPU would follow the CPU's choices, not a GPU's:
 
 - ``F.scaled_dot_product_attention``: a fused kernel (flash, cuDNN, memory-efficient) saves its output and
-  one log-sum-exp per row; the math fallback saves the (batch, heads, seq, seq) softmax of every layer. A
-  Hugging Face Llama with grouped-query heads in fp32 planned 11.5% *below* the allocator: no fused CUDA
-  kernel takes fp32 with grouped heads, so the GPU ran math while the trace ran a fused kernel. The math
-  kernel computes fp16/bf16 inputs in fp32 (torch's default): a Falcon with one key/value head (math: no
-  ``enable_gqa``) planned 17% below the H100 in bf16 autocast while the trace kept its softmax in bf16.
+  one log-sum-exp per row; the math fallback saves the (batch, heads, seq, seq) softmax of every layer,
+  computed in fp32 for fp16/bf16 inputs (torch's default).
 - ``F.rms_norm``: CUDA runs one fused kernel that saves the input and one rstd per row; the CPU composes
-  pow, mean, rsqrt and two products and saves the normalised input too. The 168M decoder planned 3.2%
-  (fp32) and 3.8% (bf16 autocast) *above* the allocator when traced on the CPU.
+  pow, mean, rsqrt and two products and saves the normalised input too.
 - ``F.dropout``: CUDA's fused kernel saves a one-byte mask; the CPU saves a mask of the input's dtype.
 - ``F.cross_entropy`` under autocast: CPU autocast casts the logits to fp32 first; CUDA's takes the
-  log-softmax in bf16 and casts its result (measured: the bf16 decoder planned 3.0% above otherwise).
+  log-softmax in bf16 and casts its result.
 - ``torch._grouped_mm`` (mixture-of-experts layers' experts): CUDA's kernel takes fp32 and bf16; the meta
   function a fake trace runs insists on bf16, so the trace runs :class:`_GroupedMM` (the same tensors).
-- autocast's lists: CUDA runs pow, exp, layer_norm, softmax, sum ... in fp32; CPU autocast does not list
-  them (GPT-2 and ConvNeXt in bf16 autocast planned 9.8% and 6.8% below otherwise).
+- autocast's lists: CUDA runs pow, exp, layer_norm, softmax, sum ... in fp32; CPU autocast does not list them.
 
-Under ``kernels="cuda"`` (:class:`CudaKernels`) each runs as CUDA runs it: attention as the op of the kernel
-CUDA would choose (:func:`cuda_backend`: torch's ``sdp_utils.cpp`` rules for sm80 and newer, torch
-2.11-2.13), whose meta function gives the tensors it returns and saves. ``bench/planner_gpu_diag.py`` holds
-``cuda_backend`` and such a trace against torch's own choice and CUDA dispatch on a real GPU.
+Under :class:`CudaKernels` each runs as CUDA runs it: attention as the op of the kernel CUDA would choose
+(:func:`cuda_backend`: torch's ``sdp_utils.cpp`` rules for sm80 and newer), whose meta function gives the
+tensors it returns and saves. ``bench/planner_gpu_diag.py`` holds both against a real GPU.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +40,8 @@ def cuda_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable
     - memory-efficient: fp16/bf16/fp32, any mask, head sizes divisible by 8 (fp16/bf16) or 4 (fp32), but
       no grouped heads (``check_batch_size_and_num_heads_dense<false>``);
     - math: everything else.
-    On Hopper with cuDNN newer than 9.15, torch tries cuDNN's kernel first, which also takes a mask and
-    grouped heads in fp16/bf16 (the H200 of this course: 92 of 108 cases as above, the 16 others masked
-    half-precision calls that ran cuDNN's). The plan keeps the rules of every sm80+ GPU: the same tensors
-    for a mask without grouped heads (memory-efficient's), math's larger figure for a mask with them (an
-    over-estimate on Hopper, the safe direction)."""
+    Hopper's cuDNN kernel (tried first with cuDNN > 9.15) also takes a mask and grouped heads in fp16/bf16;
+    the plan keeps the sm80 rules: math's larger figure there, an over-estimate (the safe direction)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested:
         return MATH
     if any(t.stride(-1) != 1 for t in (q, k, v)) or min(q.shape[-2], k.shape[-2]) == 0:
@@ -109,16 +100,9 @@ def gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
 
 def _math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """torch's math attention (``_scaled_dot_product_attention_math``, attention.cpp) op by op, as it runs on
-    real tensors. Traced through the aten op, fake tensors take its tensor-subclass branches: the mask is
-    added out of place (one more (batch, heads, seq, seq) tensor) and ``_safe_softmax`` runs its meta
-    function (none of its temporaries); on the GPU the mask is added in place and ``_safe_softmax`` takes a
-    boolean of the scores' size and a row flag beside its output (measured on the H200: Qwen2 with grouped
-    heads in fp32 reserved 14.6% above its allocated peak in the trace's order, 2.5% in the GPU's).
-
-    fp16/bf16 inputs are computed in fp32 (``allow_fp16_bf16_reduction_math_sdp`` off, torch's default):
-    the query, key and value are upcast, so the scores, the softmax kept for backward and the broadcast
-    key and value copies are fp32; the op then returns the output and the attention weights cast back (the
-    weights first: a scores-sized half copy that ``F.scaled_dot_product_attention`` drops)."""
+    real tensors: traced through the aten op, fake tensors would take its tensor-subclass branches (the mask
+    added out of place; none of ``_safe_softmax``'s temporaries). fp16/bf16 inputs are upcast to fp32
+    (torch's default), and the output and the attention weights are cast back, the weights first."""
     if q.dim() != 4 or q.is_nested or k.dim() != 4:  # other layouts: torch's op (rare; its own branches)
         return torch.ops.aten._scaled_dot_product_attention_math(
             q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
@@ -245,11 +229,8 @@ def gpu_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         return out + bias if bias is not None else out
 
 
-# CUDA autocast's op lists (torch 2.11's autocast_mode.h) where the CPU's differ: ops CUDA runs in fp32
-# (casting fp16/bf16 inputs up) that CPU autocast leaves in the inputs' dtype, and ops CUDA gives an fp32
-# dtype= when none is asked for. Measured: GPT-2's tanh-GELU (a pow) and ConvNeXt's LayerNorm after a bf16
-# convolution keep fp32 activations on the H200 that a CPU trace keeps in bf16 (9.8% and 6.8% of the
-# allocated peak). The ops both lists share (matmuls, convolutions: bf16) CPU autocast casts as CUDA does.
+# CUDA autocast's op lists (autocast_mode.h) where the CPU's differ: ops CUDA runs in fp32 that CPU autocast
+# leaves in the inputs' dtype, and ops CUDA gives an fp32 dtype= when none is asked for.
 CUDA_AUTOCAST_FP32 = frozenset(
     "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus layer_norm "
     "group_norm frobenius_norm nuclear_norm cosine_similarity l1_loss dist pdist renorm logsumexp "
@@ -267,6 +248,7 @@ def _cast(x, dtype):
     return x
 
 
+@functools.cache
 def _listed_name(func) -> str:
     """The op's name if it is on one of CUDA autocast's lists that the CPU's lack, else ""."""
     name = getattr(func, "__name__", "")
@@ -274,45 +256,33 @@ def _listed_name(func) -> str:
     return name if name in CUDA_AUTOCAST_FP32 or name in CUDA_AUTOCAST_FP32_DTYPE else ""
 
 
-def cuda_autocast_policy(name, args, kwargs):
-    """(args, kwargs, device type) as CUDA autocast would pass op ``name`` its arguments, or None where
-    autocast is off (or CPU autocast would do the same)."""
-    first = args[0] if args else next(iter(kwargs.values()), None)
-    if not isinstance(first, torch.Tensor) or first.device.type not in ("cpu", "cuda") \
-            or not torch.is_autocast_enabled(first.device.type):
-        return None
-    if name in CUDA_AUTOCAST_FP32:
-        return _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}, \
-            first.device.type
-    if first.is_floating_point() and kwargs.get("dtype") is None and not any(isinstance(a, torch.dtype) for a in args):
-        return args, {**kwargs, "dtype": torch.float32}, first.device.type
-    return None
-
-
 class CudaKernels(TorchFunctionMode):
     """Within it, attention, RMSNorm, dropout and cross-entropy run as on a GPU, and autocast casts as
-    CUDA's does. Every torch call of the traced step comes through here: a dict lookup decides (a 70B
-    plan makes millions of calls)."""
+    CUDA's does. Every torch call of the traced step comes through here: a dict lookup decides."""
 
     _ROUTES = {F.scaled_dot_product_attention: gpu_sdpa, F.rms_norm: gpu_rms_norm, torch.rms_norm: gpu_rms_norm,
                F.dropout: gpu_dropout, torch.dropout: gpu_dropout, F.cross_entropy: gpu_cross_entropy,
                **({torch._grouped_mm: gpu_grouped_mm} if hasattr(torch, "_grouped_mm") else {})}
-    _listed = {}  # func -> _listed_name(func) (filled as calls come)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         route = self._ROUTES.get(func)
         if route is not None:
             return route(*args, **kwargs)
-        name = self._listed.get(func)
-        if name is None:
-            name = self._listed[func] = _listed_name(func)
-        cast = cuda_autocast_policy(name, args, kwargs) if name else None
-        if cast is not None:  # cast as CUDA autocast does, then run without CPU autocast's own casts
-            args, kwargs, device = cast
-            with torch.autocast(device, enabled=False):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        name = _listed_name(func)
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if not name or not isinstance(first, torch.Tensor) or first.device.type not in ("cpu", "cuda") \
+                or not torch.is_autocast_enabled(first.device.type):
+            return func(*args, **kwargs)
+        if name in CUDA_AUTOCAST_FP32:
+            args, kwargs = _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
+        elif first.is_floating_point() and kwargs.get("dtype") is None \
+                and not any(isinstance(a, torch.dtype) for a in args):
+            kwargs = {**kwargs, "dtype": torch.float32}
+        else:  # CPU autocast does the same
+            return func(*args, **kwargs)
+        with torch.autocast(first.device.type, enabled=False):  # cast as CUDA's, not again by CPU autocast
+            return func(*args, **kwargs)
 
 
 def recompute_contexts():

@@ -1,27 +1,22 @@
 """Data-dependent ops in a fake trace: a representative value where a tensor's values decide a size.
 
-A fake tensor has shapes but no values, so ``FakeTensorMode`` refuses ops whose result depends on them:
-``.item()`` / ``.tolist()`` (``aten._local_scalar_dense``) and ops whose output size is data-dependent
-(``nonzero``, ``masked_select``). A planner that refuses them cannot plan the families that use them
-(mixture-of-experts layers that loop over the experts hit, initialisers that read a bound back, positions
-from a mask). :func:`dynamic_sizes` answers each with a stated representative value instead, chosen on the
-side that over-estimates memory where a choice matters:
+A fake tensor has shapes but no values, so ``FakeTensorMode`` refuses ``.item()`` / ``.tolist()``
+(``aten._local_scalar_dense``) and ops whose output size is data-dependent (``nonzero``, ``masked_select``):
+mixture-of-experts layers that loop over the experts, initialisers that read a bound back, positions from a
+mask. :func:`dynamic_sizes` answers each with a stated representative value, on the side that over-estimates
+memory where a choice matters:
 
-* a count (an integer read back): when the tensor holds one count per expert (``moe`` given), the tokens
-  an expert gets under the stated routing -- the even share ``tokens x top_k / experts``, or
-  ``imbalance`` times it, capped at all tokens (every token chooses an expert once); any other integer is
-  the step's token count (a sequence length, a number of positions);
-* ``nonzero`` / ``masked_select`` of a mask: every element selected (the largest output), except a
-  per-expert mask of ``tokens x top_k`` elements, which selects the expert's share as above;
-* a float read back (a statistic): 1.0; a boolean, as the planned batch (no padding) makes it: ``all()``
-  True and ``any()`` False (``padding_mask.all()``: the mask is all ones, so transformers' attention skips
-  the mask, as on the GPU; a rejection-sampling initialiser's ``(x > bound).any()`` loop ends), any other
-  boolean False; a value the fake mode kept (a tensor made from a Python number): that value.
+* an integer read back: with one count per expert (``moe`` given), the tokens an expert gets under the stated
+  routing (:meth:`DynamicSizes.expert_share`); any other integer, the step's sequence length;
+* ``nonzero`` / ``masked_select``: every element selected, except a per-expert mask of ``tokens x top_k``
+  elements, which selects the expert's share;
+* a float read back: 1.0; ``all()`` True and ``any()`` False, as the planned batch (no padding) makes them
+  (``padding_mask.all()``; a rejection-sampling initialiser's loop ends), any other boolean False; a value
+  the fake mode kept (a tensor made from a Python number): that value.
 
-Entered outside ``trace_step``; it is a user dispatch mode, so it sees each op before the fake mode
-(an infra mode) and answers only the ops the fake mode would refuse. Every op pays a Python call through
-it, so ``mgpu-plan`` traces without it first and again within it only when a trace met such an op
-(:data:`DATA_DEPENDENT`).
+It is a user dispatch mode entered outside ``trace_step``, so it sees each op before the fake mode and answers
+only what the fake mode would refuse. Every op pays a Python call through it, so ``mgpu-plan`` traces within
+it only when a trace without it met such an op (:data:`DATA_DEPENDENT`).
 """
 from __future__ import annotations
 

@@ -1,17 +1,14 @@
 """ZeRO-3 as FSDP2 runs it, planned by running it: ``fully_shard`` on fake tensors over a fake process group.
 
 FSDP2's memory is not a rule of thumb over one unsharded step: each unit all-gathers into a flat buffer of
-``world_size`` padded shards and copies out into the unsharded parameters' storages (kept, and freed or
-re-grown with ``UntypedStorage.resize_``), the root stays unsharded after forward, one more unit is
-prefetched in backward, gradients are reduce-scattered through a flat buffer, and
-``MixedPrecisionPolicy`` gathers bf16 compute copies beside fp32 shards. Rules derived from one
-unsharded trace were 12-20% low against real steps. So the planner runs FSDP2 itself:
-``fully_shard`` per block + root (or root only) on a model built under ``FakeTensorMode``, inside a fake
-process group (``init_process_group("fake")``: collectives do nothing, shapes are right) of the planned
-world size and rank, then traces two steps and counts the second (``trace.FSDP_WARM_UP_STEPS``) with the
-planner's fake-storage tracker, seeded with FSDP2's unsharded storages so that their ``resize_`` re-growth
-is seen. The model is the caller's, so whatever FSDP2 does with it -- frozen or tied parameters, uneven
-shards -- is planned; ranks whose shards are equal in every parameter share one trace (:func:`rank_groups`).
+padded shards and copies out into unsharded storages (freed and re-grown with ``UntypedStorage.resize_``),
+the root stays unsharded after forward, one more unit is prefetched in backward, gradients are
+reduce-scattered through a flat buffer, and ``MixedPrecisionPolicy`` gathers bf16 copies beside fp32 shards.
+So the planner runs FSDP2 itself on a model built under ``FakeTensorMode``, in a fake process group
+(``init_process_group("fake")``: collectives do nothing, shapes are right) of the planned world size and
+rank, and counts the second step with the fake-storage tracker, seeded with FSDP2's unsharded storages.
+Whatever FSDP2 does with the caller's model -- frozen or tied parameters, uneven shards -- is planned; ranks
+whose shards are equal in every parameter share one trace (:func:`rank_groups`).
 """
 from __future__ import annotations
 
@@ -21,6 +18,7 @@ import torch
 from torch import nn
 
 from .accounting import FakeTracker
+
 
 def largest_block_list(model: nn.Module):
     """The model's blocks: its largest non-empty ``nn.ModuleList`` ([] if none), what FSDP2 wraps "per block"
@@ -69,17 +67,16 @@ def apply_fsdp(model, mesh, *, fsdp_units="blocks", precision="fp32", reshard_af
 
 def step_on_shards(opt) -> None:
     """Make ``opt`` (built over FSDP2's DTensor parameters) step on their local shards -- what DTensor's
-    foreach ops do anyway (every parameter is Shard(0): the update is local), with the same tensors made
-    and freed, but without DTensor's sharding propagation, which is not cached for foreach ops over lists
-    and took two thirds of a 70B plan's time. ``opt.global_params`` keeps the DTensors (global counts).
-    The shards are looked up at each step: FSDP2's lazy init may re-pad a shard into a new tensor."""
+    foreach ops do anyway (every parameter is Shard(0)), with the same tensors made and freed, but without
+    DTensor's sharding propagation, which is not cached for foreach ops over lists (most of a 70B plan's
+    time). ``opt.global_params`` keeps the DTensors (global counts)."""
     opt.global_params = [p for g in opt.param_groups for p in g["params"]]
     groups = [list(g["params"]) for g in opt.param_groups]
     step, zero_grad = opt.step, opt.zero_grad
 
     def step_(*args, **kwargs):
         for g, params in zip(opt.param_groups, groups):
-            g["params"] = [p._local_tensor for p in params]
+            g["params"] = [p._local_tensor for p in params]  # each step: FSDP2's lazy init may re-pad a shard
             for p, t in zip(params, g["params"]):  # the gradient FSDP2 reduce-scattered, as the shard's own
                 t.grad = p.grad._local_tensor if p.grad is not None else None
         return step(*args, **kwargs)
@@ -93,19 +90,6 @@ def step_on_shards(opt) -> None:
     opt.step, opt.zero_grad = step_, zero_grad_
 
 
-def _fsdp_storages(model):
-    """Every tensor FSDP2 keeps for its unsharded parameters (all-gather outputs, unsharded parameters)."""
-    out = []
-    for m in model.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        group = state()._fsdp_param_group if state is not None else None
-        for fp in group.fsdp_params if group is not None else ():
-            out += list(getattr(fp, "all_gather_outputs", []))
-            if hasattr(fp, "_unsharded_param"):
-                out.append(fp._unsharded_param)
-    return out
-
-
 class FSDPFakeTracker(FakeTracker):
     """The fake-storage tracker, also counting FSDP2's unsharded storages from entry: FSDP2 frees them with
     ``resize_(0)`` and re-grows them the same way each step, which no op creates (the dispatcher never
@@ -114,10 +98,13 @@ class FSDPFakeTracker(FakeTracker):
     def __enter__(self):
         super().__enter__()
         with self._lock:
-            for t in _fsdp_storages(self.model):
-                st = t.untyped_storage()
-                if st._cdata not in self._recs:
-                    self._add(st, "parameters")
+            for m in self.model.modules():  # FSDP2's all-gather outputs and unsharded parameters
+                state = getattr(m, "_get_fsdp_state", None)
+                group = state()._fsdp_param_group if state is not None else None
+                for fp in group.fsdp_params if group is not None else ():
+                    for t in [*getattr(fp, "all_gather_outputs", []), getattr(fp, "_unsharded_param", None)]:
+                        if t is not None and t.untyped_storage()._cdata not in self._recs:
+                            self._add(t.untyped_storage(), "parameters")
         return self
 
 
@@ -131,11 +118,9 @@ def shard_rows(sizes, world_size, rank):
 
 
 def rank_groups(model_fn, world_size, fsdp_units="blocks", reshard_after_forward=None):
-    """Ranks grouped by identical shard sizes (``torch.chunk`` along dim 0: the first ranks get the full chunks):
-    ``[[ranks...], ...]`` (one trace per group); with an int
-    ``reshard_after_forward`` k, by their post-forward shards over k ranks too (rank r is r % k of its
-    group of k). Builds the model (fake) first, so a model that cannot be wrapped as asked fails before
-    anything is traced."""
+    """Ranks grouped by identical shard sizes (``torch.chunk`` along dim 0): ``[[ranks...], ...]``, one trace
+    per group; with an int ``reshard_after_forward`` k, by their post-forward shards over k ranks too. Builds
+    the model (fake) first, so a model that cannot be wrapped as asked fails before anything is traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         model = model_fn()

@@ -12,23 +12,20 @@
                    fp32 shards; fp32 Adam on the shards. ZeRO stage 3 only (it is FSDP2's policy).
 ``zero-mixed``     the ZeRO paper's mixed precision: bf16 parameters and gradients (2 + 2 B/param), an fp32
                    master copy and fp32 moments (12 B/param) that stage >= 1 shards. Torch has no optimizer
-                   that runs it (DeepSpeed does), so it is planned from the pure-bf16 trace by rule
-                   (:func:`zero_mixed`), not held against a real step.
+                   that runs it, so it is planned from the pure-bf16 trace by rule (:func:`zero_mixed`).
 =================  ==========================================================================================
 
 Why figures differ from DeepSpeed's: DeepSpeed's "ZeRO-1 on 8 ranks" is ``zero-mixed`` (16-bit
 parameters and gradients kept whole, only the 12 B/param of fp32 state sharded); under autocast the fp32
 parameters *are* the master, so ZeRO-1 shards only Adam's 8 B/param and each rank keeps 4 + 4 whole.
 
-**Methods** (:data:`METHOD`), one per stage, as torch runs them, with torch's defaults:
-stage 0 ``DistributedDataParallel`` (its gradient buckets: with the default
-``gradient_as_bucket_view=False`` a second copy of every gradient, held from construction; ``True``:
-the gradients are views into the buckets, alive all step); stage 1 ``ZeroRedundancyOptimizer`` over DDP
-(whole parameters per rank, greedily: biggest first to the rank with the fewest elements so far, so the
-ranks differ -- every rank is planned, the worst reported); stage 2 the course's ZeRO-2 (notebook 08's
-``Zero2``: gradients reduce-scattered as each unit finishes, then sharded, by rule); stage 3 FSDP2
-``fully_shard`` per block + root (``planner.fsdp``: run, not ruled). ``world_size=1`` plans the
-unwrapped step at stages 0-2 (no one wraps one device in DDP); stage 3 runs FSDP2 even at one rank.
+**Methods** (:data:`METHOD`), one per stage, as torch runs them, with torch's defaults: stage 0
+``DistributedDataParallel`` (with the default ``gradient_as_bucket_view=False`` its buckets are a second
+copy of every gradient, held from construction; ``True``: the gradients are views into the buckets, alive
+all step); stage 1 ``ZeroRedundancyOptimizer`` over DDP (whole parameters per rank, greedily, so the ranks
+differ: every rank is planned, the worst reported); stage 2 the course's ZeRO-2 (notebook 08's ``Zero2``,
+by rule); stage 3 FSDP2 ``fully_shard`` per block + root (``planner.fsdp``: run, not ruled).
+``world_size=1`` plans the unwrapped step at stages 0-2; stage 3 runs FSDP2 even at one rank.
 """
 from __future__ import annotations
 
@@ -124,9 +121,8 @@ def model_state(trace, state_sizes, n=1):
 
 def zero_mixed(trace):
     """The ZeRO paper's layout from a pure-bf16 trace (a copy of the timeline): Adam's state becomes an
-    fp32 master + two fp32 moments, 12 B/param instead of bf16's 2 + 2 (+8 B/param from start to end);
-    foreach Adam's temporaries in the step run in fp32 (x2), beside an fp32 copy of each gradient
-    (+4 B/param in the step). A rule: torch runs no such optimizer to trace."""
+    fp32 master + two fp32 moments, 12 B/param instead of bf16's 2 + 2; foreach Adam's temporaries in the
+    step run in fp32 (x2), beside an fp32 copy of each gradient (+4 B/param in the step)."""
     t = trace.timeline.to(torch.float64).clone()
     numel = sum(n for n, _ in trace.param_sizes)
     in_step = torch.tensor([ph == "step" for ph in trace.phases])

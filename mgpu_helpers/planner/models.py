@@ -62,15 +62,17 @@ SIZES = {  # name: (vocab, d, layers, heads, ffn); "7B" is Llama-2-7B's shape (6
 }
 
 
+def _named(model_fn, name: str):
+    """``model_fn`` named for the planner's tables."""
+    model_fn.__name__ = model_fn.__qualname__ = name
+    return model_fn
+
+
 def _sized(cls, size: str, name: str):
-    """A ``model_fn`` building ``cls`` at one of :data:`SIZES`, named for the planner's tables."""
+    """A ``model_fn`` building ``cls`` at one of :data:`SIZES`."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
-
-    def model_fn():
-        return cls(*SIZES[size])
-    model_fn.__name__ = model_fn.__qualname__ = f"{name}_{size}"
-    return model_fn
+    return _named(lambda: cls(*SIZES[size]), f"{name}_{size}")
 
 
 def decoder(size: str = "tiny"):
@@ -131,10 +133,7 @@ class TiedFrozenLM(Decoder):
 
 def convnet(channels: int = 32, layers: int = 4):
     """A ``model_fn`` for :class:`ConvNet`; its batch: ``image_batch``."""
-    def model_fn():
-        return ConvNet(channels, layers)
-    model_fn.__name__ = model_fn.__qualname__ = f"convnet_{channels}x{layers}"
-    return model_fn
+    return _named(lambda: ConvNet(channels, layers), f"convnet_{channels}x{layers}")
 
 
 def tied_frozen(size: str = "tiny"):

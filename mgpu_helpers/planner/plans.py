@@ -6,11 +6,9 @@ byte); not the batch (it exists before the model); on a GPU (``kernels="cuda"``)
 attention's buffers. ``batch`` is one rank's batch.
 
 **How.** Stages 0-2: one unsharded step traced under fake tensors, then each rank's timeline by rule
-(``planner.layouts.rank_timeline``) and the peak taken again (it moves: unsharded a 7B step peaks in
-Adam's step, sharded in backward). Stage 3: FSDP2 itself on the fake model (``planner.fsdp``), one trace
-per group of ranks with equal shards. Held against the tracker on real steps on 2 and 4 ranks
-(``planner.validation``, bench/planner_ranks.py); what a device holds beyond the tensors is
-``planner.budget``'s (:attr:`Plan.device_bytes`).
+(``planner.layouts.rank_timeline``) and the peak taken again (sharding moves it). Stage 3: FSDP2 itself on
+the fake model (``planner.fsdp``), one trace per group of ranks with equal shards. What a device holds
+beyond the tensors is ``planner.budget``'s (:attr:`Plan.device_bytes`).
 """
 from __future__ import annotations
 
@@ -39,11 +37,6 @@ class Plan:
     rank_peaks: tuple = ()
     worst_rank: int = 0
 
-    def fits(self, budget_bytes: int) -> bool:
-        """Whether the allocated peak is within ``budget_bytes`` (a budget already net of what the device
-        holds beyond tensors; against a card's capacity use :attr:`device_bytes`)."""
-        return self.peak_bytes <= budget_bytes
-
     @property
     def device_bytes(self) -> int:
         """What one rank's GPU must hold (a Hopper card; ``planner.budget``'s lines): the allocated peak,
@@ -64,10 +57,8 @@ class Plan:
 
 def step_cost(*, world_size: int, zero_stage: int, checkpointing: bool, micro_batches: int) -> float:
     """The course's stated rule for the relative time of one step (1.0 = plain step on one device):
-    checkpointing recomputes the forward (a third of a step): +1/3; each extra micro-batch runs smaller,
-    less efficient kernels and its own launches: +0.1; on several ranks ZeRO-1/2 move as many bytes as
-    DDP (2x the parameters per step) but each stage's bookkeeping costs +0.02, and ZeRO-3 all-gathers the
-    parameters again in backward (3x: +0.5). Relative, not a prediction of seconds."""
+    checkpointing recomputes the forward: +1/3; each extra micro-batch: +0.1; on several ranks +0.02 per
+    ZeRO stage, and +0.5 for ZeRO-3's second all-gather in backward. Relative, not a prediction of seconds."""
     cost = 1 + checkpointing / 3 + 0.1 * (micro_batches - 1)
     if world_size > 1:
         cost += 0.02 * zero_stage + 0.5 * (zero_stage == 3)

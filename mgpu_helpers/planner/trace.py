@@ -1,19 +1,16 @@
 """Tracing one training step under fake tensors: the planner's measurement (notebook 11).
 
 ``trace_step`` builds the model under ``FakeTensorMode`` -- tensors with shapes, dtypes and devices but no
-data -- and runs one steady-state training step (:func:`train_step`, the same code a real run uses)
-under :class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at fake storages. Nothing
-real is allocated, so a 7B-parameter step traces on a laptop in seconds.
-
-The device is the machine's: fake CUDA tensors need a CUDA build (on a CPU build their in-place ops and
-CUDA autocast refuse), and CPU and CUDA autocast cast a few ops differently, so the planner traces
-``"cuda"`` where CUDA is available and ``"cpu"`` elsewhere (``device=`` overrides). On CUDA, Adam's
-``step`` counters are CPU tensors, which the GPU allocator does not hold: not counted there.
+data -- and runs one steady-state training step (:func:`train_step`, the same code a real run uses) under
+:class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at fake storages: nothing real is
+allocated. The device is ``"cuda"`` where CUDA is available, else ``"cpu"`` (``device=`` overrides): fake
+CUDA tensors need a CUDA build. On CUDA, Adam's ``step`` counters are CPU tensors: not counted there.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 from torch import nn
@@ -32,8 +29,6 @@ _AUTOCAST = {"bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
 OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")  # AdamW: Adam's two moments, the decay applied to the weights
 FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the byte (tests/test_planner_fsdp.py)
 
-
-# --- the step, real or fake ------------------------------------------------------------------------
 
 class Checkpointed(nn.Module):
     """A block whose forward runs under non-reentrant activation checkpointing."""
@@ -83,14 +78,12 @@ def retensor(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
 
 def make_optimizer(model: nn.Module, optimizer: str = "adam"):
     """The optimizer the planner assumes: CUDA's default foreach implementation, whatever the machine."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     params = [p for p in model.parameters() if p.requires_grad]
-    if optimizer == "adam":
-        return torch.optim.Adam(params, lr=1e-3, foreach=True)
-    if optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    if optimizer in ("sgd", "momentum"):
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if optimizer == "momentum" else 0.0, foreach=True)
-    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if optimizer in ("adam", "adamw"):
+        return (torch.optim.Adam if optimizer == "adam" else torch.optim.AdamW)(params, lr=1e-3, foreach=True)
+    return torch.optim.SGD(params, lr=1e-3, momentum=0.9 if optimizer == "momentum" else 0.0, foreach=True)
 
 
 def warm_up(model: nn.Module, opt) -> None:
@@ -122,8 +115,6 @@ def train_step(model, opt, batch, loss_fn, *, precision="fp32", micro_batches=1,
     opt.zero_grad(set_to_none=True)
     return loss
 
-
-# --- the trace -----------------------------------------------------------------------------------------
 
 @dataclass
 class Trace:
@@ -167,16 +158,10 @@ def _fake_batch(batch, device):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in batch)  # shapes only: fake
 
 
-@contextlib.contextmanager
 def _reassigning_apply():
     """``Module.to``/``.float()`` inside a model's constructor (families that keep a layer in fp32) by
     :func:`retensor`'s reassignment: ``Module._apply`` swaps fake tensors, which the fake mode refuses."""
-    original = nn.Module._apply
-    nn.Module._apply = lambda self, fn, recurse=True: retensor(self, fn, recurse)
-    try:
-        yield
-    finally:
-        nn.Module._apply = original
+    return mock.patch.object(nn.Module, "_apply", lambda self, fn, recurse=True: retensor(self, fn, recurse))
 
 
 def _check_fake(model):
@@ -202,11 +187,9 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
                checkpointing=False, device=None, round_to=None, fsdp=None, kernels=None) -> Trace:
     """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors.
     ``fsdp``: ``dict(world_size=, rank=, **planner.fsdp.apply_fsdp options)`` traces that rank's step of
-    the model wrapped by FSDP2 in a fake process group instead (``planner.fsdp``): two steps, the second
-    counted (the first makes Adam's state and FSDP2's unsharded storages, as on a real run).
-    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): for "cuda", the attention
-    kernel a GPU would choose (``planner.cuda``) and its kernels' scratch (cuDNN's workspace, flash
-    attention's buffers) -- ``mgpu-plan`` traces on any machine and plans for a GPU."""
+    the model wrapped by FSDP2 in a fake process group instead (``planner.fsdp``), the second step counted.
+    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): "cuda" plans a GPU's kernels
+    and their scratch on any host (``planner.cuda``)."""
     if kernels not in (None, "cpu", "cuda"):
         raise ValueError(f"kernels must be None, 'cpu' or 'cuda', got {kernels!r}")
     source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
@@ -253,8 +236,7 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
         retensor(model, lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t)
         if precision == "bf16":
             retensor(model, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
-        if precision == "bf16" and x.is_floating_point():
-            x = x.to(torch.bfloat16)
+            x = x.to(torch.bfloat16) if x.is_floating_point() else x
         if checkpointing:
             apply_checkpointing(model)
         step_precision, tracker = precision, FakeTracker
@@ -284,11 +266,9 @@ def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkp
                      state_sizes=[size for sizes in per_param for size in sizes],
                      grad_bytes_per_elem=params[0].element_size() if params else 4, param_state_sizes=per_param,
                      unit_numel=unit_numel, n_params=n_params)
-    trace = Trace(  # outside the fake mode: a real tensor
+    return Trace(  # outside the fake mode: a real tensor
         timeline=torch.tensor([[s[2][c] for c in CATEGORIES] for s in mt.timeline], dtype=torch.int64),
         phases=[s[0] for s in mt.timeline], round_to=round_to, **sizes,
         config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
-                    checkpointing=checkpointing, device=device.type))
-    trace.tracker_peak = (mt.peak_bytes, mt.peak_breakdown())
-    trace.events, trace.workspace_at_peak = mt.events, mt.workspace_at_peak
-    return trace
+                    checkpointing=checkpointing, device=device.type),
+        tracker_peak=(mt.peak_bytes, mt.peak_breakdown()), events=mt.events, workspace_at_peak=mt.workspace_at_peak)

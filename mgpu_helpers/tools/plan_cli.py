@@ -6,12 +6,12 @@
     mgpu-plan llama3-70b --gpus 8,16,64 --tp 1,2,4,8 --pp 1,2,4 --global-batch 64 --seq 8192 --gpu H100-80GB
 
 The last form searches parallel layouts (TP, PP with a schedule, HSDP, CP, EP) of a Llama-shaped model at a
-fixed global batch: ``tools/plan_layouts.py``. The others: for each (precision layout, checkpointing,
-micro-batches) the step is traced once under fake tensors (``planner.trace_step``, seconds even for 70B); every ZeRO stage and GPU count is derived from that trace
-(``planner.plan_from_trace``, milliseconds). "Fits" compares the *device total* with the GPU's capacity: the planned
-peak plus the batch, kernel workspaces, the caching allocator's reserve, the CUDA context and NCCL's
-buffers, each its own line with its source (``mgpu_helpers.planner.budget``). The cheapest plan that fits
-follows the course's rule (notebook 11): fewest GPUs, then the lowest ``step_cost``.
+fixed global batch: ``tools/plan_layouts.py``. The others trace the step once per (precision layout,
+checkpointing, micro-batches) under fake tensors (``planner.trace_step``) and derive every ZeRO stage and GPU
+count from that trace (``planner.plan_from_trace``). "Fits" compares the *device total* with the GPU's
+capacity: the planned peak plus the batch, kernel workspaces, the caching allocator's reserve, the CUDA
+context and NCCL's buffers, each its own line with its source (``planner.budget``). The cheapest plan that
+fits follows the course's rule (notebook 11): fewest GPUs, then the lowest ``step_cost``.
 
 Exit status: 0 a plan fits, 1 nothing fits, 2 bad input (one line on stderr; MGPU_PLAN_DEBUG=1 shows the
 traceback).
@@ -55,7 +55,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv):
     ap = _Parser(prog="mgpu-plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("model", help="built-in name, Hugging Face config.json or model directory, or module:function")
     ap.add_argument("--batch", type=int, default=1, help="samples per GPU per step, split into micro-batches (1)")
     ap.add_argument("--seq", type=int, help="tokens per sample, for models that take tokens (1024)")
@@ -118,21 +118,17 @@ def settings(a):
     for p in precisions:
         if p not in TRACED_LAYOUTS:
             raise PlanInputError(f"--precision {p!r}: one of {', '.join(TRACED_LAYOUTS)} or all")
-    notes = []
-    if no_bf16 and any(p.startswith("bf16") for p in precisions):  # only when asked: the default is fp16 there
-        notes.append(f"{gpu_name} ({arch}) has no native bf16: its bf16 rows run emulated, without tensor cores "
-                     f"(train in fp16-autocast with a GradScaler there)")
-    try:
-        stages = [int(v) for v in a.zero.split(",")]
-    except ValueError:
-        stages = [-1]
-    if any(v not in ZERO_STAGES for v in stages):
+    bf16_asked = no_bf16 and any(p.startswith("bf16") for p in precisions)  # only when asked: fp16 by default there
+    notes = [f"{gpu_name} ({arch}) has no native bf16: its bf16 rows run emulated, without tensor cores (train in "
+             "fp16-autocast with a GradScaler there)"] if bf16_asked else []
+    if any(v.strip() not in [str(z) for z in ZERO_STAGES] for v in a.zero.split(",")):
         raise PlanInputError(f"--zero {a.zero!r}: stages among 0,1,2,3")
-    ckpt = {"both": [False, True], "on": [True], "off": [False]}[a.checkpointing]
     if a.moe_imbalance < 1:
         raise PlanInputError(f"--moe-imbalance {a.moe_imbalance:g}: a factor >= 1 of the even share (1: balanced)")
-    return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, gpu_key=gpu_key, micro=micro, notes=notes,
-                precisions=precisions, stages=sorted(set(stages)), gpus=_ints(a.gpus, "--gpus"), ckpt=ckpt)
+    return dict(capacity=capacity, arch=arch, capacity_source=source, gpu=gpu_name, gpu_key=gpu_key, micro=micro,
+                notes=notes, precisions=precisions, stages=sorted({int(v) for v in a.zero.split(",")}),
+                gpus=_ints(a.gpus, "--gpus"),
+                ckpt={"both": [False, True], "on": [True], "off": [False]}[a.checkpointing])
 
 
 def watch_convs(model_fn, seen):
@@ -201,8 +197,7 @@ def _plans_of(a, s, prec, ck, k):
                               tensor_peak=b.lines[0][1], peak_phase=p.peak_phase,
                               peak_set_by=f"{p.peak_phase}: {cat.replace('_', ' ')} {100 * cb / max(p.peak_bytes, 1):.0f}%",
                               breakdown=p.breakdown, ddp_buckets=buckets, model_state=p.model_state,
-                              allocated=b.allocated,
-                              device_total=b.total, fits=b.fits(s["capacity"]),
+                              allocated=b.allocated, device_total=b.total, fits=b.fits(s["capacity"]),
                               step_cost=step_cost(world_size=n, zero_stage=st, checkpointing=ck, micro_batches=k),
                               lines=[dict(name=nm, bytes=v, source=src) for nm, v, src in b.lines]))
     return trace.n_params, plans
@@ -228,9 +223,8 @@ def run(a):
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     s = settings(a)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
-    keys = [(p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]
     from tqdm.auto import tqdm
-    jobs = [(a, s, *key) for key in keys]
+    jobs = [(a, s, p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]
     # processes pay ~3 s of imports each: worth it when a trace takes tens of seconds (>= 1B parameters)
     workers = min(len(jobs), a.jobs or ((os.cpu_count() or 1) if _parameters(source) >= 1e9 else 1))
     bar = dict(total=len(jobs), desc="tracing", unit="trace", file=sys.stderr, disable=None, leave=False)
@@ -245,8 +239,7 @@ def run(a):
     n_params, traced = (results[0][0] if results else 0), len(results)
     plans = [p for _, ps in results for p in ps]
     plans.sort(key=lambda p: (p["gpus"], p["step_cost"], p["device_total"]))  # the order the rule reads them
-    fitting = [i for i, p in enumerate(plans) if p["fits"]]
-    cheapest = min(fitting, key=lambda i: (plans[i]["gpus"], plans[i]["step_cost"]), default=None)
+    cheapest = next((i for i, p in enumerate(plans) if p["fits"]), None)  # fewest GPUs, then the lowest cost
     return dict(model=dict(name=source.name, kind=source.kind, parameters=n_params),
                 step=source.step, optimizer_default=source.optimizer, assumptions=source.assumptions,
                 batch=dict(per_gpu=a.batch, shapes=[list(t.shape) for t in batch], bytes=batch_bytes),
@@ -256,16 +249,11 @@ def run(a):
 
 def _breakdown(best):
     """The tensors at the peak by category, DDP's gradient buckets named (they count in "gradients")."""
-    rows = []
-    for cat, b in best["breakdown"].items():
-        if not b:
-            continue
-        note = ""
-        if cat == "gradients" and best.get("ddp_buckets"):
-            note = (f"of which DDP's gradient buckets {fmt_bytes(best['ddp_buckets'])}: a flat copy of every "
-                    f"gradient (ZeRO-{best['zero_stage']} on {best['gpus']} GPUs, gradient_as_bucket_view=False)")
-        rows.append(f"    {cat.replace('_', ' '):<20} {fmt_bytes(b):>11}   {note}".rstrip())
-    return rows
+    buckets = (f"of which DDP's gradient buckets {fmt_bytes(best['ddp_buckets'])}: a flat copy of every gradient "
+               f"(ZeRO-{best['zero_stage']} on {best['gpus']} GPUs, gradient_as_bucket_view=False)")
+    return [f"    {cat.replace('_', ' '):<20} {fmt_bytes(b):>11}   "
+            f"{buckets if cat == 'gradients' and best.get('ddp_buckets') else ''}".rstrip()
+            for cat, b in best["breakdown"].items() if b]
 
 
 def render_text(r):
