@@ -43,6 +43,18 @@ INTERLEAVED = [  # v = 2 chunks per rank, Megatron's order (on CFG8)
 ]
 
 
+def _measured(cfg, layout, planned):
+    """Each rank's peak on real gloo ranks. A tensor a collective used can be freed by gloo's worker thread a
+    moment after the rank moved on (``parallel._settled_collectives`` waits for the Python-level collectives;
+    DTensor's functional ones it cannot see), which only ever adds bytes, at a moment of the thread's
+    choosing: so a rank measured above its plan is measured once more and the lower figure kept. A plan
+    that counts too much, or too little for a rank in both runs, still fails."""
+    measured = measure_layout(cfg, layout, BATCH, SEQ)
+    if any(m > p for m, p in zip(measured, planned)):
+        measured = [min(a, b) for a, b in zip(measured, measure_layout(cfg, layout, BATCH, SEQ))]
+    return measured
+
+
 def _show(layout, measured, planned):
     return f"{layout.describe()}: measured {measured}, planned {planned}"
 
@@ -51,24 +63,24 @@ def _show(layout, measured, planned):
 @pytest.mark.parametrize("layout", EXACT + TP + INTERLEAVED, ids=lambda l: l.describe().replace(" ", "-"))
 def test_every_rank_equals_its_tracker(layout):
     cfg = CFG8 if layout.virtual_stages > 1 else CFG
-    measured = measure_layout(cfg, layout, BATCH, SEQ)
     planned = plan_layout(cfg, layout, BATCH, SEQ)
+    measured = _measured(cfg, layout, planned)
     assert planned == measured, _show(layout, measured, planned)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", CP, ids=lambda l: l.describe().replace(" ", "-"))
 def test_context_parallel_ranks_equal_their_tracker(layout):
-    measured = measure_layout(CFG, layout, BATCH, SEQ)
     planned = plan_layout(CFG, layout, BATCH, SEQ)
+    measured = _measured(CFG, layout, planned)
     assert planned == measured, _show(layout, measured, planned)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", EP, ids=lambda l: l.describe().replace(" ", "-"))
 def test_expert_parallel_ranks_equal_their_tracker(layout):
-    measured = measure_layout(MOE, layout, BATCH, SEQ)
     planned = plan_layout(MOE, layout, BATCH, SEQ)
+    measured = _measured(MOE, layout, planned)
     assert planned == measured, _show(layout, measured, planned)
 
 

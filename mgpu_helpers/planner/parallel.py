@@ -173,20 +173,6 @@ def check_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) 
 
 # --- the model, torchtitan's names ------------------------------------------------------------------------
 
-def _settled(collective, out, inp, group):
-    """Run ``collective(out, inp)`` and return once nothing but this thread holds the two tensors. gloo runs
-    it on a worker thread whose Work keeps them until that thread lets go of it, after the call has returned
-    here: a tensor this thread dropped meanwhile would be freed there, at a moment of the thread's choosing,
-    and a rank's measured peak would vary from run to run. (On GPUs NCCL's watchdog holds them instead and
-    the caching allocator's stream rules decide: nothing to wait for.)"""
-    held = [t._use_count() for t in (out, inp)]
-    collective(out, inp, group=group)
-    deadline = time.monotonic() + 10
-    while out.device.type == "cpu" and time.monotonic() < deadline and \
-            any(t._use_count() > n for t, n in zip((out, inp), held)):
-        time.sleep(1e-4)
-
-
 class _GatherSequence(torch.autograd.Function):
     """All-gather over the cp group along the sequence (dim 1); backward reduce-scatters the gradient.
     (gloo takes the concatenated form only: chunks along dim 0.)"""
@@ -195,7 +181,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group, n = group, dist.get_world_size(group)
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        _settled(dist.all_gather_into_tensor, out, x.contiguous(), group)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out.unflatten(0, (n, -1)).movedim(0, 1).flatten(1, 2)
 
     @staticmethod
@@ -203,7 +189,7 @@ class _GatherSequence(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         whole = grad.unflatten(1, (n, -1)).movedim(1, 0).flatten(0, 1).contiguous()
         out = whole.new_empty((whole.shape[0] // n, *whole.shape[1:]))
-        _settled(dist.reduce_scatter_tensor, out, whole, ctx.group)
+        dist.reduce_scatter_tensor(out, whole, group=ctx.group)
         return out, None
 
 
@@ -214,7 +200,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = torch.empty_like(x)
-        _settled(dist.all_to_all_single, out, x.contiguous(), group)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -581,6 +567,45 @@ def _rank_batch(cfg, layout, global_batch, seq, rank, device):
 
 # --- measured on real ranks, planned on fake ones ----------------------------------------------------------
 
+_COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+                "all_reduce", "all_to_all_single", "broadcast")
+
+
+@contextlib.contextmanager
+def _settled_collectives():
+    """On gloo's CPU ranks, each collective returns once gloo's worker thread has let go of its tensors.
+    gloo runs a collective on that thread, whose Work keeps the tensors (and views of them) until the thread
+    drops it, which may be after the caller has moved on: a buffer the caller dropped meanwhile (FSDP2's
+    all-gather input, a contiguous copy) is then freed there, at a moment of the thread's choosing, and a
+    rank's measured peak varied by up to 64 KiB from run to run under load. Waiting here gives the figure
+    the plan counts -- freed when the caller drops it, as the CUDA caching allocator frees a tensor under
+    NCCL -- and costs the CPU lab only overlap it does not measure."""
+    def uses(tensors):
+        return [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors]
+
+    def settled(fn):
+        def call(*args, **kwargs):
+            tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+            held = uses(tensors)
+            work = fn(*args, **kwargs)
+            if work is not None:
+                work.wait()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(n > h for n, h in zip(uses(tensors), held)):
+                time.sleep(1e-4)
+            return work
+        return call
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    for name, fn in originals.items():
+        setattr(dist, name, settled(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def _measure_rank(rank, world, cfg, layout, global_batch, seq):
     from ..runtime.launch import rank_device
     from ..runtime.tracker import MemoryTracker
@@ -589,7 +614,8 @@ def _measure_rank(rank, world, cfg, layout, global_batch, seq):
     device = rank_device()
     tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rank, device)
     mesh = make_mesh(layout, device.type)  # its rank tensors before the count, as the plan makes it
-    mt = rank_step(cfg, layout, rank, tokens, targets, MemoryTracker(device=device), mesh=mesh, device=device)
+    with _settled_collectives() if device.type == "cpu" else contextlib.nullcontext():
+        mt = rank_step(cfg, layout, rank, tokens, targets, MemoryTracker(device=device), mesh=mesh, device=device)
     return mt.peak_bytes
 
 
