@@ -31,8 +31,10 @@ MODEL_STATE = ("parameters", "gradients", "optimizer_state", "buckets")
 
 def _ddp(model):
     """Real ``DistributedDataParallel``, its buckets' bytes in ``bucket_bytes``."""
+    # init_sync=False: every rank built the same weights (one seed), and the initial broadcast's flat copy
+    # would be freed by gloo's worker thread at a moment of its own choosing, inside this count
     with MemoryTracker() as mt:  # what the constructor allocates and keeps: the buckets
-        ddp = DDP(model)
+        ddp = DDP(model, init_sync=False)
     ddp.bucket_bytes = mt.current_bytes
     if dist.get_backend() == "fake":  # its all-reduce's future holds no tensor, which DDP's reducer asserts:
         ddp.register_comm_hook(None, noop_hook)  # hand the bucket back untouched, as an in-place all-reduce would
