@@ -55,33 +55,29 @@ def _measured(cfg, layout, planned):
     return measured
 
 
-def _show(layout, measured, planned):
-    return f"{layout.describe()}: measured {measured}, planned {planned}"
+def _plan_equals_tracker(cfg, layout):
+    planned = plan_layout(cfg, layout, BATCH, SEQ)
+    measured = _measured(cfg, layout, planned)
+    assert planned == measured, f"{layout.describe()}: measured {measured}, planned {planned}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", EXACT + TP + INTERLEAVED, ids=lambda l: l.describe().replace(" ", "-"))
 def test_every_rank_equals_its_tracker(layout):
     cfg = CFG8 if layout.virtual_stages > 1 else CFG
-    planned = plan_layout(cfg, layout, BATCH, SEQ)
-    measured = _measured(cfg, layout, planned)
-    assert planned == measured, _show(layout, measured, planned)
+    _plan_equals_tracker(cfg, layout)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", CP, ids=lambda l: l.describe().replace(" ", "-"))
 def test_context_parallel_ranks_equal_their_tracker(layout):
-    planned = plan_layout(CFG, layout, BATCH, SEQ)
-    measured = _measured(CFG, layout, planned)
-    assert planned == measured, _show(layout, measured, planned)
+    _plan_equals_tracker(CFG, layout)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", EP, ids=lambda l: l.describe().replace(" ", "-"))
 def test_expert_parallel_ranks_equal_their_tracker(layout):
-    planned = plan_layout(MOE, layout, BATCH, SEQ)
-    measured = _measured(MOE, layout, planned)
-    assert planned == measured, _show(layout, measured, planned)
+    _plan_equals_tracker(MOE, layout)
 
 
 def test_the_stages_differ_as_the_schedule_says():
