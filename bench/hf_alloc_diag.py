@@ -52,7 +52,29 @@ def child(config_dir, precision, ckpt, out):
                        reserved=torch.cuda.max_memory_reserved(), used=total - free, torch=torch.__version__), f)
 
 
-def collect(outdir, only):
+def stacks_child(config_dir, precision, ckpt, out):
+    """The measured step alone, recorded with C++ frames (the autograd node and the ATen op behind each request
+    of 1 MiB or more: what the Python stack cannot show in backward)."""
+    import torch
+    from hf_user_step import B, T, user_step
+    _, _, step = user_step(config_dir, precision, ckpt, "cuda", B, T)
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="all")
+    step()
+    torch.cuda.synchronize()
+    rows = []
+    for e in torch.cuda.memory._snapshot()["device_traces"][0]:
+        if e["action"] in ("alloc", "free_completed") and e["size"] >= 1 << 20:
+            names = [f["name"] for f in e.get("frames", [])]
+            rows.append([e["action"], e["size"], [n for n in names if "Backward" in n or "at::native::" in n
+                                                    or "at::_ops::" in n or n.startswith("torch::")][:8]])
+    with gzip.open(out, "wt") as f:
+        json.dump(rows, f)
+
+
+def collect(outdir, only, stacks=False):
     import hf_user_step as h
     from mgpu_helpers.planner import budget as db
     from mgpu_helpers.tools import plan_cli
@@ -79,7 +101,8 @@ def collect(outdir, only):
             plan_cli.db.replayed = orig
         seen["plan"] = r["plans"][0]
         Path(outdir, name + ".plan.pkl").write_bytes(pickle.dumps(seen))
-        p = subprocess.run([sys.executable, __file__, "--child", d, prec, ck, str(Path(outdir, name + ".real.json.gz"))],
+        p = subprocess.run([sys.executable, __file__, "--stacks-child" if stacks else "--child", d, prec, ck,
+                            str(Path(outdir, name + (".stacks.json.gz" if stacks else ".real.json.gz")))],
                            capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
         print(name, "child rc", p.returncode, p.stderr.strip().splitlines()[-1:] if p.returncode else "", flush=True)
@@ -125,14 +148,18 @@ def main():
     ap.add_argument("outdir", nargs="?")
     ap.add_argument("--only", default="gemma2/bf16-autocast + ckpt")
     ap.add_argument("--compare", action="store_true")
+    ap.add_argument("--stacks", action="store_true", help="record the measured step's C++ frames instead")
     ap.add_argument("--child", nargs=4)
+    ap.add_argument("--stacks-child", nargs=4)
     a = ap.parse_args()
     if a.child:
         return child(*a.child)
+    if a.stacks_child:
+        return stacks_child(*a.stacks_child)
     os.makedirs(a.outdir, exist_ok=True)
     if a.compare:
         return compare(a.outdir)
-    collect(a.outdir, a.only)
+    collect(a.outdir, a.only, a.stacks)
 
 
 if __name__ == "__main__":

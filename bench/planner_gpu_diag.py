@@ -1,6 +1,6 @@
 """Questions the H200 raised about the planner's fake trace, answered by listing ops (needs a GPU).
 
-    PYTHONPATH=. python3 bench/planner_gpu_diag.py [attention] [peak] [conv]
+    PYTHONPATH=. python3 bench/planner_gpu_diag.py [attention] [peak] [conv] [reduce] [efficient]
 
 1. attention: does ``planner.cuda.cuda_backend`` pick the kernel torch picks on this GPU
    (``torch._fused_sdp_choice``) over dtypes x grouped heads x mask x causal x head sizes? Every mismatch
@@ -11,6 +11,11 @@
 3. conv: the ResNet of bench/plan_gpu.py on this GPU, fp32 and bf16 autocast + checkpointing: the bytes
    each op takes beyond what it leaves behind (its workspace: max allocated during the op minus allocated
    after), against the planner's ``cudnn_workspace`` for convolutions, and where the reserve grows.
+4. reduce: sums and means over shapes a training step reduces (norm weights' and biases' gradients, losses,
+   row statistics): every request the allocator gets inside the op beyond its output, against the
+   planner's ``reduce_workspace``. Prints each row and the count that differ.
+5. efficient: every request inside the memory-efficient attention's backward (fp32 and bf16, heads, lengths,
+   head sizes) beside the three gradients it returns.
 """
 import collections
 import contextlib
@@ -25,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from mgpu_helpers.planner import trace as planner_trace  # noqa: E402
 from mgpu_helpers.planner.cuda import cuda_backend  # noqa: E402
-from mgpu_helpers.planner.accounting import _CONVS, cudnn_workspace  # noqa: E402
+from mgpu_helpers.planner.accounting import _CONVS, cudnn_workspace, reduce_workspace  # noqa: E402
 from mgpu_helpers.planner.trace import trace_step  # noqa: E402
 from mgpu_helpers.planner.plans import plan_from_trace  # noqa: E402
 
@@ -163,14 +168,67 @@ def conv():
         torch.cuda.empty_cache()
 
 
+def reduce():
+    cases = [((4, 1024, 1024), (0, 1)), ((4, 1024, 2048), (0, 1)), ((4096, 2816), (0,)), ((4096, 50304), (0,)),
+             ((8192, 1024), (0,)), ((4, 2048, 5632), (0, 1)), ((4, 1024, 1024), (2,)), ((4, 1024, 1024), None),
+             ((4096, 32000), (1,)), ((16, 64, 64), (0,)), ((4, 16, 1024, 64), (0, 2)), ((2, 4096, 4096), (0, 1))]
+    bad = 0
+    for shape, dims in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(shape, device="cuda", dtype=dtype)
+            for op in (torch.sum, torch.mean):
+                torch.cuda.synchronize()
+                torch.cuda.memory._record_memory_history(context=None, stacks="python")
+                out = op(x) if dims is None else op(x, dims)
+                torch.cuda.synchronize()
+                ev = torch.cuda.memory._snapshot()["device_traces"][0]
+                torch.cuda.memory._record_memory_history(enabled=None)
+                outb = -(-out.numel() * out.element_size() // 512) * 512
+                extra = [e["size"] for e in ev if e["action"] == "alloc"]
+                if outb in extra:
+                    extra.remove(outb)
+                got = max([n for n in extra if n > 512], default=0)  # the semaphores' 512 B block aside
+                meta = x.to("meta")
+                plan = reduce_workspace(None, (meta,) if dims is None else (meta, list(dims)))
+                plan = -(-plan // 512) * 512 if plan > 512 else 0
+                bad += got != plan
+                print(f"  {op.__name__:<4} {str(shape):<22} dims {str(dims):<8} {str(dtype)[6:]:<9} GPU {got:>12,} "
+                      f"planned {plan:>12,} {'' if got == plan else '  <- differs'}")
+                del out
+            del x
+    print(f"reduce: {bad} of {len(cases) * 4} rows differ")
+
+
+def efficient():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, h, hk, l, d in ((4, 16, 16, 1024, 64), (4, 16, 16, 2048, 64), (2, 8, 8, 1024, 128), (4, 16, 4, 1024, 64),
+                               (1, 32, 32, 4096, 128), (4, 16, 16, 1000, 64), (8, 12, 12, 512, 64)):
+            q = torch.randn(b, h, l, d, device="cuda", dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(b, hk, l, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk != h)
+            g = torch.randn_like(o)
+            torch.cuda.synchronize()
+            torch.cuda.memory._record_memory_history(context=None, stacks="python")
+            o.backward(g)
+            torch.cuda.synchronize()
+            ev = torch.cuda.memory._snapshot()["device_traces"][0]
+            torch.cuda.memory._record_memory_history(enabled=None)
+            sizes = [e["size"] for e in ev if e["action"] == "alloc"]
+            print(f"  {str(dtype)[6:]:<9} b{b} h{h} kv{hk} l{l} d{d}: grads {q.numel() * q.element_size():,} / "
+                  f"{k.numel() * k.element_size():,}; requests {[f'{n:,}' for n in sizes]}")
+            del q, k, v, o, g
+
+
 if __name__ == "__main__":
     print("torch", torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
     if not torch.cuda.is_available():
         sys.exit("planner_gpu_diag.py needs a CUDA GPU")
-    todo = sys.argv[1:] or ["attention", "peak", "conv"]
+    todo = sys.argv[1:] or ["attention", "peak", "conv", "reduce", "efficient"]
     for name in todo:
         try:
-            {"attention": attention, "peak": peak, "conv": conv}[name]()
+            {"attention": attention, "peak": peak, "conv": conv, "reduce": reduce, "efficient": efficient}[name]()
         except Exception as e:  # one question failing must not hide the others' answers
             import traceback
             traceback.print_exc()

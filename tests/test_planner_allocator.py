@@ -1,6 +1,7 @@
 """planner.allocator: the caching allocator's rules (c10/cuda/CUDACachingAllocator.cpp), and the replay of
 a traced step. The rules are checked case by case against the constants and the split/segment logic of
 the allocator's source; the H200 bench (bench/plan_gpu.py) checks the replay against the real allocator."""
+import contextlib
 import gzip
 import json
 from pathlib import Path
@@ -177,3 +178,69 @@ def test_flash_backwards_buffers_are_what_the_h200_step_requested(name, kv_heads
     size = flash_backward_workspace(None, (None, q, k, k))
     rec = json.load(gzip.open(Path(__file__).parent / "data" / "h200_alloc" / f"{name}.json.gz", "rt"))
     assert sum(1 for a, _, n in rec["events"] if a == "alloc" and n == size) == 3 * layers
+
+
+def test_each_threads_first_matmul_marks_where_its_cublas_workspace_lands():
+    """A cuBLAS handle takes its workspace at its first matmul: the forward thread's in the forward, the
+    backward thread's after the loss's backward has already freed what it freed. The trace marks both."""
+    gpu, cpu = _trace(kernels="cuda"), _trace(kernels="cpu")
+    marks = [i for i, e in enumerate(gpu.events) if e[4] == "cuBLAS"]
+    assert [gpu.events[i][0] for i in marks] == [("cuBLAS", "forward"), ("cuBLAS", "backward")]
+    assert all(gpu.events[i][1] == 0 for i in marks) and not any(e[4] == "cuBLAS" for e in cpu.events)
+    first_backward = next(i for i, e in enumerate(gpu.events) if e[3].startswith("backward"))
+    assert marks[1] > first_backward  # not at the phase's start: the loss's backward comes first
+
+
+def test_the_backward_workspace_takes_a_block_freed_before_the_first_matmul():
+    """At the first matmul the backward's workspace splits the block the activation left, so the next step's
+    activation needs a segment of its own (OLMoE's step on the H200: a third segment for the fp32 logits, 786
+    MiB the plan lacked while it placed the workspace at the backward's first event, beside a held block)."""
+    steady = [("x", 100 * MiB, False, "forward", "activations"),
+              (("cuBLAS", "forward"), 0, False, "forward", "cuBLAS"),
+              ("x", -100 * MiB, False, "backward", "activations"),
+              (("cuBLAS", "backward"), 0, False, "backward", "cuBLAS"),
+              ("y", 8 * MiB, False, "backward", "activations"), ("y", -8 * MiB, False, "backward", "activations")]
+    ws = (32 * MiB, 32 * MiB)
+    marked = replay(steady, workspaces=ws)
+    unmarked = replay([e for e in steady if e[4] != "cuBLAS"], workspaces=ws)
+    assert marked["peak_reserved"] == (100 + 32 + 100) * MiB and unmarked["peak_reserved"] == (32 + 100 + 32) * MiB
+    assert marked["exact_peak"] == unmarked["exact_peak"] == 164 * MiB
+
+
+class _Fork(nn.Module):
+    """h feeds two branches: autograd sums their gradients for h."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.a(h).relu() + self.b(h).tanh()
+
+
+def test_a_gpu_plan_sums_gradients_in_place_as_a_step_without_a_mode_does():
+    """The engine sums h's two gradients in place unless a Python object holds the buffer -- which a dispatch
+    mode (the tracker, this trace) gives every tensor it sees. Counted by the profiler in a plain step, and
+    under a mode that does nothing: one h-sized gradient more there. The GPU plan counts the plain step's."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Nothing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    torch.manual_seed(0)
+    net, x, h_bytes = _Fork(), torch.randn(64, 64), 64 * 256 * 4
+
+    def made(mode):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, mode:
+            net(x).sum().backward()
+        return sum(1 for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() == h_bytes)
+    plain, moded = made(contextlib.nullcontext()), made(Nothing())
+    assert moded == plain + 1
+
+    def planned(kernels):
+        tr = trace_step(_Fork, (x, torch.zeros(64, 256)), loss_fn=lambda out, y: (out - y).pow(2).mean(),
+                        device="cpu", round_to=1, kernels=kernels)
+        return sum(1 for _, d, seed, ph, _ in tr.events if d == h_bytes and not seed and ph.startswith("backward"))
+    assert planned("cpu") == planned("cuda") + 1

@@ -1,5 +1,6 @@
 """planner.cuda: the fake trace runs attention, RMSNorm, dropout and cross-entropy as a GPU does, on a CPU."""
 import collections
+import contextlib
 import json
 
 import pytest
@@ -345,3 +346,20 @@ def test_autocast_casts_as_cudas_lists_do():
     assert [t.dtype for t in cpu] == [torch.bfloat16] * 5
     assert [t.dtype for t in gpu] == [torch.float32] * 5
     assert linear.dtype == torch.bfloat16 and kept.dtype == torch.bfloat16
+
+
+def test_cat_and_stack_promote_inside_the_kernel_as_on_cuda():
+    """CPU autocast lists cat and stack (it casts every input to the widest dtype first: one more tensor);
+    CUDA autocast does not, and the kernel promotes as it copies. Hugging Face's DynamicCache concatenates
+    its fp32 empty start with each layer's bf16 values: on the GPU one allocation, not two."""
+    from mgpu_helpers.planner.cuda import CPU_AUTOCAST_ONLY
+    assert {"cat", "stack", "index_copy"} <= CPU_AUTOCAST_ONLY and not {"mm", "pow", "linear"} & CPU_AUTOCAST_ONLY
+    with FakeTensorMode():
+        empty, v = torch.empty(0), torch.empty(4, 8, dtype=torch.bfloat16)
+        for kernels in ("cpu", "cuda"):
+            ops = Ops()
+            with torch.autocast("cpu", dtype=torch.bfloat16), ops, (CudaKernels() if kernels == "cuda"
+                                                                     else contextlib.nullcontext()):
+                out = torch.cat([empty, v]), torch.stack([v.float(), v]), torch.concat([empty, v])
+            assert [t.dtype for t in out] == [torch.float32] * 3
+            assert ops.seen["aten._to_copy.default"] == (4 if kernels == "cpu" else 1)  # .float() alone on CUDA

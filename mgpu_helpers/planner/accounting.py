@@ -6,7 +6,8 @@ the tensor claims, so the tracker sees nothing under a fake mode. ``FakeTracker`
 tensors that claim the planned device -- same categories, same rules, same rounding -- which is why a CPU
 plan equals the tracker on a real step. It records the allocator's requests in order (``events``, for
 ``planner.allocator.replay``) and, planning a GPU's kernels (``kernels="cuda"``), adds what a kernel borrows
-inside one op as a transient: cuDNN's workspace and flash attention's backward buffers. A CPU kernel's
+inside one op as a transient: cuDNN's workspace, flash attention's backward buffers and the staging buffer of
+a reduction split across thread blocks. A CPU kernel's
 scratch (oneDNN's) depends on the CPU: it is the CPU allocator's business, not the plan's.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
 from ..runtime.tracker import MemoryTracker, _Rec
@@ -28,6 +30,9 @@ class FakeTracker(MemoryTracker):
         self.events = []  # the allocator's requests, in order: planner_allocator.replay
         self.kernels = self.planned if kernels is None else kernels  # "cuda": GPU kernels' scratch is added
         self.workspace_at_peak, self._ws_now = 0, 0
+        self._cublas = set()  # the threads whose first cuBLAS call is marked in events
+        self._sum = None  # a gradient sum just made out of place: (its key, the old buffer's key, undo state)
+        self._wrapped = None  # the op a tensor subclass is running on its local tensors
 
     def _claim(self, tensors, cat, add=False):
         super()._claim([t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == self.planned],
@@ -38,7 +43,22 @@ class FakeTracker(MemoryTracker):
             devs = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             if devs == {"cpu"}:
                 return func(*args, **(kwargs or {}))
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            self._wrapped = func  # a subclass's op (DTensor): the same op on its local tensors comes next
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        undo = self._undo_state() if self._accumulation(func, args) else None
+        self._wrapped = None
+        self._sum = None
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if undo is not None and len(self.events) == undo[0] + 1:  # the sum made one storage
+            self._sum = (out.untyped_storage()._cdata, args[0].untyped_storage()._cdata, undo)
+        if self._active and self.kernels == "cuda" and func in _CUBLAS:
+            # A cuBLAS handle takes its workspace at its first matmul, after the output: one for the forward's
+            # thread, one for autograd's backward thread. Where it lands decides which free block it takes.
+            thread = "backward" if self._phase.startswith("backward") else "forward"
+            if thread not in self._cublas:
+                self._cublas.add(thread)
+                self.events.append((("cuBLAS", thread), 0, False, self._phase, "cuBLAS"))
         if self._active and self.kernels == "cuda" and func in _GPU_SCRATCH:
             extra = -(-_GPU_SCRATCH[func](func, args) // self.round_to) * self.round_to
             if extra:  # taken and given back inside the op: a transient sample, labelled "other"
@@ -55,6 +75,44 @@ class FakeTracker(MemoryTracker):
         super()._sample()
         if self._peak_idx == len(self._timeline) - 1:
             self.workspace_at_peak = self._ws_now
+
+    # ---- autograd's gradient sums: in place in a step run as users run it ---------------------------------
+    # Where two gradients meet, the engine adds the new one into the buffer in place when it holds the buffer's
+    # last reference (torch/csrc/autograd/input_buffer.cpp, ``can_accumulate_inplace``). Under a dispatch mode
+    # every tensor it is handed gets a Python object, whose reference makes the sum out of place: so under the
+    # course's tracker, and under this trace, the engine makes the sum anew and drops the old buffer at once --
+    # an allocation a step without a mode never makes. A CPU plan is held against the tracker and keeps it; a
+    # GPU plan (``kernels="cuda"``) is held against ``max_memory_allocated`` of the user's own step, so such a
+    # sum -- ``add`` in backward without grad mode (a recomputed forward has it), two dense tensors of one
+    # shape, not a subclass's (DTensor's stay out of place) -- followed at once by the old buffer's release
+    # is counted as that step makes it: the old buffer's bytes hold the sum.
+    def _accumulation(self, func, args):
+        return (self._active and self.kernels == "cuda" and func is torch.ops.aten.add.Tensor
+                and self._wrapped is not func and self._phase.startswith("backward")
+                and not torch.is_grad_enabled() and len(args) == 2
+                and all(isinstance(a, torch.Tensor) for a in args) and args[0].shape == args[1].shape
+                and args[0].dtype == args[1].dtype and args[0].is_contiguous())
+
+    def _undo_state(self):
+        return (len(self.events), self._peak, dict(self._peak_cats), self._peak_idx, dict(self._phase_peaks),
+                self.workspace_at_peak)
+
+    def _on_free(self, key, ref):
+        made, self._sum = self._sum, None
+        with self._lock:
+            old = self._recs.get(key)
+            new = made and key == made[1] and self._recs.get(made[0])
+            if new and old is not None and old.ref is ref and new.nbytes == old.nbytes \
+                    and len(self.events) == made[2][0] + 1:
+                n_events, self._peak, self._peak_cats, self._peak_idx, self._phase_peaks, \
+                    self.workspace_at_peak = made[2]
+                del self.events[n_events:], self._timeline[-1]  # the sum's allocation and its sample, undone
+                self._cats[new.cat] -= new.nbytes
+                self._total -= new.nbytes
+                old.ref, self._recs[made[0]] = new.ref, old  # the old buffer's bytes now hold the sum
+                del self._recs[key]
+                return
+        super()._on_free(key, ref)
 
 
 # cuDNN's workspace inside one GPU convolution, from its largest activation (input or output, in the dtype it
@@ -92,6 +150,65 @@ def cudnn_workspace(func, args) -> int:
     return int(CUDNN_WORKSPACE_FRACTION * biggest) + CUDNN_WORKSPACE_EXTRA
 
 
+# The GPU the reduction rule below assumes: H100 SXM and H200 have 132 SMs of 2048 threads (A100: 108). More
+# SMs can only split a reduction over more blocks, so the largest is the safe side.
+SMS, THREADS_PER_SM = 132, 2048
+
+
+def reduce_workspace(func, args) -> int:
+    """Bytes a GPU reduction (sum, mean) borrows inside the op when it splits each output's inputs over
+    several thread blocks: their partial results, ``acc size x outputs x blocks per output`` (x the block's
+    width and vector size when lanes hold different outputs). torch's ``setReduceConfig`` and
+    ``ReduceConfig::global_memory_size`` (aten/src/ATen/native/cuda/Reduce.cuh), for a dense input. The
+    gradient of a norm's weight (``x.sum((0, 1))`` over 4 x 1024 tokens of 1024) takes 32 MiB for a 4 KiB
+    result."""
+    x = args[0]
+    dims = args[1] if len(args) > 1 and args[1] not in (None, []) else range(x.dim())
+    dims = {d % max(x.dim(), 1) for d in ([dims] if isinstance(dims, int) else dims)}
+    numel = x.numel()
+    if numel == 0 or not x.is_contiguous():
+        return 0
+    outputs = math.prod(n for d, n in enumerate(x.shape) if d not in dims)
+    inputs = numel // outputs
+    if inputs == 1:
+        return 0
+    acc = 8 if x.dtype in (torch.float64, torch.complex64) else 4
+    kept = [d for d in range(x.dim()) if d not in dims and x.shape[d] > 1]
+    fastest = not kept or max(d for d in dims if x.shape[d] > 1) > max(kept)  # the innermost dim is reduced
+    vec = 1
+    if not fastest:  # lanes take neighbouring outputs, vectorised by 4 where the innermost output dim allows
+        vec = 4
+        while x.shape[max(kept)] % vec:
+            vec //= 2
+    dim0, dim1 = (inputs, outputs) if fastest else (outputs // vec, inputs)
+    real = [d for d in range(x.dim()) if x.shape[d] > 1]  # reduced dims next to each other merge into one
+    groups = sum(1 for i, d in enumerate(real) if d in dims and (i == 0 or real[i - 1] not in dims))
+    if fastest and dim0 > 128 and groups == 1:  # lanes load 4 neighbouring inputs at once
+        dim0 //= 4
+    most = 512 // vec
+
+    def pow2(n):
+        return most if n >= most else 1 << (max(n, 1).bit_length() - 1)
+    width = min(pow2(dim0), 32)
+    height = min(pow2(dim1), most // width)
+    width = min(pow2(dim0), most // height)
+    step_in, step_out = (width, 1) if fastest else (1, width)
+    split_y = -(-inputs // step_in) >= height * 16 or -(-inputs // step_in) >= 256
+    step_in, step_out = (step_in * height, step_out) if split_y else (step_in, step_out * height)
+    per_thread = -(-inputs // step_in)
+    grid = -(-(outputs // vec) // step_out)
+    target = SMS * (THREADS_PER_SM // (width * height))
+    if not split_y or per_thread < 256 or grid > target:
+        return 0
+    ctas = max(min(-(-target // grid), -(-per_thread // 16)), -(-per_thread // 256))
+    if ctas <= 1:
+        return 0
+    return acc * outputs * ctas * (1 if fastest else width * vec)
+
+
+_CUBLAS = frozenset(getattr(torch.ops.aten, op).default for op in ("mm", "addmm", "bmm", "baddbmm", "addmv", "mv"))
 _CONVS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
-_GPU_SCRATCH = {**{f: cudnn_workspace for f in _CONVS},
+_REDUCTIONS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default, torch.ops.aten.mean.dim,
+               torch.ops.aten.mean.default)
+_GPU_SCRATCH = {**{f: cudnn_workspace for f in _CONVS}, **{f: reduce_workspace for f in _REDUCTIONS},
                 torch.ops.aten._scaled_dot_product_flash_attention_backward.default: flash_backward_workspace}

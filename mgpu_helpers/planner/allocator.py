@@ -159,9 +159,10 @@ MAX_WARM_UP = 4
 def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
     """Replay a traced step (``Trace.events``: ``(key, delta, seed, phase, category)`` in order) through
     :class:`CachingAllocator` as a run would make it: the batch, what was live at the step's entry (the
-    optimizer's state is made inside the first step), cuBLAS's ``workspaces`` at the first forward and the
-    first backward, warm-up steps while they add a segment, peaks reset, and the same step again. Returns
-    its ``peak_allocated``, ``peak_reserved`` and ``exact_peak`` (the requests summed unrounded)."""
+    optimizer's state is made inside the first step), cuBLAS's ``workspaces`` where the trace marked each
+    thread's first matmul (category "cuBLAS"; unmarked: at the first forward and the first backward),
+    warm-up steps while they add a segment, peaks reset, and the same step again. Returns its
+    ``peak_allocated``, ``peak_reserved`` and ``exact_peak`` (the requests summed unrounded)."""
     alloc = CachingAllocator(expandable)
     for i, n in enumerate(batch):
         alloc.malloc(("batch", i), n)
@@ -174,8 +175,13 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
             size[key] = delta
     entry = set(size)
     steady = [e for e in events if not e[2]]
-    made_by = {"forward": 1, "backward": 2}  # cuBLAS workspaces made by the first forward / first backward
-    ws = []
+    marked = any(e[4] == "cuBLAS" for e in steady)
+    made_by = {"forward": 1, "backward": 2}  # unmarked: cuBLAS workspaces made by the first forward / backward
+    ws, made = [], set()
+
+    def make_workspace():
+        ws.append(workspaces[len(ws)])
+        alloc.malloc(("cuBLAS", len(ws)), ws[-1])
 
     def make_states():
         for key, n in states:
@@ -186,10 +192,15 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
         """One step; its peak of the unrounded requests."""
         now = sum(batch) + sum(size.values()) + sum(ws)
         peak, states_made = now, measured
-        for key, delta, _, phase, _ in steady:
-            while len(ws) < min(made_by.get(phase.split()[0], 0), len(workspaces)):
-                ws.append(workspaces[len(ws)])
-                alloc.malloc(("cuBLAS", len(ws)), ws[-1])
+        for key, delta, _, phase, cat in steady:
+            if cat == "cuBLAS":
+                if key not in made and len(ws) < len(workspaces):
+                    made.add(key)
+                    make_workspace()
+                    now += ws[-1]
+                continue
+            while not marked and len(ws) < min(made_by.get(phase.split()[0], 0), len(workspaces)):
+                make_workspace()
                 now += ws[-1]
             if not states_made and phase == "step":  # Adam makes its state inside its first step
                 make_states()

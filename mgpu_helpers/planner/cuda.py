@@ -237,7 +237,15 @@ CUDA_AUTOCAST_FP32 = frozenset(
     "upsample_nearest1d upsample_nearest2d upsample_nearest3d upsample_linear1d upsample_bilinear2d "
     "upsample_trilinear3d upsample_bicubic2d".split())
 CUDA_AUTOCAST_FP32_DTYPE = frozenset("prod softmax log_softmax cumprod cumsum sum".split())
-_ALIASES = {"__pow__": "pow", "__rpow__": "pow", "__rtruediv__": "reciprocal", "__rdiv__": "reciprocal"}
+# Ops CPU autocast lists and CUDA's does not (read from the dispatcher: AutocastCPU kernels without an
+# AutocastCUDA one), run on a GPU as they are: cat and stack promote inside the kernel, where CPU autocast
+# first casts every input to the widest dtype (a copy the GPU never makes); the CPU's fp32 list (fft, linalg)
+# is no list on CUDA either.
+CPU_AUTOCAST_ONLY = frozenset(
+    op.split("::")[1] for op in set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"))
+    - set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")) if "." not in op)
+_ALIASES = {"__pow__": "pow", "__rpow__": "pow", "__rtruediv__": "reciprocal", "__rdiv__": "reciprocal",
+            "concat": "cat", "concatenate": "cat"}
 
 
 def _cast(x, dtype):
@@ -250,10 +258,11 @@ def _cast(x, dtype):
 
 @functools.cache
 def _listed_name(func) -> str:
-    """The op's name if it is on one of CUDA autocast's lists that the CPU's lack, else ""."""
+    """The op's name if one of the two autocasts lists it and the other does not, else ""."""
     name = getattr(func, "__name__", "")
     name = _ALIASES.get(name, name)
-    return name if name in CUDA_AUTOCAST_FP32 or name in CUDA_AUTOCAST_FP32_DTYPE else ""
+    listed = name in CUDA_AUTOCAST_FP32 or name in CUDA_AUTOCAST_FP32_DTYPE or name in CPU_AUTOCAST_ONLY
+    return name if listed else ""
 
 
 class CudaKernels(TorchFunctionMode):
@@ -271,11 +280,15 @@ class CudaKernels(TorchFunctionMode):
             return route(*args, **kwargs)
         name = _listed_name(func)
         first = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(first, (list, tuple)) and first:  # cat, stack
+            first = first[0]
         if not name or not isinstance(first, torch.Tensor) or first.device.type not in ("cpu", "cuda") \
                 or not torch.is_autocast_enabled(first.device.type):
             return func(*args, **kwargs)
         if name in CUDA_AUTOCAST_FP32:
             args, kwargs = _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
+        elif name in CPU_AUTOCAST_ONLY:
+            pass  # the op as it is, below: not autocast's on CUDA
         elif first.is_floating_point() and kwargs.get("dtype") is None \
                 and not any(isinstance(a, torch.dtype) for a in args):
             kwargs = {**kwargs, "dtype": torch.float32}
