@@ -275,6 +275,8 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         w2, wo, t_ffn = P32 * cfg.d * cfg.ffn // tp, P32 * cfg.d * cfg.d // tp, c * tokens * cfg.ffn // tp
         cast_w2 = c * cfg.d * cfg.ffn // tp if autocast else 0
         mm = P32 * sp + (c * sp if autocast else 0) + sp_grad + t_ffn + (cast_w2 or w2)
+        # (under autocast the feed-forward's casts go too: w3's of its input, the three weights')
+        a_ffn += (c * tokens * cfg.d + 3 * cast_w2) if autocast else 0
         attention = attention_backward(cfg, tp, tokens, c, layout.cp) + 2 * P32 * sp + sp_grad + wo - a_ffn
         g_ffn = g_block * ffn_params(cfg, tp) // blk + P32 * cfg.d  # the feed-forward's and its norm's gradients
         # w2's new gradient stays (a chunk's first backward, FSDP2's unsharded), or is added to .grad at once
