@@ -194,14 +194,14 @@ def _traced_as_on_a_gpu(cfg, layout, bf16):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = forward(self, x)
         return out.float() if self.output is not None else out
+    autocast = mock.patch.object(parallel.Llama, "forward", autocast_forward) if bf16 else contextlib.nullcontext()
     peaks = [0] * layout.world
     for rep, ranks in parallel.distinct_ranks(cfg, layout).items():
         tokens, targets = parallel._rank_batch(cfg, layout, 8, 128, rep, "cpu")
         parallel._forget_meshes()
         with fake_world(layout.world, rep), parallel._as_on_real_ranks():
             mesh = parallel.make_mesh(layout, "cpu")
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode, CudaKernels(), \
-                    mock.patch.object(parallel.Llama, "forward", autocast_forward) if bf16 else contextlib.nullcontext():
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode, CudaKernels(), autocast:
                 x, y = mode.from_tensor(tokens), mode.from_tensor(targets)
                 mt = parallel.rank_step(cfg, layout, rep, x, y, FakeTracker(None, None, "cpu", 1), mesh=mesh,
                                         device="cpu", fake=True)

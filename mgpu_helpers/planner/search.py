@@ -4,8 +4,8 @@ A traced plan per layout (``planner.parallel.plan_layout``) is exact but takes s
 longer for 405B; the search instead composes each rank's peak by arithmetic over the same layout, so that
 50+ layouts of a 405B model plan in well under a second. Per rank of pipeline stage s (layers split as
 ``torch.tensor_split``: the first stages one more; the first holds the embedding, the last the final
-norm, head and loss), the peak is the largest of the moments a training step can peak at, each the sum of
-four terms (:class:`RankPlan`, the worst moment's):
+norm, head and loss), the peak is the largest of the moments a training step can peak at -- what is alive
+at each, not a bound over several -- each the sum of four terms (:class:`RankPlan`, the worst moment's):
 
 - **state**: the stage's parameters, TP-local (q/k/v/w1/w3 split by output rows, wo/w2 by input columns,
   embedding and head by vocabulary, norms whole), then FSDP2's ``dp_shard`` chunk: fp32 parameters and
@@ -21,23 +21,29 @@ four terms (:class:`RankPlan`, the worst moment's):
   checkpointing only the block's output), and on the last stage the final norm's and the log-softmax's
   fp32 output over ``vocab / tp`` (without FSDP2, bf16 compute is ``torch.autocast`` over the fp32
   parameters, as torchtitan runs it: each linear's cast weight, and q/k/v's and w1/w3's own casts of
-  the fp32 norm output, three ``T d`` more per block); micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``,
-  interleaved (torch's ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)``
-  capped at ``m v`` (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first
-  steady forward, each one chunk's blocks and input, the head's on the last rank once: its last chunk's
-  backward follows its forward; the sends, waited at the step's end, keep each finished backward's
-  output and gradient); at a moment inside the first backward (one chunk's), the gradients
-  made so far with the activations not yet let go (feed-forward gradients first, then attention's);
+  the fp32 norm output, three ``T d`` more per block); micro-batches in flight -- GPipe ``m``, 1F1B
+  ``min(m, pp - s)``; under interleaving (torch's ``ScheduleInterleaved1F1B``) the rank's order is walked
+  op by op (``parallel.schedule_order``): at each backward, what each of its chunks holds, the gradients
+  of the chunks whose first backward is done, and the sends, waited at the step's end, which keep each
+  finished backward's output and gradient; the last rank holds one micro-batch's head (its last chunk's
+  backward follows its forward). In a chunk's first backward the gradients made so far count beside
+  the activations not yet let go: at its last block, at its second (FSDP2: the first block's parameters
+  prefetched), at its first, at its end;
 - **transient**: alive only inside one op or one backward: the loss's (the log-softmax's gradient and
   its input's in fp32; ``loss_parallel``'s composite keeps one more and per-token indices), the head's
-  and the embedding's new weight gradient, a block's backward (three ``T ffn / tp`` gradients, the residual
-  stream's gradient arriving and leaving, sequence parallel's gathered gradient, a weight's new gradient
-  before it is accumulated), the recomputed block under checkpointing, Adam's foreach square root of
-  ``exp_avg_sq`` (4 B/param) in the step.
+  and the embedding's new weight gradient, a block's backward at its peak (beside the residual stream's
+  gradient arriving: in w2's backward, its input's and its weight's gradients; or in mul's, its two
+  factors' gradients and w2's new weight gradient while w2's saved input (under autocast, its cast
+  weight) is gone -- kept in a chunk's first backward and under FSDP2, added to ``.grad`` at once
+  after; or in the attention's, the feed-forward's activations gone; a MoE block: every gradient of the
+  block beside its largest transient, a bound), the recomputed block under checkpointing (all but its
+  output: checkpoint stops recomputing once backward's last tensor is saved), Adam's foreach square
+  root of ``exp_avg_sq`` (4 B/param) in the step.
 
 The moments: the first micro-batch's loss backward (no gradient yet), the first backward's blocks and its
 end, a later micro-batch's loss, blocks and embedding backward (every gradient; the schedule holding
-``k`` micro-batches again under 1F1B with ``m > k``, else ``k - 1``), and Adam's step.
+``k`` micro-batches again under 1F1B with ``m > k``, else ``k - 1``; interleaved: each backward of the
+rank's order), and Adam's step.
 
 **Context parallel** (``--cp``, as ``parallel.rank_step`` runs it: K and V all-gathered): each rank keeps
 ``seq / cp`` tokens of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's
@@ -63,10 +69,14 @@ like with like -- the trace computes in fp32 with the CPU's kernels, so the arit
 kernels="cpu"`` (torch's composite RMSNorm also saves its normalised input; the CPU's flash attention
 saves what a GPU's does) -- a 4-layer d=256 decoder over 17 layouts of 2 and 4 ranks (TP, PP GPipe and
 1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing) and its 8-layer twin under
-interleaved 1F1B (pp 2 and 4, two chunks a rank): never under, within +8% (the loosest: FSDP2's); CP and
-a MoE's EP (8 layouts: cp2, cp4, cp2 x FSDP2, cp2 x TP2, ep2, ep4, ep2 x FSDP2, ep2 x cp2) from 16 B to +5.7%.
-tests/test_planner_search.py holds that, and the in-flight counts to the schedules the ranks run
-(``parallel.schedule_order``) and the stage parameters to the model's. On one H100 (NCCL, world size 1;
+interleaved 1F1B (pp 2 and 4, two chunks a rank): never under, within +1%; CP and a MoE's EP (8 layouts:
+cp2, cp4, cp2 x FSDP2, cp2 x TP2, ep2, ep4, ep2 x FSDP2, ep2 x cp2) within +3%. Traced with a GPU's
+kernels (``planner.cuda.CudaKernels``; bf16 autocast where FSDP2 does not wrap), as ``bench/plan_layouts_gpu.py
+--ranks`` runs the ranks on a GPU, the default arithmetic (``kernels="cuda"``) is within +1% too for the
+layouts an H100 once found 2-8% over when the search took a bound over moments for the peak (HSDP, pp4's
+stages, interleaved 1F1B, FSDP2 with checkpointing), under by a few hundred bytes at most (scalars a GPU
+keeps on the CPU). tests/test_planner_search.py holds that, and the in-flight counts to the schedules the
+ranks run (``parallel.schedule_order``) and the stage parameters to the model's. On one H100 (NCCL, world size 1;
 ``bench/plan_layouts_gpu.py``: 0.5B decoder, 4 x 2048 tokens, with and without checkpointing and with 2
 and 4 micro-batches) the default bf16 arithmetic equals ``rank_step``'s ``max_memory_allocated`` under
 autocast within 9 KiB (flash attention, fused RMSNorm), and ``c=4`` its fp32 step within 1 KiB where
