@@ -142,8 +142,8 @@ def test_arithmetic_never_plans_below_the_traced_plan(layout):
     # Like with like: the traced plan (equal to the tracker on real ranks) computes in fp32 with the CPU's
     # kernels, so the arithmetic is asked for fp32 compute (c=4) and the CPU's kernels (torch's composite
     # RMSNorm also saves its normalised input; the CPU's flash attention saves what a GPU's does). Measured
-    # over these 19 layouts (2 and 4 ranks): 16 B over .. +0.75% per rank, never under (the loosest: the
-    # last stages' heads, FSDP2 with checkpointing). Counting a GPipe schedule as 1F1B, or the GPU's
+    # over these 19 layouts (2 and 4 ranks): 8 B over .. +0.24% per rank (pp4 GPipe's middle stages), never
+    # under; most ranks 16 B over (a scalar). Counting a GPipe schedule as 1F1B, or the GPU's
     # kernels' terms (kernels="cuda") against this CPU trace, lands under the bar; a block's backward as
     # every gradient of the block beside its largest transient (a bound, not its peak) over it, to +7.4%.
     _held(MID._replace(layers=8) if layout.virtual_stages > 1 else MID, layout, 1.01)
@@ -227,9 +227,9 @@ def test_arithmetic_is_the_peak_traced_with_a_gpus_kernels(layout):
     # The search's default (kernels="cuda"; bf16 under autocast without FSDP2, fp32 with it) against the
     # step traced with a GPU's kernels: where the H100 found the search 2-8% over its max_memory_allocated
     # (HSDP, pp4's middle stages, interleaved 1F1B, FSDP2 with checkpointing), the search took a bound over
-    # moments for the peak. Measured: at most +0.74% over (FSDP2 with checkpointing, +512 KiB; pp4's last
-    # stage +0.45%), most ranks exact but for 76-388 B under: scalars a GPU keeps on the CPU or the search
-    # leaves out (Adam's step counters, the loss's), which this trace counts. The earlier bound: +2.0% to +8.0%.
+    # moments for the peak. Measured: at most +0.09% over (HSDP and FSDP2 over 4 ranks, +52 KiB), the other
+    # ranks 76-388 B under: scalars a GPU keeps on the CPU or the search leaves out (Adam's step counters,
+    # the loss's), which this trace counts. The earlier bound: +2.0% to +8.0% over.
     cfg = MID._replace(layers=8) if layout.pp == 4 or layout.virtual_stages > 1 else MID
     bf16 = layout.dp == 1
     _held(cfg, layout, 1.01, _traced_as_on_a_gpu(cfg, layout, bf16), c=2 if bf16 else 4, kernels="cuda", slack=1024)

@@ -251,11 +251,10 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # torchtitan runs a model FSDP2 does not wrap); its casts are saved per micro-batch (block_activations)
     autocast = c < P32 and not fsdp
     a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels, autocast, layout.cp, seq)
-    # one micro-batch of one chunk (v = 1: the stage): its blocks' activations and its input (the
-    # embedding's output, or received); under interleaving the rank's first chunk, its largest
+    # one micro-batch of the stage (under interleaving, of each chunk): its blocks' activations and its
+    # input (the embedding's output, or received)
     v = layout.virtual_stages
-    nc = stage_layers(cfg.layers, layout.pp * v)[stage]
-    blocks = nc * a + P32 * sp
+    blocks = n * a + P32 * sp
     head_acts = 0
     if last:  # the final norm's gathered output and rstd (on a CPU its normalised input); log-softmax's output
         head_acts = c * tokens * cfg.d + P32 * tokens // tp + (c * sp if kernels == "cpu" else 0) \
@@ -312,14 +311,14 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         go, the head's first, then a block's at a time, the embedding's last. Its peak: at the last block
         (whose backward comes first), at the second (the later blocks' gradients made, the first block's
         activations and its prefetched parameters held too), at the first (nothing left to prefetch), or at
-        the end (every gradient of the chunk)."""
+        the end (every gradient of the chunk). A block's output, the next one's input, goes with the next
+        one's backward; the chunk's input and output stay until its backward returns."""
         out = [(state, in_block - prefetched * (n == 1), others + chunk + head_grads + in_blk, first_back)]
         if n > 2:
-            out.append((state, in_block, others + head_grads + (n - 2) * g + P32 * sp + 2 * a + in_blk + prev,
-                        first_back))
+            out.append((state, in_block, others + head_grads + (n - 2) * g + 2 * a + in_blk + prev, first_back))
         if n > 1:
-            out.append((state, in_block - prefetched, others + head_grads + (n - 1) * g + P32 * sp + a + in_blk
-                        + prev, first_back))
+            out.append((state, in_block - prefetched, others + head_grads + (n - 1) * g + a + in_blk + prev,
+                        first_back))
         return out + [(state, c * root * fsdp, others + n * g + root_grads, out_grad)]
 
     # the moments the step can peak at: (state, gathered, activations, transient)
@@ -327,11 +326,11 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     if v == 1:
         k = in_flight(layout, stage)
         # once the first micro-batch's backward is done every gradient exists, and the schedule holds k
-        # micro-batches again (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k);
-        # with the last backward's gradient sent, until the next receive (in a block's backward: the one
-        # received in its place)
+        # micro-batches again (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k).
+        # A backward's gradient, sent, lives until the stage's next receive: GPipe's last stage has none
+        # between its backwards (the others receive the gradient, a block's arriving one, in its place)
         kl = k if m > k else k - 1
-        later = kl * acts + P32 * sp * (stage > 0)
+        later = kl * acts + P32 * sp * (last and stage > 0 and layout.schedule == "gpipe")
         if last:  # the first micro-batch's loss (no gradient yet), a later one's (every sharded gradient)
             moments.append((weights, at_loss, k * acts, head))
             if m > 1:
@@ -339,10 +338,10 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         if m > 1:  # a later block's backward (the micro-batch in it has let go of its head's activations);
             # on the first stage, the embedding's new gradient at the end of it
             moments.append((weights + grads, in_block + (g_head + later_held) * fsdp,
-                            later - head_acts - P32 * sp * (stage > 0 and not cfg.experts), later_back))
+                            later - head_acts, later_back))
             if stage == 0:
                 moments.append((weights + grads, (c * root + g_root) * fsdp, later - acts, emb_new + out_grad))
-        moments += first_backward(weights, (k - 1) * acts, nc, blocks, g_head, g_root)
+        moments += first_backward(weights, (k - 1) * acts, n, blocks, g_head, g_root)
     else:  # interleaved: the rank's order op by op (``parallel.schedule_order``), chunk j being global
         # stage j pp + stage; sends are waited at the step's end (``parallel._P2P``), so each backward done
         # keeps its chunk's output and the gradient it sent. The last rank runs its last chunk's backward
