@@ -306,20 +306,20 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     prev = g_block * fsdp  # FSDP2: the previous block's gradients wait to be reduce-scattered past its backward
     prefetched = in_block - c * root * fsdp - c * blk * fsdp  # the next block's (without experts of their own)
 
-    def first_backward(state, others, n, chunk, head_grads, root_grads):
-        """A chunk's first backward beside ``others``' activations: the gradients appear as its activations
-        go, the head's first, then a block's at a time, the embedding's last. Its peak: at the last block
-        (whose backward comes first), at the second (the later blocks' gradients made, the first block's
-        activations and its prefetched parameters held too), at the first (nothing left to prefetch), or at
-        the end (every gradient of the chunk). A block's output, the next one's input, goes with the next
-        one's backward; the chunk's input and output stay until its backward returns."""
-        out = [(state, in_block - prefetched * (n == 1), others + chunk + head_grads + in_blk, first_back)]
-        if n > 2:
-            out.append((state, in_block, others + head_grads + (n - 2) * g + 2 * a + in_blk + prev, first_back))
-        if n > 1:
-            out.append((state, in_block - prefetched, others + head_grads + (n - 1) * g + a + in_blk + prev,
+    def first_backward(state, others, nb, chunk, head_grads, root_grads):
+        """A chunk's first backward (``nb`` blocks) beside ``others``' activations: the gradients appear as
+        its activations go, the head's first, then a block's at a time, the embedding's last. Its peak: at
+        the last block (whose backward comes first), at the second (the later blocks' gradients made, the
+        first block's activations and its prefetched parameters held too), at the first (nothing left to
+        prefetch), or at the end (every gradient of the chunk). A block's output, the next one's input, goes
+        with the next one's backward; the chunk's input and output stay until its backward returns."""
+        out = [(state, in_block - prefetched * (nb == 1), others + chunk + head_grads + in_blk, first_back)]
+        if nb > 2:
+            out.append((state, in_block, others + head_grads + (nb - 2) * g + 2 * a + in_blk + prev, first_back))
+        if nb > 1:
+            out.append((state, in_block - prefetched, others + head_grads + (nb - 1) * g + a + in_blk + prev,
                         first_back))
-        return out + [(state, c * root * fsdp, others + n * g + root_grads, out_grad)]
+        return out + [(state, c * root * fsdp, others + nb * g + root_grads, out_grad)]
 
     # the moments the step can peak at: (state, gathered, activations, transient)
     m, moments = layout.microbatches, []
@@ -328,7 +328,7 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
         # once the first micro-batch's backward is done every gradient exists, and the schedule holds k
         # micro-batches again (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k).
         # A backward's gradient, sent, lives until the stage's next receive: GPipe's last stage has none
-        # between its backwards (the others receive the gradient, a block's arriving one, in its place)
+        # between its backwards (a middle stage's next backward receives the gradient its blocks start from)
         kl = k if m > k else k - 1
         later = kl * acts + P32 * sp * (last and stage > 0 and layout.schedule == "gpipe")
         if last:  # the first micro-batch's loss (no gradient yet), a later one's (every sharded gradient)
