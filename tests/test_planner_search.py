@@ -1,5 +1,6 @@
 """planner.search: the per-rank arithmetic the layout search composes, and mgpu-plan's layout mode."""
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -141,18 +142,20 @@ def test_arithmetic_never_plans_below_the_traced_plan(layout):
     # Like with like: the traced plan (equal to the tracker on real ranks) computes in fp32 with the CPU's
     # kernels, so the arithmetic is asked for fp32 compute (c=4) and the CPU's kernels (torch's composite
     # RMSNorm also saves its normalised input; the CPU's flash attention saves what a GPU's does). Measured
-    # over these 19 layouts (2 and 4 ranks): +0.0% (16 B over) .. +7.4% per rank, never under (the
-    # FSDP2 layouts are the loosest). Counting a GPipe schedule as 1F1B, or the GPU's kernels' terms
-    # (kernels="cuda") against this CPU trace, lands under the bar.
-    _held(MID._replace(layers=8) if layout.virtual_stages > 1 else MID, layout, 1.08)
+    # over these 19 layouts (2 and 4 ranks): 8 B over .. +0.24% per rank (pp4 GPipe's middle stages), never
+    # under; most ranks 16 B over (a scalar). Counting a GPipe schedule as 1F1B, or the GPU's
+    # kernels' terms (kernels="cuda") against this CPU trace, lands under the bar; a block's backward as
+    # every gradient of the block beside its largest transient (a bound, not its peak) over it, to +7.4%.
+    _held(MID._replace(layers=8) if layout.virtual_stages > 1 else MID, layout, 1.01)
 
 
-def _held(cfg, layout, bar):
-    traced = plan_layout(cfg, layout, 8, 128)
-    stages = plan_ranks(cfg, layout, 8, 128, c=4, kernels="cpu")
+def _held(cfg, layout, bar, traced=None, c=4, kernels="cpu", slack=0):
+    traced = traced or plan_layout(cfg, layout, 8, 128)
+    stages = plan_ranks(cfg, layout, 8, 128, c=c, kernels=kernels)
     for r, t in enumerate(traced):
         a = stages[layout.coords(r)[0]].peak
-        assert t <= a <= bar * t, f"{layout.describe()} rank {r}: arithmetic {a:,} traced {t:,} ({a / t - 1:+.1%})"
+        assert t - slack <= a <= bar * t, \
+            f"{layout.describe()} rank {r}: arithmetic {a:,} traced {t:,} ({a / t - 1:+.2%}, {a - t:+,} B)"
 
 
 MOE = MID._replace(experts=8, top_k=2, expert_ffn=256)
@@ -166,10 +169,70 @@ CP_EP = [(MID, Layout(cp=2)), (MID, Layout(cp=4)), (MID, Layout(cp=2, dp_shard=2
                          else ("moe" if x.experts else "dense"))
 def test_arithmetic_never_plans_below_the_traced_cp_and_ep_plans(cfg, layout):
     # Context parallel as traced (every rank's keys and values kept per block, the causal mask) and a MoE
-    # decoder's experts over ep, held like the layouts above. Measured: cp2 16 B over, cp4 +5.7%, cp2 x fsdp2
-    # +3.5%, cp2 x tp2 +0.0%; ep2 and ep4 16 B over, ep2 x fsdp +2.9%, ep2 x cp2 +2.8%. Counting ring
+    # decoder's experts over ep, held like the layouts above. Measured: cp2, cp2 x fsdp2 16 B over, cp4
+    # +1.4%, cp2 x tp2 +1.5 KiB; ep2 and ep4 16 B over, ep2 x fsdp +2.9%, ep2 x cp2 +2.8% (a MoE block's
+    # backward is still a bound: every gradient of the block beside its largest transient). Counting ring
     # attention's one neighbour chunk instead of the gathered keys and values landed 2.9-6.7% under.
-    _held(cfg, layout, 1.10)
+    _held(cfg, layout, 1.03)
+
+
+def _traced_as_on_a_gpu(cfg, layout, bf16):
+    """``plan_layout`` as a GPU runs the step, on any host: CUDA's kernels (``planner.cuda.CudaKernels``: fused
+    RMSNorm, flash or memory-efficient attention) and, where no FSDP2 wraps the model, the stage's forward
+    under bf16 autocast with fp32 logits (as ``bench/plan_layouts_gpu.py`` runs it on the GPU)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mgpu_helpers.planner import parallel
+    from mgpu_helpers.planner.accounting import FakeTracker
+    from mgpu_helpers.planner.cuda import CudaKernels
+    from mgpu_helpers.runtime.fake_world import fake_world
+    forward = parallel.Llama.forward
+
+    def autocast_forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(self, x)
+        return out.float() if self.output is not None else out
+    autocast = mock.patch.object(parallel.Llama, "forward", autocast_forward) if bf16 else contextlib.nullcontext()
+    peaks = [0] * layout.world
+    for rep, ranks in parallel.distinct_ranks(cfg, layout).items():
+        tokens, targets = parallel._rank_batch(cfg, layout, 8, 128, rep, "cpu")
+        parallel._forget_meshes()
+        with fake_world(layout.world, rep), parallel._as_on_real_ranks():
+            mesh = parallel.make_mesh(layout, "cpu")
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode, CudaKernels(), autocast:
+                x, y = mode.from_tensor(tokens), mode.from_tensor(targets)
+                mt = parallel.rank_step(cfg, layout, rep, x, y, FakeTracker(None, None, "cpu", 1), mesh=mesh,
+                                        device="cpu", fake=True)
+        for r in ranks:
+            peaks[r] = mt.peak_bytes
+    return peaks
+
+
+GPU_TRACED = [Layout(dp_replicate=2, dp_shard=2), Layout(dp_shard=4), Layout(dp_shard=2, checkpointing=True),
+              Layout(dp_shard=4, checkpointing=True), Layout(dp_replicate=2, dp_shard=2, checkpointing=True),
+              Layout(tp=2, dp_shard=2, checkpointing=True), Layout(pp=2, microbatches=4, schedule="gpipe"),
+              Layout(pp=4, microbatches=4, schedule="gpipe"), Layout(pp=4, microbatches=4, schedule="gpipe",
+                                                                    checkpointing=True),
+              Layout(pp=4, microbatches=4), Layout(pp=4, microbatches=4, checkpointing=True),
+              Layout(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2),
+              Layout(pp=4, microbatches=4, schedule="interleaved", virtual_stages=2),
+              Layout(pp=4, microbatches=4, schedule="interleaved", virtual_stages=2, checkpointing=True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", GPU_TRACED, ids=lambda l: l.describe().replace(" ", "-"))
+def test_arithmetic_is_the_peak_traced_with_a_gpus_kernels(layout):
+    # The search's default (kernels="cuda"; bf16 under autocast without FSDP2, fp32 with it) against the
+    # step traced with a GPU's kernels: where the H100 found the search 2-8% over its max_memory_allocated
+    # (HSDP, pp4's middle stages, interleaved 1F1B, FSDP2 with checkpointing), the search took a bound over
+    # moments for the peak. Measured: at most +0.09% over (HSDP and FSDP2 over 4 ranks, +52 KiB), the other
+    # ranks 76-388 B under: scalars a GPU keeps on the CPU or the search leaves out (Adam's step counters,
+    # the loss's), which this trace counts. The earlier bound: +2.0% to +8.0% over.
+    cfg = MID._replace(layers=8) if layout.pp == 4 or layout.virtual_stages > 1 else MID
+    bf16 = layout.dp == 1
+    _held(cfg, layout, 1.01, _traced_as_on_a_gpu(cfg, layout, bf16), c=2 if bf16 else 4, kernels="cuda", slack=1024)
 
 
 def test_expert_parallel_traffic_is_its_all_to_all_and_the_rest_s_fsdp2():

@@ -4,8 +4,8 @@ A traced plan per layout (``planner.parallel.plan_layout``) is exact but takes s
 longer for 405B; the search instead composes each rank's peak by arithmetic over the same layout, so that
 50+ layouts of a 405B model plan in well under a second. Per rank of pipeline stage s (layers split as
 ``torch.tensor_split``: the first stages one more; the first holds the embedding, the last the final
-norm, head and loss), the peak is the largest of the moments a training step can peak at, each the sum of
-four terms (:class:`RankPlan`, the worst moment's):
+norm, head and loss), the peak is the largest of the moments a training step can peak at -- what is alive
+at each, not a bound over several -- each the sum of four terms (:class:`RankPlan`, the worst moment's):
 
 - **state**: the stage's parameters, TP-local (q/k/v/w1/w3 split by output rows, wo/w2 by input columns,
   embedding and head by vocabulary, norms whole), then FSDP2's ``dp_shard`` chunk: fp32 parameters and
@@ -21,23 +21,29 @@ four terms (:class:`RankPlan`, the worst moment's):
   checkpointing only the block's output), and on the last stage the final norm's and the log-softmax's
   fp32 output over ``vocab / tp`` (without FSDP2, bf16 compute is ``torch.autocast`` over the fp32
   parameters, as torchtitan runs it: each linear's cast weight, and q/k/v's and w1/w3's own casts of
-  the fp32 norm output, three ``T d`` more per block); micro-batches in flight -- GPipe ``m``, 1F1B ``min(m, pp - s)``,
-  interleaved (torch's ``ScheduleInterleaved1F1B``: its warm-up forwards, ``(v - 1) pp + 2 (pp - s - 1)``
-  capped at ``m v`` (``_get_warmup_ops`` in torch/distributed/pipelining/schedules.py), plus the first
-  steady forward, each one chunk's blocks and input, the head's on the last rank once: its last chunk's
-  backward follows its forward; the sends, waited at the step's end, keep each finished backward's
-  output and gradient); at a moment inside the first backward (one chunk's), the gradients
-  made so far with the activations not yet let go (feed-forward gradients first, then attention's);
+  the fp32 norm output, three ``T d`` more per block); micro-batches in flight -- GPipe ``m``, 1F1B
+  ``min(m, pp - s)``; under interleaving (torch's ``ScheduleInterleaved1F1B``) the rank's order is walked
+  op by op (``parallel.schedule_order``): at each backward, what each of its chunks holds, the gradients
+  of the chunks whose first backward is done, and the sends, waited at the step's end, which keep each
+  finished backward's output and gradient; the last rank holds one micro-batch's head (its last chunk's
+  backward follows its forward). In a chunk's first backward the gradients made so far count beside
+  the activations not yet let go: at its last block, at its second (FSDP2: the first block's parameters
+  prefetched), at its first, at its end;
 - **transient**: alive only inside one op or one backward: the loss's (the log-softmax's gradient and
   its input's in fp32; ``loss_parallel``'s composite keeps one more and per-token indices), the head's
-  and the embedding's new weight gradient, a block's backward (three ``T ffn / tp`` gradients, the residual
-  stream's gradient arriving and leaving, sequence parallel's gathered gradient, a weight's new gradient
-  before it is accumulated), the recomputed block under checkpointing, Adam's foreach square root of
-  ``exp_avg_sq`` (4 B/param) in the step.
+  and the embedding's new weight gradient, a block's backward at its peak (beside the residual stream's
+  gradient arriving: in w2's backward, its input's and its weight's gradients; or in mul's, its two
+  factors' gradients and w2's new weight gradient while w2's saved input (under autocast, its cast
+  weight) is gone -- kept in a chunk's first backward and under FSDP2, added to ``.grad`` at once
+  after; or in the attention's, the feed-forward's activations gone; a MoE block: every gradient of the
+  block beside its largest transient, a bound), the recomputed block under checkpointing (all but its
+  output: checkpoint stops recomputing once backward's last tensor is saved), Adam's foreach square
+  root of ``exp_avg_sq`` (4 B/param) in the step.
 
 The moments: the first micro-batch's loss backward (no gradient yet), the first backward's blocks and its
 end, a later micro-batch's loss, blocks and embedding backward (every gradient; the schedule holding
-``k`` micro-batches again under 1F1B with ``m > k``, else ``k - 1``), and Adam's step.
+``k`` micro-batches again under 1F1B with ``m > k``, else ``k - 1``; interleaved: each backward of the
+rank's order), and Adam's step.
 
 **Context parallel** (``--cp``, as ``parallel.rank_step`` runs it: K and V all-gathered): each rank keeps
 ``seq / cp`` tokens of every sample, parameters are sharded over ``dp_shard x cp`` (torchtitan's
@@ -63,10 +69,14 @@ like with like -- the trace computes in fp32 with the CPU's kernels, so the arit
 kernels="cpu"`` (torch's composite RMSNorm also saves its normalised input; the CPU's flash attention
 saves what a GPU's does) -- a 4-layer d=256 decoder over 17 layouts of 2 and 4 ranks (TP, PP GPipe and
 1F1B with unequal stages, FSDP2, HSDP, FSDP2 x TP, PP x TP and checkpointing) and its 8-layer twin under
-interleaved 1F1B (pp 2 and 4, two chunks a rank): never under, within +8% (the loosest: FSDP2's); CP and
-a MoE's EP (8 layouts: cp2, cp4, cp2 x FSDP2, cp2 x TP2, ep2, ep4, ep2 x FSDP2, ep2 x cp2) from 16 B to +5.7%.
-tests/test_planner_search.py holds that, and the in-flight counts to the schedules the ranks run
-(``parallel.schedule_order``) and the stage parameters to the model's. On one H100 (NCCL, world size 1;
+interleaved 1F1B (pp 2 and 4, two chunks a rank): never under, within +1%; CP and a MoE's EP (8 layouts:
+cp2, cp4, cp2 x FSDP2, cp2 x TP2, ep2, ep4, ep2 x FSDP2, ep2 x cp2) within +3%. Traced with a GPU's
+kernels (``planner.cuda.CudaKernels``; bf16 autocast where FSDP2 does not wrap), as ``bench/plan_layouts_gpu.py
+--ranks`` runs the ranks on a GPU, the default arithmetic (``kernels="cuda"``) is within +1% too for the
+layouts an H100 once found 2-8% over when the search took a bound over moments for the peak (HSDP, pp4's
+stages, interleaved 1F1B, FSDP2 with checkpointing), under by a few hundred bytes at most (scalars a GPU
+keeps on the CPU). tests/test_planner_search.py holds that, and the in-flight counts to the schedules the
+ranks run (``parallel.schedule_order``) and the stage parameters to the model's. On one H100 (NCCL, world size 1;
 ``bench/plan_layouts_gpu.py``: 0.5B decoder, 4 x 2048 tokens, with and without checkpointing and with 2
 and 4 micro-batches) the default bf16 arithmetic equals ``rank_step``'s ``max_memory_allocated`` under
 autocast within 9 KiB (flash attention, fused RMSNorm), and ``c=4`` its fp32 step within 1 KiB where
@@ -79,7 +89,7 @@ import itertools
 from dataclasses import dataclass
 
 from .budget import budget
-from .parallel import Layout, LlamaConfig, capacity, check_layout, stage_layers
+from .parallel import Layout, LlamaConfig, capacity, check_layout, schedule_order, stage_layers
 
 P32, BF16 = 4, 2
 
@@ -168,8 +178,7 @@ def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16, cp: in
     q, and the keys and values (``cp`` times this rank's under context parallel), one of those made
     contiguous for its reduce-scatter."""
     sp_grad = c * tokens * cfg.d if tp > 1 else 0  # sequence parallel's gathered gradient, before its reduce-scatter
-    hd = cfg.d // cfg.heads
-    attention = c * tokens * (2 * cfg.heads + (3 if cp > 1 else 2) * cfg.kv_heads * cp) * hd // tp
+    attention = attention_backward(cfg, tp, tokens, c, cp)
     if cfg.experts:  # with the experts' output gradient, their SwiGLU's three gradients at once; or, past
         # them, the one of w1's output with the input's gradients through w1 and w3 and their sum
         f, d = cfg.expert_ffn, cfg.d
@@ -177,6 +186,13 @@ def block_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16, cp: in
     else:
         ffn = 3 * c * tokens * cfg.ffn // tp
     return max(ffn, attention) + 2 * P32 * tokens * cfg.d // tp + sp_grad
+
+
+def attention_backward(cfg: LlamaConfig, tp: int, tokens: int, c: int = BF16, cp: int = 1) -> int:
+    """The attention's gradients alive at once in its backward: its output's, q's, and the keys' and
+    values' (``cp`` times this rank's under context parallel), one of those made contiguous."""
+    hd = cfg.d // cfg.heads
+    return c * tokens * (2 * cfg.heads + (3 if cp > 1 else 2) * cfg.kv_heads * cp) * hd // tp
 
 
 def in_flight(layout: Layout, stage: int) -> int:
@@ -235,79 +251,126 @@ def rank_plan(cfg: LlamaConfig, layout: Layout, stage: int, micro: int, seq: int
     # torchtitan runs a model FSDP2 does not wrap); its casts are saved per micro-batch (block_activations)
     autocast = c < P32 and not fsdp
     a = block_activations(cfg, tp, tokens, layout.checkpointing, c, kernels, autocast, layout.cp, seq)
-    # one micro-batch of one chunk (v = 1: the stage): its blocks' activations and its input (the
-    # embedding's output, or received); under interleaving the rank's first chunk, its largest
+    # one micro-batch of the stage (under interleaving, of each chunk): its blocks' activations and its
+    # input (the embedding's output, or received)
     v = layout.virtual_stages
-    nc = stage_layers(cfg.layers, layout.pp * v)[stage]
-    blocks = nc * a + P32 * sp
+    blocks = n * a + P32 * sp
     head_acts = 0
     if last:  # the final norm's gathered output and rstd (on a CPU its normalised input); log-softmax's output
         head_acts = c * tokens * cfg.d + P32 * tokens // tp + (c * sp if kernels == "cpu" else 0) \
             + P32 * tokens * cfg.vocab // tp + 2 * P32 \
             + (c * cfg.vocab * cfg.d // tp if autocast else 0)  # (the loss before and after its 1 / m; the head's cast)
     acts = blocks + head_acts
-    k = in_flight(layout, stage)
-    # micro-batches holding the head's activations: every one in flight, but under interleaving one (the
-    # last rank runs its last chunk's backward right after its forward)
-    heads = (lambda j: j) if v == 1 else (lambda j: min(j, 1))
-    held = k * blocks + heads(k) * head_acts
-    # the block being recomputed (checkpointing) holds its activations through its backward
-    recomputed = block_activations(cfg, tp, tokens, False, c, kernels, autocast, layout.cp, seq) \
+    # the block being recomputed (checkpointing) holds its activations through its backward, but its output:
+    # the recomputation stops once the last tensor backward needs is saved (checkpoint's early stop)
+    recomputed = block_activations(cfg, tp, tokens, False, c, kernels, autocast, layout.cp, seq) - P32 * sp \
         if layout.checkpointing else 0
-    back = block_backward(cfg, tp, tokens, c, layout.cp) + recomputed
-    # the moments the step can peak at: (state, gathered, activations, transient). Once the first
-    # micro-batch's backward is done every gradient exists, and the schedule holds k micro-batches again
-    # (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k)
-    m = layout.microbatches
-    kl = k if m * v > k else max(k - 1, 0)
-    later = kl * blocks + heads(kl) * head_acts if m > 1 else None
-    if later is not None and v > 1:  # interleaved: sends are waited at the step's end (``parallel._P2P``),
-        # so each backward done keeps its chunk's output and the gradient it sent: at most 2 (m v - k)
-        later += 2 * P32 * sp * (m * v - k)
-    elif later is not None and stage > 0:  # with the last backward's gradient, sent, until the next receive
-        later += P32 * sp
-    moments = []
+    # a block's backward beyond its activations and the gradients made before it (``first_back`` in a
+    # chunk's first backward, ``later_back`` after it), and ``in_blk``, its gradients counted beside them
+    a_ffn = ffn_activations(cfg, tp, tokens, c) + c * tokens * cfg.d  # the feed-forward's and its norm's
+    sp_grad = c * tokens * cfg.d if tp > 1 else 0  # sequence parallel's gathered gradient
+    if cfg.experts:  # a bound: every gradient of the block with its backward's largest transient; later,
+        # a stacked expert weight's new gradient waits to be added beside one of the experts' SwiGLU gradients
+        back = block_backward(cfg, tp, tokens, c, layout.cp) + recomputed
+        new, one = P32 * cfg.experts // layout.ep * cfg.d * cfg.expert_ffn, c * cfg.experts * cap * cfg.expert_ffn
+        adding = 2 * P32 * sp + one + (g if fsdp else new) + sp_grad + recomputed
+        in_blk = max(g_block * ffn_params(cfg, tp, layout.ep) // blk, g_block - a_ffn)
+        first_back, later_back, later_held = back, max(back, adding), g_block
+    else:  # a dense block's peak: in w2's backward (its output's gradient -- autocast's cast, TP's gathered --
+        # its input's and its weight's, in the compute dtype under autocast before the cast to fp32), or in
+        # mul's, whose two factors' gradients are made while the product's is alive and w2's saved input
+        # (under autocast, its cast weight too) is gone; or in the attention's, the feed-forward's
+        # activations gone, its gradients and wo's made. The residual stream's gradient arrives first.
+        w2, wo, t_ffn = P32 * cfg.d * cfg.ffn // tp, P32 * cfg.d * cfg.d // tp, c * tokens * cfg.ffn // tp
+        cast_w2 = c * cfg.d * cfg.ffn // tp if autocast else 0
+        mm = P32 * sp + (c * sp if autocast else 0) + sp_grad + t_ffn + (cast_w2 or w2)
+        # (under autocast the feed-forward's casts go too: w3's of its input, the three weights')
+        a_ffn += (c * tokens * cfg.d + 3 * cast_w2) if autocast else 0
+        attention = attention_backward(cfg, tp, tokens, c, layout.cp) + 2 * P32 * sp + sp_grad + wo - a_ffn
+        g_ffn = g_block * ffn_params(cfg, tp) // blk + P32 * cfg.d  # the feed-forward's and its norm's gradients
+        # w2's new gradient stays (a chunk's first backward, FSDP2's unsharded), or is added to .grad at once
+        first_back = max(mm, P32 * sp + w2 + 2 * t_ffn - cast_w2, g_ffn + attention) + recomputed
+        later_back = max(mm, P32 * sp + max(w2, w2 * fsdp + 2 * t_ffn - cast_w2), g_ffn * fsdp + attention) \
+            + recomputed
+        in_blk, later_held = 0, 0
     # the embedding's backward: the gradient received, the embedding output's, and the stage's output,
     # which the schedule holds until the backward returns (TP: the output's gradient all-gathered)
     out_grad = 3 * P32 * sp + (c * tokens * cfg.d if tp > 1 else 0)
-    if last:  # the loss's backward: the log-softmax's gradient and its input's in fp32 (loss_parallel's
-        # composite under TP keeps one more, and per-token target masks and indices: 33 B a token)
-        loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
-        # then the head's backward: the logits' gradient (in the log-softmax output's place) and the
-        # head's new weight gradient
-        head = max(loss, P32 * cfg.vocab * cfg.d // tp + c * tokens * cfg.d)  # (and its input's)
-        moments.append((weights, at_loss, held, head))  # the first micro-batch's: no gradient yet
-        if later is not None:  # a later one's: every (sharded) gradient exists
-            moments.append((weights + grads, at_loss, later, head))
-    if later is not None:  # a later block's backward: a weight's new gradient waits to be added to its
-        # gradient (FSDP2: the block's, reduce-scattered, to the shard) while the residual stream's
-        # gradients and one T ffn / tp gradient are alive
-        if cfg.experts:  # a stacked expert weight's gradient, one of the experts' SwiGLU gradients
-            new, one = P32 * cfg.experts // layout.ep * cfg.d * cfg.expert_ffn, c * cfg.experts * cap * cfg.expert_ffn
-        else:
-            new, one = P32 * cfg.d * cfg.ffn // tp, c * tokens * cfg.ffn // tp
-        adding = 2 * P32 * sp + one + (g if fsdp else new) + (c * tokens * cfg.d if tp > 1 else 0) \
-            + recomputed  # (w2's new gradient comes first in the recomputed block's backward)
-        # (the micro-batch in backward has let go of its loss's and head's activations)
-        moments.append((weights + grads, in_block + (g_head + g_block) * fsdp, later - heads(1) * head_acts,
-                        max(back, adding)))
-        if stage == 0:  # the embedding's new gradient, at the end of the micro-batch's backward
-            emb_new = 0 if fsdp else P32 * cfg.vocab * cfg.d // tp + wide
-            moments.append((weights + grads, (c * root + g_root) * fsdp, later - acts, emb_new + out_grad))
-    # the first backward: the gradients appear as the first micro-batch's activations go: the head's
-    # first, then a block's at a time, the embedding's last: its peak at the last block, at the first,
-    # or at the end (activations and the gradients made so far, together). Within a block the
-    # feed-forward's gradients come first, while its activations are still held; the attention's come
-    # once the feed-forward's activations (its four T ffn / tp tensors, its norm's output) are gone
-    # (with checkpointing: the recomputed ones, in ``back``)
-    a_ffn = ffn_activations(cfg, tp, tokens, c) + c * tokens * cfg.d
-    in_blk = max(g_block * ffn_params(cfg, tp, layout.ep) // blk, g_block - a_ffn)  # beyond a's
-    # (under interleaving the first backward is one chunk's: its nc blocks' gradients)
-    prev = g_block * fsdp * (nc > 1)  # FSDP2: past the last block, the previous block's wait to be reduce-scattered
-    mb0 = max(blocks + g_head + in_blk, g_head + (nc - 1) * g + P32 * sp + a + in_blk + prev)
-    others = (k - 1) * blocks + heads(k - 1) * head_acts if v == 1 else (k - 1) * blocks
-    moments.append((weights, in_block, others + mb0, back))
-    moments.append((weights, c * root * fsdp, others + nc * g + g_root, out_grad))  # at the end
+    emb_new = 0 if fsdp else P32 * cfg.vocab * cfg.d // tp + wide  # a later micro-batch's, to be added
+    # the loss's backward: the log-softmax's gradient and its input's in fp32 (loss_parallel's composite
+    # under TP keeps one more, and per-token target masks and indices: 33 B a token); then the head's
+    # backward: the logits' gradient (in the log-softmax output's place), the head's new weight gradient
+    # (and its input's)
+    loss = 2 * P32 * tokens * cfg.vocab // tp if tp == 1 else 3 * P32 * tokens * cfg.vocab // tp + 9 * P32 * tokens
+    head = max(loss, P32 * cfg.vocab * cfg.d // tp + c * tokens * cfg.d)
+    prev = g_block * fsdp  # FSDP2: the previous block's gradients wait to be reduce-scattered past its backward
+    prefetched = in_block - c * root * fsdp - c * blk * fsdp  # the next block's (without experts of their own)
+
+    def first_backward(state, others, nb, chunk, head_grads, root_grads):
+        """A chunk's first backward (``nb`` blocks) beside ``others``' activations: the gradients appear as
+        its activations go, the head's first, then a block's at a time, the embedding's last. Its peak: at
+        the last block (whose backward comes first), at the second (the later blocks' gradients made, the
+        first block's activations and its prefetched parameters held too), at the first (nothing left to
+        prefetch), or at the end (every gradient of the chunk). A block's output, the next one's input, goes
+        with the next one's backward; the chunk's input and output stay until its backward returns."""
+        out = [(state, in_block - prefetched * (nb == 1), others + chunk + head_grads + in_blk, first_back)]
+        if nb > 2:
+            out.append((state, in_block, others + head_grads + (nb - 2) * g + 2 * a + in_blk + prev, first_back))
+        if nb > 1:
+            out.append((state, in_block - prefetched, others + head_grads + (nb - 1) * g + a + in_blk + prev,
+                        first_back))
+        return out + [(state, c * root * fsdp, others + nb * g + root_grads, out_grad)]
+
+    # the moments the step can peak at: (state, gathered, activations, transient)
+    m, moments = layout.microbatches, []
+    if v == 1:
+        k = in_flight(layout, stage)
+        # once the first micro-batch's backward is done every gradient exists, and the schedule holds k
+        # micro-batches again (1F1B with more micro-batches than k), or k - 1 (GPipe, or no more than k).
+        # A backward's gradient, sent, lives until the stage's next receive: GPipe's last stage has none
+        # between its backwards (a middle stage's next backward receives the gradient its blocks start from)
+        kl = k if m > k else k - 1
+        later = kl * acts + P32 * sp * (last and stage > 0 and layout.schedule == "gpipe")
+        if last:  # the first micro-batch's loss (no gradient yet), a later one's (every sharded gradient)
+            moments.append((weights, at_loss, k * acts, head))
+            if m > 1:
+                moments.append((weights + grads, at_loss, later, head))
+        if m > 1:  # a later block's backward (the micro-batch in it has let go of its head's activations);
+            # on the first stage, the embedding's new gradient at the end of it
+            moments.append((weights + grads, in_block + (g_head + later_held) * fsdp,
+                            later - head_acts, later_back))
+            if stage == 0:
+                moments.append((weights + grads, (c * root + g_root) * fsdp, later - acts, emb_new + out_grad))
+        moments += first_backward(weights, (k - 1) * acts, n, blocks, g_head, g_root)
+    else:  # interleaved: the rank's order op by op (``parallel.schedule_order``), chunk j being global
+        # stage j pp + stage; sends are waited at the step's end (``parallel._P2P``), so each backward done
+        # keeps its chunk's output and the gradient it sent. The last rank runs its last chunk's backward
+        # right after its forward: one micro-batch holds the head's activations.
+        sizes, top = stage_layers(cfg.layers, layout.pp * v), layout.pp * v - 1
+        chunks = [j * layout.pp + stage for j in range(v)]
+        ends = [cfg.vocab * cfg.d // tp * ((s == 0) + (s == top)) + cfg.d * (s == top) for s in chunks]
+        chunk_acts = [sizes[s] * a + P32 * sp for s in chunks]
+        chunk_grads = [P32 * -(-(sizes[s] * blk_all + e) // shards) + -(-wide // shards) * (s == 0)
+                       for s, e in zip(chunks, ends)]
+        held, done, sent = [0] * v, [False] * v, 0
+        for kind, j, _ in schedule_order("interleaved", m, layout.pp, stage, v):
+            s = chunks[j]
+            if kind == "F":
+                held[j] += 1
+                continue
+            state = weights + sum(gr for gr, d in zip(chunk_grads, done) if d)
+            others = sum(h * x for h, x in zip(held, chunk_acts)) - chunk_acts[j] + P32 * sp * sent
+            if s == top:
+                moments.append((state, at_loss, others + chunk_acts[j] + head_acts, head))
+            if not done[j]:
+                root_grads = P32 * ends[j] + wide * (s == 0) if fsdp else chunk_grads[j] - sizes[s] * g
+                moments += first_backward(state, others, sizes[s], chunk_acts[j], g_head * (s == top), root_grads)
+            else:
+                moments.append((state, in_block + (g_head * (s == top) + later_held) * fsdp, others + chunk_acts[j],
+                                later_back))
+                if s == 0:
+                    moments.append((state, (c * root + g_root) * fsdp, others, emb_new + out_grad))
+            held[j], done[j], sent = held[j] - 1, True, sent + (s != top) + (s > 0)
     # Adam's step (foreach): every gradient, and exp_avg_sq's square root, one fp32 tensor per parameter
     moments.append((weights + grads, 0, 0, P32 * local))
     state, gathered, activations, transient = max(moments, key=sum)
