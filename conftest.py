@@ -20,6 +20,19 @@ LONGEST_FIRST = ("tests/test_mutants.py", "tests/test_grading_course.py", "tests
 MUTANTS = "tests/test_mutants.py"
 
 
+def pytest_configure(config):
+    """Under xdist each worker shares the cores with the others (and with what they start): torch's default of
+    one intra-op thread per core would make every worker's parallel op wait for a core another holds, its
+    threads spin-waiting meanwhile. A worker gets its share: on 2 cores with `-n 2`, one thread each (the
+    in-process tests of tests/test_planner.py, test_tracker.py, test_profiling.py took 16 CPU-s instead of
+    32 beside another job). Kernels and spawned processes choose their own threads, as without xdist."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        import torch
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
+
+
 def pytest_collection_modifyitems(session, config, items):
     first = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable
