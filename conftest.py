@@ -15,8 +15,9 @@ os.environ.setdefault("MGPU_FALLBACK_NOTE", "0")
 # own reordering (by number of tests) put notebook 12's planted mistakes, 15 tests of ~40 s, behind files of
 # a hundred 1-second tests. Only the order changes: each file's tests keep theirs.
 LONGEST_FIRST = ("tests/test_mutants.py", "tests/test_grading_course.py", "tests/test_released_notebooks.py",
-                 "tests/test_grading.py", "tests/test_plan_catalogue.py", "tests/test_fsdp_practice.py",
-                 "tests/test_launch.py")
+                 "tests/test_grading.py", "tests/test_plan_catalogue.py", "tests/test_planner_parallel.py",
+                 "tests/test_launch.py", "tests/test_fsdp_practice.py", "solutions/12_fsdp2_in_practice.ipynb",
+                 "solutions/11_capstone_fit_the_budget.ipynb")
 MUTANTS = "tests/test_mutants.py"
 
 
