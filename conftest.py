@@ -24,9 +24,11 @@ MUTANTS = "tests/test_mutants.py"
 def pytest_configure(config):
     """Under xdist each worker shares the cores with the others (and with what they start): torch's default of
     one intra-op thread per core would make every worker's parallel op wait for a core another holds, its
-    threads spin-waiting meanwhile. A worker gets its share: on 2 cores with `-n 2`, one thread each (the
-    in-process tests of tests/test_planner.py, test_tracker.py, test_profiling.py took 16 CPU-s instead of
-    32 beside another job). Kernels and spawned processes choose their own threads, as without xdist."""
+    threads spin-waiting meanwhile. A worker gets its share: on 2 cores with `-n 2`, one thread each. It shows
+    when more runs than the cores hold (kernels, ranks, the other worker's processes): tests/test_planner.py,
+    test_tracker.py and test_profiling.py took 16 CPU-s instead of 32 beside other jobs; with the two workers
+    alone on the cores, 25 in-process files cost the same either way. Kernels and spawned processes choose
+    their own threads, as without xdist."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers:
         import torch
