@@ -15,9 +15,25 @@ os.environ.setdefault("MGPU_FALLBACK_NOTE", "0")
 # own reordering (by number of tests) put notebook 12's planted mistakes, 15 tests of ~40 s, behind files of
 # a hundred 1-second tests. Only the order changes: each file's tests keep theirs.
 LONGEST_FIRST = ("tests/test_mutants.py", "tests/test_grading_course.py", "tests/test_released_notebooks.py",
-                 "tests/test_grading.py", "tests/test_plan_catalogue.py", "tests/test_fsdp_practice.py",
-                 "tests/test_launch.py")
+                 "tests/test_grading.py", "tests/test_plan_catalogue.py", "tests/test_planner_parallel.py",
+                 "tests/test_launch.py", "tests/test_fsdp_practice.py", "solutions/12_fsdp2_in_practice.ipynb",
+                 "solutions/11_capstone_fit_the_budget.ipynb")
 MUTANTS = "tests/test_mutants.py"
+
+
+def pytest_configure(config):
+    """Under xdist each worker shares the cores with the others (and with what they start): torch's default of
+    one intra-op thread per core would make every worker's parallel op wait for a core another holds, its
+    threads spin-waiting meanwhile. A worker gets its share: on 2 cores with `-n 2`, one thread each. It shows
+    when more runs than the cores hold (kernels, ranks, the other worker's processes): tests/test_planner.py,
+    test_tracker.py and test_profiling.py took 16 CPU-s instead of 32 beside other jobs; with the two workers
+    alone on the cores, 25 in-process files cost the same either way. Kernels and spawned processes choose
+    their own threads, as without xdist."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        import torch
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -226,7 +226,10 @@ def test_lambda_and_closure():
 def test_threads_per_rank_and_device(method):
     # Forked ranks get one thread: GNU OpenMP hangs a forked child whose parent ran a parallel op. The
     # forkserver never ran one, so its ranks share the cores.
-    torch.ones(512, 512).sum()  # a parallel op in the parent
+    before = torch.get_num_threads()
+    torch.set_num_threads(CORES)  # a parallel op in the parent, at torch's default (conftest: xdist gives less)
+    torch.ones(512, 512).sum()
+    torch.set_num_threads(before)
     n = 1 if method == "fork" else max(1, CORES // 2)
     assert run_ranks(_threads, 2, backend="gloo") == [(n, "cpu")] * 2
     assert describe(2, "gloo") == f"{method}, gloo, {n} thread{'s' * (n > 1)}/rank"

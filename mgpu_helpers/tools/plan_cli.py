@@ -231,7 +231,11 @@ def run(a):
     if workers > 1:  # one trace per process: they are independent and CPU-bound (a 70B trace takes ~30 s)
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+
+        from mgpu_helpers.runtime.launch import _cores
+        # each its share of the cores' threads: one per core in each left them spin-waiting for one another
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
+                                 initargs=(max(1, _cores() // workers),)) as pool:
             results = list(tqdm(pool.map(_plans_of, *zip(*jobs)), **bar))
     else:
         results = [_plans_of(*j) for j in tqdm(jobs, **bar)]

@@ -306,7 +306,8 @@ def main(job, jobfd):
     os.makedirs(logdir, mode=0o700, exist_ok=True)
     env = dict(spec["env"], HOME=home, TMPDIR="/tmp" if spec["namespace"] else home,
                MPLCONFIGDIR=os.path.join(home, "mpl"), IPYTHONDIR=os.path.join(home, ".ipython"),
-               JUPYTER_RUNTIME_DIR=os.path.join(home, "runtime"), PYTHONDONTWRITEBYTECODE="1")
+               JUPYTER_RUNTIME_DIR=os.path.join(home, "runtime"), PYTHONDONTWRITEBYTECODE="1",
+               PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # nbval and ours alone (-p): no other installed plugin loads
     tasks = spec.get("tasks") if spec["namespace"] or uid else None
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "pytest", os.path.join(work, spec["notebook"]), "--nbval", "--nbval-current-env",
@@ -314,7 +315,8 @@ def main(job, jobfd):
            # a kernel's start (importing torch) is not the learner's: on busy cores it took over nbval's 60 s
            # default and every cell errored; the notebook's own timeout bounds it
            f"--nbval-kernel-startup-timeout={max(60, int(spec['notebook_timeout']))}",
-           "-p", "no:cacheprovider", "-p", "mgpu_helpers.tools.grading.nbplugin", f"--mgpu-report-fd={wfd}",
+           "-p", "no:cacheprovider", "-p", "nbval", "-p", "mgpu_helpers.tools.grading.nbplugin",
+           f"--mgpu-report-fd={wfd}",
            f"--mgpu-output-cap={spec['output_cap']}", f"--mgpu-output-cap-total={spec['output_cap_total']}",
            *([f"--mgpu-max-tasks={tasks}"] if tasks else []),
            "-o", "addopts=", "-c", os.devnull, "--rootdir", work, "-q", "--no-header"]

@@ -235,11 +235,18 @@ def failure_class(message: str) -> str:
 
 
 def plan_catalogue(types=None, workers: int = 2) -> list:
-    """Every family planned, ``workers`` processes at once (spawned: each imports transformers once)."""
+    """Every family planned, ``workers`` processes at once (spawned: each imports transformers once), each with
+    its share of the cores' torch threads: with one per core each, their parallel ops waited for one another's
+    cores, spin-waiting (60 families on 2 cores: 73 CPU-s, 46 with one thread each)."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    from mgpu_helpers.runtime.launch import _cores
     types = list(types or causal_lm_types())
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
+                             initargs=(max(1, _cores() // workers),)) as pool:
         return list(pool.map(plan_family, types, chunksize=4))
 
 
