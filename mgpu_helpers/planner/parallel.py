@@ -572,7 +572,7 @@ _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_t
 
 
 @contextlib.contextmanager
-def _settled_collectives():
+def settled_collectives():
     """On gloo's CPU ranks, each collective returns once gloo's worker thread has let go of its tensors.
     gloo runs a collective on that thread, whose Work keeps the tensors (and views of them) until the thread
     drops it, which may be after the caller has moved on: a buffer the caller dropped meanwhile (FSDP2's
@@ -614,7 +614,7 @@ def _measure_rank(rank, world, cfg, layout, global_batch, seq):
     device = rank_device()
     tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rank, device)
     mesh = make_mesh(layout, device.type)  # its rank tensors before the count, as the plan makes it
-    with _settled_collectives() if device.type == "cpu" else contextlib.nullcontext():
+    with settled_collectives() if device.type == "cpu" else contextlib.nullcontext():
         mt = rank_step(cfg, layout, rank, tokens, targets, MemoryTracker(device=device), mesh=mesh, device=device)
     return mt.peak_bytes
 

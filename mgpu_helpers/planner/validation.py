@@ -8,9 +8,10 @@ A *method* is what torch runs (:data:`METHODS`: DDP, ZeroRedundancyOptimizer ove
 root only), each mapped to plan() options. The measurement is the course's ``MemoryTracker`` on each rank's
 device (``rank_device()``: a GPU per rank under NCCL, the CPU under gloo), entered before the model is built,
 over the third step: the steady step ``plan()`` plans (the first makes Adam's state, DDP rebuilds its buckets
-after it, FSDP2 keeps its unsharded storages from it). On the CPU the two agree to the byte; ``allocator`` is
-then what the CPU allocator saw beside it (``runtime.alloc_reference``): what C++ allocates behind no tensor
-(gloo's copies, oneDNN's scratch), which depends on the machine and which no plan promises.
+after it, FSDP2 keeps its unsharded storages from it); on gloo each collective returns once gloo's worker
+thread has let go of its tensors (``parallel.settled_collectives``). On the CPU the two agree to the byte;
+``allocator`` is then what the CPU allocator saw beside it (``runtime.alloc_reference``): what C++ allocates
+behind no tensor (gloo's copies, oneDNN's scratch), which depends on the machine and which no plan promises.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torch.profiler import record_function
 from ..runtime.alloc_reference import AllocationReference
 from ..runtime.launch import rank_device, run_ranks
 from ..runtime.tracker import MemoryTracker
+from .parallel import settled_collectives
 from .trace import train_step
 
 METHODS = {  # method: plan() options
@@ -76,7 +78,7 @@ def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, opti
     mesh = mesh_of(device) if method.startswith("fsdp2") else None  # its rank tensor: before the count, as plan()
     cpu = device.type == "cpu"
     ref = AllocationReference() if cpu else contextlib.nullcontext()
-    with ref, MemoryTracker(device=device) as mt:
+    with ref, settled_collectives() if cpu else contextlib.nullcontext(), MemoryTracker(device=device) as mt:
         with device:
             model = model_fn()
         if precision == "bf16":
