@@ -7,8 +7,8 @@ tensors that claim the planned device -- same categories, same rules, same round
 plan equals the tracker on a real step. It records the allocator's requests in order (``events``, for
 ``planner.allocator.replay``) and, planning a GPU's kernels (``kernels="cuda"``), adds what a kernel borrows
 inside one op as a transient: cuDNN's workspace, flash attention's backward buffers and the staging buffer of
-a reduction split across thread blocks. A CPU kernel's
-scratch (oneDNN's) depends on the CPU: it is the CPU allocator's business, not the plan's.
+a reduction split across thread blocks. A CPU kernel's scratch (oneDNN's) depends on the CPU: it is the CPU
+allocator's business, not the plan's.
 """
 from __future__ import annotations
 
