@@ -6,7 +6,7 @@ and the mistakes. A mistake is textual edits applied in turn to the solution's e
 check's failure must contain, and the seeds it is tried on: every seed of ``sweep_seeds()`` (``MGPU_SEEDS``:
 2 in the fast tier, 20 in the full one), or the fixed seeds ``ONE``/``TWO`` for the mistakes that have been
 proven only there: 8.x's secondary ones (a rank launch each); 12.1's (its draw changes nothing its judge
-reads) and 12.2's "keyed by position" (its case is in every draw).
+reads) and 12.2's but the two about Adam's state and lr (what names them is the same in every draw).
 """
 from typing import NamedTuple
 
@@ -387,22 +387,28 @@ EXERCISES = {
           "prefetched two blocks ahead", TWO),
         M([(ROOT_121, "    pass")], "the root is not a fully_shard unit", TWO),
     ]),
+    # 12.2's draw is the model's and the batches' values, the steps before the save and the lr set. What names
+    # the mistakes below but the two about Adam's state and lr reads none of them: the checkpoint's files, its
+    # metadata, which tensors are stored whole or in part and the bytes gathered follow from the ranks and the
+    # model's shapes (the same in every draw), and a load that did nothing leaves exactly the new model's initial
+    # parameters. Those need only the draw's edge cases (tests/test_mutants.py: in every draw): two seeds say as
+    # much as twenty (a seed costs two launches of 2-4 FSDP2 ranks).
     "12.2": Exercise("12_fsdp2_in_practice", "ShardedCheckpoint", [
         M([(STATE_122, '        state = {"model": model_sd}'),
            (SET_122, SET_122.replace('state["optim"]', "optim_sd"))],
           "optimizer state was not saved or not loaded"),
-        M([(LOAD_122, "            pass  #")], "nothing was loaded"),
+        M([(LOAD_122, "            pass  #")], "nothing was loaded", TWO),
         M([(SET_122, "            pass")], "the learning rate was not restored"),
         M([(SAVE_122, f"            __import__('torch').save(state, f'{{path}}/rank{{{RANK}}}.pt')")],
-          "each rank's shards were written with torch.save"),
+          "each rank's shards were written with torch.save", TWO),
         M([(GET_122, f"        model_sd, optim_sd = get_state_dict(model, optimizer, {FULL_122})"),
            (SAVE_122, f"            {RANK} == 0 and __import__('torch').save(state, f'{{path}}/model.pt')")],
-          "the whole model was gathered to one rank"),
+          "the whole model was gathered to one rank", TWO),
         M([(GET_122, "        model_sd, optim_sd = get_state_dict(model, optimizer, "
                      f"{FULL_122.replace(', cpu_offload=True', '')})")],
-          "a rank held whole parameters while saving"),
+          "a rank held whole parameters while saving", TWO),
         M([(SAVE_122, f"            {RANK} == 0 and dcp.save(state, checkpoint_id=path, no_dist=True)")],
-          "only some ranks' shards are in the checkpoint"),
+          "only some ranks' shards are in the checkpoint", TWO),
         # the optimizer's own state_dict(): keyed by position, right only while the parameter order is the same
         # (every draw has the case whose optimizer lists them in reverse: two seeds say as much as twenty)
         M([(GET_122, "        model_sd, _ = get_state_dict(model, optimizer); optim_sd = optimizer.state_dict()")],
