@@ -1,9 +1,6 @@
-"""Notebook 09, part 2 -- tensor parallelism: one layer's weights split across ranks (exercise 9.2), the
-Megatron-LM MLP (fc1 column-parallel, fc2 row-parallel, one ``all_reduce`` per pass), and torch's own split
-(``torch_tensor_parallel``, ``torch.distributed.tensor.parallel``).
+"""Notebook 09, part 2 -- tensor parallelism (exercise 9.2): the Megatron-LM MLP (fc1 column-parallel, fc2
+row-parallel, one ``all_reduce`` per pass), and torch's own split (``torch.distributed.tensor.parallel``).
 """
-from __future__ import annotations
-
 import torch
 import torch._dynamo  # noqa: F401  parallelize_module imports it: 1 s in every forked rank, once here instead
 import torch.distributed as dist
@@ -43,7 +40,6 @@ def parameter_bytes_formula(d: int, h: int, world_size: int, element_size: int =
 
 
 def torch_tensor_parallel(dense: DenseMLP, device_type: str | None = None):
-    """The same split with torch's DTensor tensor parallelism on a 1-D mesh over every rank: fc1
-    ColwiseParallel, fc2 RowwiseParallel; ``dense``, parallelized in place."""
+    """``dense`` parallelized in place by torch on a 1-D mesh of every rank: fc1 Colwise, fc2 RowwiseParallel."""
     mesh = init_device_mesh(device_type or rank_device().type, (dist.get_world_size(),))
     return parallelize_module(dense, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
