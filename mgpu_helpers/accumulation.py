@@ -64,8 +64,7 @@ def no_sync_context(model: nn.Module):
 
 def peak_vs_effective_batch(effective=(16, 32, 64, 128, 256), micro=16, tokens=16, widths=(32, 128, 128, 16),
                             seed=0) -> dict[str, list[int]]:
-    """Peak bytes of forward+backward per effective batch: one plain batch vs accumulated micro-batches of
-    ``micro`` (each made in the loop, as a loader hands it over: one alive at a time)."""
+    """Peak bytes per effective batch: one plain batch vs micro-batches of ``micro``, each made in the loop."""
     model, g = mlp(list(widths), seed=seed), torch.Generator().manual_seed(seed)
 
     def step(n, k):

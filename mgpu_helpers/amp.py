@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from .memory import make_optimizer, mlp
+from .memory import mlp
 from .runtime.plots import stacked_bars, unit_for
 from .runtime.precision import training_precision
 from .runtime.tracker import MemoryTracker
@@ -51,8 +51,7 @@ def survival(values: torch.Tensor, dtype) -> dict[str, float]:
 
 
 def autocast_dtypes(device: str = "cpu", dtype=torch.bfloat16) -> dict[str, str]:
-    """Which dtype each op returns under ``torch.autocast(device, dtype)`` for fp32 inputs (CPU's and CUDA's
-    lists differ: CUDA also runs softmax, layer_norm and sum in fp32)."""
+    """The dtype each op returns under ``torch.autocast(device, dtype)`` for fp32 inputs (CUDA's list differs)."""
     g = torch.Generator().manual_seed(0)
     a, w = torch.randn(4, 8, generator=g).to(device), torch.randn(8, 8, generator=g).to(device)
     y = torch.zeros(4, dtype=torch.long, device=device)
@@ -92,9 +91,8 @@ def step_memory(widths, batch: int, precision: str, device=None, seed: int = 0) 
 
 
 def saved_for_backward(widths, batch: int, seed: int = 0) -> list[dict]:
-    """Per Linear of ``memory.mlp(widths)``, the bytes it saves for backward under CPU bf16 autocast: bf16
-    copies of its weight, and the rest (its input, cast). Layer 0 saves no weight copy: its input needs no
-    gradient, the only one the weight is needed for."""
+    """Per Linear of ``memory.mlp(widths)``, bytes saved for backward under CPU bf16 autocast: bf16 copies of its
+    weight and the rest. Layer 0 keeps no weight copy: its input, the one the weight is needed for, has no grad."""
     model = mlp(list(widths), seed=seed)
     linears = [m for m in model if isinstance(m, torch.nn.Linear)]
     rows = [{"layer": i, "shape": tuple(m.weight.shape), "weight_copy": 0, "other": 0} for i, m in enumerate(linears)]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
-                                    create_selective_checkpoint_contexts)
+                                    create_selective_checkpoint_contexts, noop_context_fn)
 
 from .memory import make_batch
 from .runtime.tracker import MemoryTracker
@@ -66,11 +66,10 @@ def torch_segments(blocks, x, k: int):
     return checkpoint_sequential(blocks, -(-len(blocks) // k), x, use_reentrant=False)
 
 
-def per_block(blocks, x, k=None, context_fn=None):
+def per_block(blocks, x, k=None, context_fn=noop_context_fn):
     """Every block checkpointed on its own (as torchtitan does); ``context_fn``: e.g. :func:`selective_context`."""
-    extra = {} if context_fn is None else {"context_fn": context_fn}
     for block in blocks:
-        x = checkpoint(block, x, use_reentrant=False, **extra)
+        x = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
     return x
 
 
@@ -118,8 +117,7 @@ def policy_ops(block, x) -> list[str]:
 
 
 def recomputed_ops(model: Stack, x, y, forward, k=None) -> dict[str, int]:
-    """Counts of forward ops run again in backward: checkpointing's compute cost, deterministic where wall
-    times are not (backward's own ops are never addmm, layer_norm, gelu or relu)."""
+    """Counts of forward ops run again in backward (backward's own are never addmm, layer_norm, gelu or relu)."""
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model.head(forward(model.blocks, x, k)), y)
     with OpLog() as log:
@@ -180,11 +178,11 @@ def time_step(model: Stack, x, y, forward, k=None, repeat=3) -> float:
     return min(timeit.repeat(step, number=1, repeat=repeat))
 
 
-def sweep(layers=16, d=32, h=64, classes=8, batch=1024, ks=None, forward=None, repeat=3, progress=None):
+def sweep(layers=16, d=32, h=64, classes=8, batch=1024, forward=None, repeat=3, progress=None):
     """Per k (None: none): peak measured and predicted, matmuls recomputed, time; ``forward`` (else torch's)."""
     model, (x, y) = Stack(layers, d, h, classes), make_batch(batch, d, classes)
     rows = {}
-    for k in [None] + list(ks or range(1, layers + 1)):
+    for k in [None, *range(1, layers + 1)]:
         fwd = no_checkpointing if k is None else (forward or torch_segments)
         plan = plan_for(layers, k) if k is None or forward else sequential_plan(layers, k)
         rows[k] = {"peak": measure_step(model, x, y, fwd, k)[0],

@@ -67,8 +67,7 @@ def batch_makers(num_workers: int, batches: int = 8, batch_size: int = 4) -> lis
 
 
 def worker_memory(num_workers: int):
-    """Each worker's RSS and USS once a batch is taken (a forked worker's RSS counts the pages it shares with
-    its parent; USS, those only it holds, is what it adds)."""
+    """Each worker's RSS and USS once a batch is taken (USS: what it adds; RSS counts pages shared with its parent)."""
     import psutil
 
     # only this loader's workers: others may be alive (an earlier loader's, run_ranks' forkserver, a tracker)

@@ -73,9 +73,8 @@ class SimDevice:
 
 
 def simulate_data_parallel(model, x, y, n, loss_inside=False, adam=False):
-    """One DataParallel step over ``n`` simulated devices, device 0 holding ``model`` itself: the loss, the
-    gradients and, per device, its peak, breakdown at the peak and phase peaks. Devices take turns (exact,
-    repeatable figures). ``adam=True``: then Adam's first step on device 0, the only one with an optimizer."""
+    """One DataParallel step over ``n`` simulated devices taking turns: the loss, the gradients and each device's
+    peak, breakdown and phase peaks. ``adam=True``: then Adam's first step on device 0 (the only optimizer)."""
     xs, ys = x.chunk(n), y.chunk(n)
     replicas = [LossInside(model) if loss_inside else model]
     replicas += [copy.deepcopy(replicas[0]) for _ in xs[1:]]  # replicate: a full copy per extra device
@@ -192,8 +191,7 @@ def gil_demo(n=2):
 
 
 def ddp_step(rank, world_size, spec=None, seed=0, adam=False):
-    """One DDP step on this rank's share of the batch: its peak bytes, breakdown and gradients (on CPU).
-    ``adam=True``: then Adam's first step (every rank holds the whole optimizer state)."""
+    """One DDP step on this rank's share: its peak, breakdown and gradients (on CPU); ``adam``: then Adam's step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     dev = rank_device()
     model, x, y = make_problem(**(spec or DEMO), seed=seed)

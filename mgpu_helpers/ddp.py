@@ -38,9 +38,8 @@ def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def draw_collectives(results: dict[str, tuple[list, list]]):
-    """One row per collective (``results``: name -> (before, after), lists over ranks of lists of numbers):
-    each rank's values before and after, coloured by the rank they come from (a copy), or grey when computed
-    from every rank (a reduction: the name says "reduce")."""
+    """Per collective (``results``: name -> (before, after), lists over ranks of numbers), each rank's values
+    coloured by the rank they come from, or grey when computed from every rank (the name says "reduce")."""
     n_ranks = max(len(b) for b, _ in results.values())
     colours = [plt.get_cmap("tab10")(r) for r in range(n_ranks)]
     combined = "#B0B0B0"
@@ -67,8 +66,7 @@ def draw_collectives(results: dict[str, tuple[list, list]]):
 
 
 def _errors_of(code: str) -> list[str]:
-    """The last line of each traceback ``code`` prints in a fresh interpreter (whose ``__main__`` cannot be
-    imported, like a notebook's), then its exit code."""
+    """Each traceback's last line from ``code`` run in a fresh interpreter (``__main__`` unimportable), exit code."""
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     lines = [line for line in p.stderr.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]

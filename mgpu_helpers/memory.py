@@ -12,9 +12,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0, tie: tuple[int, int] | None = None,
         freeze: tuple[int, ...] = (), device=None, bias: bool = True) -> nn.Sequential:
-    """Linear → ReLU → … → Linear of the given widths from ``seed``, drawn on the CPU (the same on every rank),
-    on ``device`` (default ``rank_device()``). ``tie=(i, j)``: Linear j's weight *is* Linear i's; ``freeze``:
-    Linears whose weight is frozen."""
+    """Linear → ReLU → … → Linear from ``seed``, drawn on the CPU (the same on every rank), on ``device`` (default
+    ``rank_device()``). ``tie=(i, j)``: Linear j's weight *is* Linear i's; ``freeze``: Linears frozen."""
     torch.manual_seed(seed)
     lins = [nn.Linear(a, b, bias=bias) for a, b in zip(widths[:-1], widths[1:])]
     if tie is not None:
@@ -26,8 +25,7 @@ def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0, ti
 
 
 def make_batch(n: int, d_in: int, classes: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` inputs and labels from ``seed`` by a CPU generator of their own (the global RNG untouched), on
-    ``device`` (default ``rank_device()``)."""
+    """``n`` inputs and labels from ``seed`` by a CPU generator of their own, on ``device`` (``rank_device()``)."""
     g, device = torch.Generator().manual_seed(seed), device or rank_device()
     return torch.randn(n, d_in, generator=g).to(device), torch.randint(0, classes, (n,), generator=g).to(device)
 

@@ -124,8 +124,7 @@ def _trace_len(dev) -> int:
 
 
 def record_step_snapshot(path, widths=(4096, 4096, 4096, 4096, 10), batch=16384, device="cuda") -> dict:
-    """Record the allocator over one Adam step of an MLP into ``path`` (for https://pytorch.org/memory_viz);
-    returns the trace index at which each phase starts."""
+    """Record one Adam step of an MLP into ``path`` (for pytorch.org/memory_viz): each phase's first trace index."""
     dev = torch.device(device)
     dev = torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev
     model = mlp(list(widths)).to(dev)

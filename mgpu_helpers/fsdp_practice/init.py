@@ -11,10 +11,9 @@ from ..runtime.precision import training_precision
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> None:
-    """Initialise a ``to_empty``'d sharded model to exactly one process's ``make_model(seed)``, on any ranks and
-    device: each module in order runs ``reset_parameters()`` on whole plain tensors (one module at a time,
-    never the model) and each rank keeps its part. Not on the DTensors: DTensor's RNG supports CUDA-like
-    devices only (``torch/distributed/tensor/_random.py``): on a CPU mesh every rank draws the same values."""
+    """Initialise a ``to_empty``'d sharded model to one process's ``make_model(seed)``: each module in turn runs
+    ``reset_parameters()`` on whole plain tensors and each rank keeps its part. Not on the DTensors: DTensor's RNG
+    serves CUDA-like devices only (``torch/distributed/tensor/_random.py``): CPU ranks all draw the same values."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     with torch.random.fork_rng(devices=[]):
@@ -65,9 +64,8 @@ def meta_init(rank, world_size, model_kw=None):
 
 
 def meta_init_values(rank, world_size, model_kw=None, seed=0, dtensor_rng=False):
-    """On real ranks: whether the meta-built sharded model, initialised by :func:`init_weights` (``dtensor_rng``:
-    by ``reset_parameters()`` on the DTensors), equals one process's ``make_model(seed)``; and whether rank 0's
-    shard of the first weight repeats on rank 1 (DTensor's RNG on a CPU mesh)."""
+    """Whether the meta-built model, initialised by :func:`init_weights` (``dtensor_rng``: on the DTensors), equals
+    one process's ``make_model(seed)``; whether rank 0's shard of the first weight repeats on rank 1."""
     import warnings
     mkw = {**MODEL, **(model_kw or {})}
     with torch.device("meta"):

@@ -144,10 +144,9 @@ def state_bytes(model, opt) -> dict[str, int]:
 
 @contextlib.contextmanager
 def profiled_peak(baseline: int = 0):
-    """``with profiled_peak(b) as r: ...`` then ``r["peak"]``, ``r["end"]``: live bytes with ``memory_allocated``
-    semantics, ``baseline`` alive at entry plus every allocation and free inside (on the CPU
-    ``AllocationReference``; on CUDA the allocator); ``r["phases"]``: the peak in each ``record_function("## name
-    ##")`` range; ``r["compute"]``: per phase, the most held when a matrix multiply starts (CPU only)."""
+    """``with profiled_peak(baseline) as r:``, then live bytes (``memory_allocated`` semantics, from the allocator
+    or on a CPU ``AllocationReference``): ``r["peak"]``, ``r["end"]``, ``r["phases"]`` (the peak in each
+    ``record_function("## name ##")``) and, on a CPU, ``r["compute"]`` (the most held as a matmul starts)."""
     r = {"peak": baseline, "end": baseline, "phases": {}, "compute": {}}
     # Collect now (FSDP2 modules sit in reference cycles) and not inside: an earlier tensor freed in the window
     # would count as a free at gc's whim, and the same code must give the same bytes on every run.
@@ -199,9 +198,8 @@ def measure(rank, world_size, knobs=None, model_kw=None, categories=True, seed=0
 
 
 def accumulation(rank, world_size, micro_batches=4, sync_each=True, rows=8, seed=0) -> dict:
-    """One optimizer step over ``micro_batches`` of ``rows`` rows per rank. ``sync_each`` (torchtitan's way):
-    every backward reduce-scatters and reshards; ``False``: neither until the last micro-batch, so unsharded
-    parameters and gradients stay. ``{peak, gathered, reduced`` (bytes into reduce-scatters), ``per_micro}``."""
+    """One optimizer step over ``micro_batches`` per rank. ``sync_each`` (torchtitan's way): every backward
+    reduce-scatters and reshards; ``False``: only the last, so unsharded parameters and gradients stay."""
     model, opt, _ = build({}, seed=seed)
     x, y = make_batch(rows * micro_batches * world_size, MODEL["d_in"], MODEL["classes"], seed + 1)
     x, y = x.tensor_split(world_size)[rank].to(rank_device()), y.tensor_split(world_size)[rank].to(rank_device())
@@ -240,8 +238,7 @@ def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
 
 
 def knob_grid(world_size: int) -> list[dict]:
-    """reshard_after_forward True / 2 (where 2 divides a world above 2) / False, with prefetch 0, 1 and 2
-    (2 only where backward gathers again: not with False)."""
+    """reshard_after_forward True / 2 (an even world above 2) / False, with prefetch 0, 1 and 2 (not with False)."""
     ints = [2] if world_size > 2 and world_size % 2 == 0 else []
     return [{"reshard_after_forward": r, "prefetch": p} for r in [True, *ints, False]
             for p in ((0, 1) if r is False else (0, 1, 2))]

@@ -31,9 +31,8 @@ def overlap(compute, comm) -> float:
 
 
 def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
-    """This rank's profiled step (``kind`` "fsdp": ``build(knobs)``; "ddp": under DDP): ``compute`` [(start, end)],
-    ``comm`` [(start, end, name)], ``phases``, ``t0``, ``forward_order``, ``reductions_before_last_backward_matmul``
-    (early, all); ms from ``t0``, the step's start on the machine's clock. Orders are deterministic, times not."""
+    """This rank's profiled step (``kind`` "fsdp": ``build(knobs)``; "ddp": under DDP): spans of ``compute`` and
+    ``comm`` in ms from ``t0`` (the machine's clock), ``phases``, and the orders of issue (deterministic)."""
     ddp = (lambda model, mesh: DDP(model, bucket_cap_mb=0.25)) if kind == "ddp" else None
     step = build(knobs or {}, model_kw, shard_fn=ddp)[2]
     for _ in range(warmup):  # DDP rebuilds its buckets after the first step; FSDP2 makes its buffers
@@ -79,8 +78,7 @@ def _spans(events, cuda):
 
 
 def summarize(traces) -> dict:
-    """Per rank: communication time (on gloo including waits for the slower peer), the fraction of it
-    overlapped by compute, the step's time, and the collectives seen (name: count)."""
+    """Per rank: communication time (on gloo with waits for the slower peer), overlap, step time, collectives."""
     out = []
     for tr in traces:
         comm = [(a, b) for a, b, _ in tr["comm"]]

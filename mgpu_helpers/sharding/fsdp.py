@@ -61,9 +61,8 @@ def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
 
 
 def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatter_fn=None):
-    """This rank's memory in one steady step of ``methods`` (a key of ``STAGE``; a list: ``{method: ...}``):
-    ``n_params``, ``state`` (bytes held after it), ``peak``, ``peak_breakdown`` and ``naive_param_bytes``, a
-    DTensor's *global* size: the miscount that makes FSDP2 seem to "save nothing"."""
+    """This rank's memory in a steady step of ``methods`` (a key of ``STAGE``, or a list); ``naive_param_bytes``
+    counts a DTensor's *global* size: the miscount that makes FSDP2 seem to "save nothing"."""
     if not isinstance(methods, str):
         return {m: measure(rank, world_size, m, widths, per_rank, seed, reduce_scatter_fn) for m in methods}
     model, opt, step = build(methods, widths, seed, reduce_scatter_fn=reduce_scatter_fn)

@@ -75,9 +75,8 @@ def unique(params) -> list[torch.Tensor]:
 
 
 class Zero2:
-    """ZeRO-2 for ``model`` on this rank: every trainable parameter becomes a view into one flat fp32 buffer,
-    padded to a multiple of the world size; this rank's optimizer holds only its slice as one parameter,
-    whose ``.grad`` is what ``reduce_scatter_fn(params)`` returns; after the step the slices are all-gathered."""
+    """ZeRO-2: the trainable parameters become views into one padded flat buffer; this rank's optimizer holds its
+    slice, whose ``.grad`` is ``reduce_scatter_fn(params)``'s; after the step the slices are all-gathered."""
 
     def __init__(self, model: nn.Module, optimizer_cls, reduce_scatter_fn, **kwargs):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
