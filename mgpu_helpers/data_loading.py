@@ -17,6 +17,8 @@ class SlowDataset(Dataset):
     """``n`` items of ``dim`` floats; each takes ``delay`` seconds to "decode". Item: (tensor, index, pid)."""
 
     def __init__(self, n: int = 64, delay: float = 0.005, dim: int = 16):
+        if n < 0 or delay < 0:
+            raise ValueError(f"n and delay must be >= 0, got n={n}, delay={delay}")
         self.n, self.delay, self.dim = n, delay, dim
 
     def __len__(self):
