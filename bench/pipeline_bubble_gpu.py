@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from mgpu_helpers.runtime.launch import rank_device, run_ranks  # noqa: E402
 from mgpu_helpers.memory import make_batch  # noqa: E402
-from mgpu_helpers.model_sharding.pipeline import make_model, stage_bounds  # noqa: E402
+from mgpu_helpers.model_sharding import make_model, stage_bounds  # noqa: E402
 from mgpu_helpers.checks.references import gpipe_step  # noqa: E402
 
 

@@ -5,17 +5,13 @@ accounting, plots), ``checks`` (one module per notebook; ``checks.references``: 
 """
 __version__ = "0.1.0"
 
-# The oldest torch the course runs on (every notebook under nbval on a GPU with 2.11; tests on 2.13). An older
-# one (a Colab or Kaggle image, say) fails later in obscure ways, so say it here, once, in one line.
+# The oldest torch the course runs on: an older one (a Colab image, say) fails later in obscure ways.
 MIN_TORCH = (2, 11)
 
 
 def _torch_is_new_enough() -> None:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        have = version("torch")
-    except PackageNotFoundError:
-        return  # torch's own import will say it is missing
+    from importlib.metadata import version
+    have = version("torch")  # without torch: PackageNotFoundError, "No package metadata was found for torch"
     if tuple(int(p) for p in have.split("+")[0].split(".")[:2]) < MIN_TORCH:
         raise ImportError(f"mgpu_helpers needs torch >= {'.'.join(map(str, MIN_TORCH))}, this kernel has {have}: "
                           f"run `pip install -U torch` (PyPI's Linux wheel is a CUDA build), then restart the kernel")

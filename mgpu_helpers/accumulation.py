@@ -1,12 +1,9 @@
 """Notebook 05 -- gradient accumulation: k micro-batches give one big batch's gradients, and the gradient
 all-reduce (DDP) or reduce-scatter (FSDP2) can wait for the last micro-step (checks in ``checks.accumulation``).
-
 The script (DDP ``no_sync`` on 2 ranks against one process) judges with the checks, so it lives with them::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.checks accumulation
 """
-from __future__ import annotations
-
 import contextlib
 
 import torch
@@ -28,8 +25,7 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
 
 
 class AllReduceCount:
-    """``ddp_model``'s comm hook: DDP's default all-reduce of each bucket, counted in ``calls``. (DDP's own
-    all-reduce runs in C++, unseen by Python; a comm hook is the supported way in. One per model.)"""
+    """A comm hook counting DDP's bucket all-reduces in ``calls`` (DDP's own run in C++, unseen by Python)."""
 
     def __init__(self, ddp_model: DDP):
         self.calls, self.group = 0, ddp_model.process_group
@@ -50,10 +46,8 @@ class AllReduceCount:
 
 @contextlib.contextmanager
 def no_sync_context(model: nn.Module):
-    """Backward inside accumulates locally; the first backward outside syncs it all. Put forward AND backward
-    inside: DDP decides in forward whether the coming backward syncs. DDP: ``model.no_sync()``. FSDP2
-    (``fully_shard``, which has no ``no_sync``): ``set_requires_gradient_sync(False)``, True again on exit.
-    Anything else raises TypeError: a fallback that does nothing lets every micro-step communicate silently."""
+    """Backward inside accumulates locally; the first outside syncs it all (forward too goes inside: DDP decides
+    there). Anything but DDP or FSDP2 raises: a fallback doing nothing would let every micro-step communicate."""
     if isinstance(model, DDP):
         with model.no_sync():
             yield
@@ -70,9 +64,7 @@ def no_sync_context(model: nn.Module):
 
 def peak_vs_effective_batch(effective=(16, 32, 64, 128, 256), micro=16, tokens=16, widths=(32, 128, 128, 16),
                             seed=0) -> dict[str, list[int]]:
-    """Peak bytes (MemoryTracker) of forward+backward over each effective batch of ``tokens``-long
-    sequences: one plain batch vs micro-batches of ``micro`` accumulated. Each micro-batch is made inside
-    the loop, as a data loader would hand it over, so only one is alive at a time."""
+    """Peak bytes per effective batch: one plain batch vs micro-batches of ``micro``, each made in the loop."""
     model, g = mlp(list(widths), seed=seed), torch.Generator().manual_seed(seed)
 
     def step(n, k):
@@ -85,7 +77,7 @@ def peak_vs_effective_batch(effective=(16, 32, 64, 128, 256), micro=16, tokens=1
                 del x, y  # before the next one is made
         return mt.peak_bytes
 
-    # Tiny ops: a 2nd OpenMP thread only spin-waits (measured 10x slower on a busy 2-core machine).
+    # Tiny ops: a second OpenMP thread only spin-waits on a busy machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

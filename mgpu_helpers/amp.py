@@ -1,17 +1,13 @@
 """Notebook 06 -- mixed precision: what fp16 and bf16 can hold (``precision_table``, ``survival``), what
-``torch.autocast`` runs in 16 bits (``autocast_dtypes``), and what it does to memory (``step_memory``,
-``compare_precisions``, ``plot_precisions``, ``saved_for_backward``) -- measured, including the case where it
-*raises* it. ``dtype_of`` takes the course's dtype names. Exercises 6.1 (dynamic loss scaling, against
-``torch.amp.GradScaler``) and 6.2 (fp32 master weights) are checked in ``checks.amp``; the notebook maps Apex
-``amp``'s opt levels onto ``torch.amp``.
+``torch.autocast`` runs in 16 bits (``autocast_dtypes``), and what that does to memory, measured, including
+where it *raises* it (``step_memory``, ``compare_precisions``, ``saved_for_backward``). Exercises 6.1 (dynamic
+loss scaling) and 6.2 (fp32 master weights) are checked in ``checks.amp``.
 """
-from __future__ import annotations
-
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from .memory import make_optimizer, mlp
+from .memory import mlp
 from .runtime.plots import stacked_bars, unit_for
 from .runtime.precision import training_precision
 from .runtime.tracker import MemoryTracker
@@ -30,8 +26,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def precision_table() -> list[dict]:
-    """One row per dtype from ``torch.finfo``: bits of exponent and mantissa, largest value, smallest
-    normal and subnormal values, and eps (the gap after 1.0: relative precision)."""
+    """Per dtype, from ``torch.finfo``: exponent and mantissa bits, max, smallest normal and subnormal, eps."""
     rows = []
     for name, dt in DTYPES.items():
         fi = torch.finfo(dt)
@@ -43,8 +38,7 @@ def precision_table() -> list[dict]:
 
 
 def survival(values: torch.Tensor, dtype) -> dict[str, float]:
-    """Fractions of the nonzero ``values`` that casting to ``dtype`` rounds to zero, turns into inf, makes
-    subnormal (precision lost), or keeps as normal numbers."""
+    """Fractions of the nonzero ``values`` that casting to ``dtype`` makes zero, inf, subnormal or keeps normal."""
     v = values.detach().flatten().double()
     v = v[v != 0]
     c = v.to(dtype_of(dtype)).double()
@@ -57,8 +51,7 @@ def survival(values: torch.Tensor, dtype) -> dict[str, float]:
 
 
 def autocast_dtypes(device: str = "cpu", dtype=torch.bfloat16) -> dict[str, str]:
-    """Which dtype each op returns under ``torch.autocast(device, dtype)`` for fp32 inputs (the lists
-    differ between CPU and CUDA: CUDA also runs softmax, layer_norm and sum in fp32)."""
+    """The dtype each op returns under ``torch.autocast(device, dtype)`` for fp32 inputs (CUDA's list differs)."""
     g = torch.Generator().manual_seed(0)
     a, w = torch.randn(4, 8, generator=g).to(device), torch.randn(8, 8, generator=g).to(device)
     y = torch.zeros(4, dtype=torch.long, device=device)
@@ -70,19 +63,12 @@ def autocast_dtypes(device: str = "cpu", dtype=torch.bfloat16) -> dict[str, str]
     return {k: str(v.dtype).replace("torch.", "") for k, v in ops.items()}
 
 
-# --- memory: the same step in fp32, under autocast, and in pure bf16 ---------------------------------
-
 def step_memory(widths, batch: int, precision: str, device=None, seed: int = 0) -> dict:
-    """Forward + backward of an MLP (``memory.mlp``) on ``batch`` rows, measured with ``MemoryTracker``:
-    ``activations`` alive after forward (what backward will need), ``peak`` bytes of the whole
-    forward+backward, and its ``peak_breakdown``. The optimizer step (and in fp16 its GradScaler) is left
-    out: it is the same in "fp32" and "autocast" (fp32 weights, gradients and state either way). The 16 bits
-    are ``training_precision(device)``'s: bf16 on a CPU, fp16 on a GPU without bf16 (the "bf16" row is then
-    an fp16 model: the same bytes)."""
+    """Forward + backward of ``memory.mlp(widths)`` under ``MemoryTracker``: ``activations`` alive after forward,
+    ``peak``, ``peak_breakdown``. No optimizer step: "fp32" and "autocast" keep the same fp32 state either way."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: unknown precision {precision!r}; use one of {', '.join(map(repr, PRECISIONS))}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    # the 16-bit type this device trains in (bf16 on a CPU; fp16 on a GPU without bf16 units, a T4): same bytes
     half = training_precision(device).dtype
     dt = half if precision == "bf16" else torch.float32
     model = mlp(list(widths), dtype=dt, seed=seed).to(device)
@@ -105,10 +91,8 @@ def step_memory(widths, batch: int, precision: str, device=None, seed: int = 0) 
 
 
 def saved_for_backward(widths, batch: int, seed: int = 0) -> list[dict]:
-    """What each Linear of ``memory.mlp(widths)`` saves for backward under bf16 autocast on the CPU, from
-    ``saved_tensors_hooks``: bytes of bf16 copies of its weight, and of everything else it saves (its
-    input, cast to bf16). Layer 0 saves no weight copy: its input needs no gradient, and the weight is only
-    needed to compute that one."""
+    """Per Linear of ``memory.mlp(widths)``, bytes saved for backward under CPU bf16 autocast: bf16 copies of its
+    weight and the rest. Layer 0 keeps no weight copy: its input, the one the weight is needed for, has no grad."""
     model = mlp(list(widths), seed=seed)
     linears = [m for m in model if isinstance(m, torch.nn.Linear)]
     rows = [{"layer": i, "shape": tuple(m.weight.shape), "weight_copy": 0, "other": 0} for i, m in enumerate(linears)]
@@ -143,8 +127,7 @@ def compare_precisions(widths, batch: int, device=None) -> dict[str, dict]:
 
 
 def plot_precisions(results: dict[str, dict[str, dict]], title: str = "Peak of forward + backward"):
-    """One panel per model (name → ``compare_precisions`` result): the peak of each precision as a bar
-    stacked by category, with the activations alive after forward drawn as a black tick."""
+    """Per model (name → ``compare_precisions``'s result), each precision's peak by category; activations: a tick."""
     fig, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 4.8), squeeze=False)
     for ax, (name, res) in zip(axes[0], results.items()):
         div, unit = unit_for(max(r["peak"] for r in res.values()))

@@ -1,13 +1,8 @@
-"""Notebook 11's face on the planner: exercise 11.1's grid of plans and the memory calculator.
-
-:func:`candidate_plans` is every plan of :data:`CHECK_GRID` at one fixed *global* batch (each world size splits
-it between its ranks, so "fewest ranks" compares like with like). :func:`calculator` wires ipywidgets to
-:func:`render` (settings in, figure and plan out: tested without a browser, tests/test_widgets.py). Each
-(model, rank's batch, precision, checkpointing, micro-batches) is traced once (:func:`cached_trace`, seconds;
-5-10 s for "7B"/"13B"); world size and ZeRO stage derive from the trace in milliseconds, never re-tracing.
+"""Notebook 11's face on the planner: exercise 11.1's grid of plans (:func:`candidate_plans`, at one *global*
+batch that each world size splits, so "fewest ranks" compares like with like) and the memory calculator
+(:func:`calculator`: ipywidgets around :func:`render`, tested without a browser). A setting is traced once
+(:func:`cached_trace`); world size and ZeRO stage derive from the trace in milliseconds.
 """
-from __future__ import annotations
-
 import functools
 
 from .planner import budget as db
@@ -19,13 +14,10 @@ from .planner.trace import TRACED_LAYOUTS, trace_step
 CAPACITY_GPUS = ("L4", "A100-80GB", "H200")  # budget.GPUS: real capacities in bytes
 DEFAULTS = dict(size="1B", precision="bf16-autocast", zero_stage=0, world_size=1, checkpointing=False,
                 micro_batches=1, batch_size=4, seq_len=1024)
-WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64)
-MICRO_BATCHES = (1, 2, 4)
 
 
-# The check's model: two of Llama-2-7B's blocks (0.67B parameters). A fake trace costs by the ops, not the
-# bytes, so it traces as fast as a toy, and its tensors are large beside what every device holds anyway (the
-# CUDA context, NCCL's buffers): the number of ranks decides whether a plan fits, as on a real card.
+# The check's model: two of Llama-2-7B's blocks (0.67B parameters). A fake trace costs by the ops, not the bytes,
+# and its tensors are large beside what every device holds anyway (CUDA context, NCCL): ranks decide the fit.
 CHECK_MODEL = "2 blocks of 7B"
 SHAPES = {**SIZES, CHECK_MODEL: (32000, 4096, 2, 32, 11008)}  # (vocab, d, layers, heads, ffn), as SIZES
 CHECK_BATCH = (8, 1024)  # the global batch (sequences, length): world size n gives each rank 8 / n
@@ -44,33 +36,24 @@ def cached_trace(size, batch_size, seq_len, precision="bf16-autocast", checkpoin
 
 
 def candidate_plans(size=CHECK_MODEL, batch=CHECK_BATCH, precision="bf16-autocast", **grid) -> list[Plan]:
-    """Every plan of the grid (:data:`CHECK_GRID`, entries replaced by keyword) for a decoder of ``size``
-    training the global batch ``batch`` = (sequences, length), but splits that do not divide and stages
-    above 0 on one rank."""
+    """Every plan of :data:`CHECK_GRID` (entries replaced by keyword) for a decoder of ``size`` on the global
+    ``batch`` = (sequences, length), but splits that do not divide and stages above 0 on one rank."""
     g = {**CHECK_GRID, **grid}
     return list(_plans(size, tuple(batch), precision, *(tuple(g[k]) for k in CHECK_GRID)))
 
 
 @functools.lru_cache(maxsize=None)
 def _plans(size, batch, precision, world_sizes, stages, ckpts, micro):
-    (sequences, length), out = batch, []
-    for n in world_sizes:
-        per_rank = sequences // n
-        if sequences % n:
-            continue
-        for s in stages:
-            if n == 1 and s:
-                continue
-            out += [plan_from_trace(cached_trace(size, per_rank, length, precision, ck, k), s, n)
-                    for ck in ckpts for k in micro if per_rank % k == 0]
-    return tuple(out)
+    sequences, length = batch
+    return tuple(plan_from_trace(cached_trace(size, sequences // n, length, precision, ck, k), s, n)
+                 for n in world_sizes if sequences % n == 0 for s in stages if n > 1 or s == 0
+                 for ck in ckpts for k in micro if sequences // n % k == 0)
 
 
 def settings_plan(settings: dict):
     """The planner's figures for one set of calculator settings (keys of :data:`DEFAULTS`)."""
     s = {**DEFAULTS, **settings}
-    unknown = set(s) - set(DEFAULTS)
-    if unknown:
+    if unknown := set(s) - set(DEFAULTS):
         raise ValueError(f"unknown settings {sorted(unknown)}: use {sorted(DEFAULTS)}")
     if s["batch_size"] % s["micro_batches"]:
         raise ValueError(f"micro_batches={s['micro_batches']} does not divide batch_size={s['batch_size']}")
@@ -80,8 +63,7 @@ def settings_plan(settings: dict):
 
 
 def render(settings: dict, fig=None):
-    """Per-rank peak of every ZeRO stage at the chosen world size by category, the chosen stage outlined, with
-    capacity lines: ``(fig, plan, line)``, the chosen settings' plan and a one-line verdict."""
+    """``(fig, plan, verdict)``: every ZeRO stage's per-rank peak by category (the chosen one outlined) and GPUs."""
     import matplotlib.pyplot as plt  # here, not at the top: importing the planner (mgpu-plan) needs no matplotlib
 
     from .runtime.plots import stacked_bars
@@ -130,9 +112,10 @@ def calculator(**defaults):
         "size": W.Dropdown(options=list(SIZES), value=s["size"], description="model size"),
         "precision": W.Dropdown(options=list(TRACED_LAYOUTS), value=s["precision"], description="precision"),
         "zero_stage": W.IntSlider(value=s["zero_stage"], min=0, max=3, description="ZeRO stage"),
-        "world_size": W.SelectionSlider(options=WORLD_SIZES, value=s["world_size"], description="world size"),
+        "world_size": W.SelectionSlider(options=(1, 2, 4, 8, 16, 32, 64), value=s["world_size"],
+                                        description="world size"),
         "checkpointing": W.Checkbox(value=s["checkpointing"], description="checkpointing"),
-        "micro_batches": W.SelectionSlider(options=MICRO_BATCHES, value=s["micro_batches"],
+        "micro_batches": W.SelectionSlider(options=(1, 2, 4), value=s["micro_batches"],
                                            description="micro-batches"),
     }
     status, out = W.Label(), W.Output()
@@ -150,6 +133,5 @@ def calculator(**defaults):
     for w in controls.values():
         w.observe(update, names="value")
     update()
-    return W.VBox([W.HBox([controls["size"], controls["precision"]]),
-                   W.HBox([controls["zero_stage"], controls["world_size"]]),
-                   W.HBox([controls["checkpointing"], controls["micro_batches"]]), status, out])
+    widgets = list(controls.values())
+    return W.VBox([W.HBox(widgets[i:i + 2]) for i in (0, 2, 4)] + [status, out])

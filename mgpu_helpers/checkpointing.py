@@ -1,11 +1,8 @@
-"""Notebook 07 -- activation checkpointing: L residual blocks in segments of k, each under
-``checkpoint(..., use_reentrant=False)``, keep (L/k)·s + k·a bytes of activations, least near k = sqrt(L·s/a)
-(Chen et al. 2016). ``predict_peak`` gives the exact peak of one step of :class:`Stack` for any plan, byte for
-byte what :class:`MemoryTracker` measures on a CPU (tests/test_checkpointing.py, over random shapes);
-``selective_context`` saves the matmuls and recomputes the rest. The check of 7.1 is in ``checks.checkpointing``.
+"""Notebook 07 -- activation checkpointing (Chen et al. 2016): L blocks in checkpointed segments of k keep
+(L/k)·s + k·a bytes of activations, least near k = sqrt(L·s/a). ``predict_peak`` is byte-exact against
+:class:`MemoryTracker` on a CPU for any plan; ``selective_context`` saves the matmuls and recomputes the rest.
+The check of 7.1 is in ``checks.checkpointing``.
 """
-from __future__ import annotations
-
 import functools
 import timeit
 from collections import Counter
@@ -15,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,
-                                    create_selective_checkpoint_contexts)
+                                    create_selective_checkpoint_contexts, noop_context_fn)
 
 from .memory import make_batch
 from .runtime.tracker import MemoryTracker
@@ -24,9 +21,8 @@ F32 = 4
 
 
 class Block(nn.Module):
-    """Residual MLP block ``x + down(relu(up(x)))``; ``transformer=True``: pre-norm with GELU,
-    ``x + down(gelu(up(norm(x))))``, the MLP half of a transformer layer. ``dropout`` > 0: dropout on the
-    branch, whose random mask a recomputation must draw again identically (check 7.1)."""
+    """``x + down(relu(up(x)))``; ``transformer=True``: ``x + down(gelu(up(norm(x))))``, a transformer's MLP
+    half. ``dropout`` > 0: on the branch, whose mask a recomputation must draw again identically (check 7.1)."""
 
     def __init__(self, d: int, h: int, transformer: bool = False, dropout: float = 0.0):
         super().__init__()
@@ -66,17 +62,14 @@ def no_checkpointing(blocks, x, k=None):
 
 
 def torch_segments(blocks, x, k: int):
-    """torch's own ``checkpoint_sequential`` with ceil(L/k) segments (plan: :func:`sequential_plan`, segments of
-    k only where k divides L), which the cells use until 7.1 is done."""
+    """torch's ``checkpoint_sequential`` with ceil(L/k) segments (its plan: :func:`sequential_plan`)."""
     return checkpoint_sequential(blocks, -(-len(blocks) // k), x, use_reentrant=False)
 
 
-def per_block(blocks, x, k=None, context_fn=None):
-    """Every block checkpointed on its own (torchtitan's per-block activation checkpointing), with an
-    optional ``context_fn`` such as :func:`selective_context` (selective checkpointing)."""
-    extra = {} if context_fn is None else {"context_fn": context_fn}
+def per_block(blocks, x, k=None, context_fn=noop_context_fn):
+    """Every block checkpointed on its own (as torchtitan does); ``context_fn``: e.g. :func:`selective_context`."""
     for block in blocks:
-        x = checkpoint(block, x, use_reentrant=False, **extra)
+        x = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
     return x
 
 
@@ -124,9 +117,7 @@ def policy_ops(block, x) -> list[str]:
 
 
 def recomputed_ops(model: Stack, x, y, forward, k=None) -> dict[str, int]:
-    """Forward ops run again during backward (their counts, from the op log): what checkpointing pays in
-    compute, deterministic where wall times are not. Gradient ops never include addmm, layer_norm, gelu
-    or relu, so those counted in backward are recomputations."""
+    """Counts of forward ops run again in backward (backward's own are never addmm, layer_norm, gelu or relu)."""
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model.head(forward(model.blocks, x, k)), y)
     with OpLog() as log:
@@ -137,27 +128,22 @@ def recomputed_ops(model: Stack, x, y, forward, k=None) -> dict[str, int]:
 def sequential_plan(layers: int, k: int) -> list[tuple[int, bool]]:
     """The plan :func:`torch_segments` runs: n = ceil(L/k) segments of floor(L/n) blocks, the last unchecked."""
     n = -(-layers // k)
-    size = layers // n
-    return [(size, True)] * (n - 1) + [(layers - size * (n - 1), False)]
+    return [(layers // n, True)] * (n - 1) + [(layers - layers // n * (n - 1), False)]
 
 
 def plan_for(layers: int, k: int | None) -> list[tuple[int, bool]]:
     """[(blocks in the segment, checkpointed?), ...]: k=None means no checkpointing."""
-    if k is None:
-        return [(1, False)] * layers
-    return [(stop - start, True) for start, stop in segments(layers, k)]
+    return [(1, False)] * layers if k is None else [(b - a, True) for a, b in segments(layers, k)]
 
 
 def predict_peak(plan, d: int, h: int, classes: int, batch: int) -> int:
-    """Peak bytes (``max_memory_allocated`` semantics, input and targets made before) of
-    ``cross_entropy(head(stack(x)), y).backward()`` with ``Stack(L, d, h, classes)``, fp32, on a CPU.
+    """Peak bytes (``max_memory_allocated`` semantics; x and y made before) of one fp32 step
+    ``cross_entropy(head(stack(x)), y).backward()`` of ``Stack(L, d, h, classes)`` on a CPU.
 
-    Backward visits the segments last to first. While segment j is being backpropagated, alive are:
-    the parameters; the gradients of every later block (and of the head); what every *earlier* segment
-    kept (a checkpointed segment: its input, s bytes; a plain block: its saved tensors, a bytes); segment
-    j's own saved tensors, recomputed if it is checkpointed (n_j blocks · a); and backward's temporaries.
-    The peak is the largest of these sums, reached in segment j's last block, just after its ``down``
-    layer got its gradients. The input x existed before the step, so it is not counted (- s).
+    While backward is in segment j (last to first), alive are: the parameters; the gradients of the head
+    and of every later block; what every earlier segment kept (checkpointed: its input, s bytes; plain: its
+    saved tensors, a bytes a block); segment j's saved tensors (recomputed if checkpointed), n_j · a; and
+    backward's temporaries. The peak is the largest sum, just after segment j's last ``down`` got its gradients.
     """
     s = F32 * batch * d                       # one residual tensor: a segment boundary
     a = F32 * batch * (d + h)                 # what one block saves: up's input x and relu's output
@@ -166,13 +152,9 @@ def predict_peak(plan, d: int, h: int, classes: int, batch: int) -> int:
     params = sum(n for n, _ in plan) * g + head  # the head's gradients are alive from its backward on
     temps = s + 2 * F32 * batch * h + 2 * F32  # dL/d(out), dL/d(relu), dL/du; the loss and its grad
     down_grads = F32 * (h * d + d)
-    best = None
-    for j, (n, _) in enumerate(plan):
-        later = sum(m for m, _ in plan[j + 1:]) * g
-        earlier = sum(s if ck else m * a for m, ck in plan[:j])
-        here = params + head + later + down_grads + earlier + n * a - s + temps
-        best = here if best is None else max(best, here)
-    return best
+    return max(params + head + sum(m for m, _ in plan[j + 1:]) * g + down_grads
+               + sum(s if ck else m * a for m, ck in plan[:j]) + n * a - s + temps  # - s: x existed before
+               for j, (n, _) in enumerate(plan))
 
 
 def measure_step(model: Stack, x, y, forward, k=None):
@@ -196,12 +178,11 @@ def time_step(model: Stack, x, y, forward, k=None, repeat=3) -> float:
     return min(timeit.repeat(step, number=1, repeat=repeat))
 
 
-def sweep(layers=16, d=32, h=64, classes=8, batch=1024, ks=None, forward=None, repeat=3, progress=None):
-    """Peak (measured and predicted), matmuls recomputed in backward and step time for no checkpointing and
-    every k; ``forward``: the learner's ``checkpoint_segments``, else :func:`torch_segments` (its own plan)."""
+def sweep(layers=16, d=32, h=64, classes=8, batch=1024, forward=None, repeat=3, progress=None):
+    """Per k (None: none): peak measured and predicted, matmuls recomputed, time; ``forward`` (else torch's)."""
     model, (x, y) = Stack(layers, d, h, classes), make_batch(batch, d, classes)
     rows = {}
-    for k in [None] + list(ks or range(1, layers + 1)):
+    for k in [None, *range(1, layers + 1)]:
         fwd = no_checkpointing if k is None else (forward or torch_segments)
         plan = plan_for(layers, k) if k is None or forward else sequential_plan(layers, k)
         rows[k] = {"peak": measure_step(model, x, y, fwd, k)[0],
@@ -228,8 +209,7 @@ def selective_vs_full(layers=8, d=128, h=512, classes=8, batch=512, repeat=3):
 
 
 def plot_sweep(rows, layers, passed=None, optimum=None):
-    """Peak memory (measured, predicted; the optimum, sqrt(L) and ``optimum`` = sqrt(L·s/a) marked) and step
-    time (and what the op counts predict) against k, no checkpointing as a line."""
+    """Peak memory (measured, predicted, optima marked) and step time (and the op counts' figure) against k."""
     import matplotlib.pyplot as plt
 
     ks = [k for k in rows if k is not None]
@@ -243,25 +223,22 @@ def plot_sweep(rows, layers, passed=None, optimum=None):
     am.axvline(layers ** 0.5, color="C2", ls=":", label=f"√L = {layers ** 0.5:.2f}")
     if optimum is not None:
         am.axvline(optimum, color="C3", ls="--", lw=0.8, label=f"√(L·s/a) = {optimum:.2f}")
-    for ax in (am, at):
-        ax.set_xlabel("k (blocks per checkpointed segment)")
-        ax.set_xticks(ks)
-        ax.grid(alpha=0.3)
-    am.set(ylabel="peak memory (MiB)", ylim=(0, None),
-           title="Peak of one forward + backward" + ("" if passed is None else f" (your 7.1: {passed})"))
+    am.set(ylabel="peak memory (MiB)", title="Peak of one forward + backward" + (
+        "" if passed is None else f" (your 7.1: {passed})"))
     at.plot(ks, [1e3 * rows[k]["seconds"] for k in ks], "o-", color="C1", label="checkpointed")
     at.axhline(1e3 * rows[None]["seconds"], color="gray", ls="--", label="no checkpointing")
     at.plot(ks, [1e3 * rows[None]["seconds"] * op_count_ratio(rows[k]["recomputed"], layers) for k in ks], "x:",
             color="k", label="from the op counts (matmuls only)")
-    at.set(ylabel=f"step time (ms, best of {rows[None].get('repeat', 3)})", ylim=(0, None),
-           title="Time of one forward + backward")
-    am.legend(fontsize=8)
-    at.legend(fontsize=8)
+    at.set(ylabel=f"step time (ms, best of {rows[None].get('repeat', 3)})", title="Time of one forward + backward")
+    for ax in (am, at):
+        ax.set(xlabel="k (blocks per checkpointed segment)", xticks=ks, ylim=(0, None))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
 def op_count_ratio(recomputed: int, layers: int) -> float:
-    """Step time relative to no checkpointing if the blocks' matmuls were all the time: forward runs 2L
-    of them, backward twice as many (input and weight gradients), and checkpointing adds ``recomputed``."""
+    """Step time relative to no checkpointing if matmuls were all the time: forward runs 2L, backward 4L
+    (input and weight gradients), checkpointing ``recomputed`` more."""
     return (6 * layers + recomputed) / (6 * layers)

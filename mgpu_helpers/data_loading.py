@@ -1,11 +1,8 @@
 """Notebook 10 -- data loading: DataLoader workers, pinned memory, prefetching, and per-rank shards (check 10.1
-in ``checks.data_loading``). ``SlowDataset`` sleeps in ``__getitem__`` (a stand-in for decoding) and returns
-the worker's pid with each item. The script prints each rank's DistributedSampler shard::
+in ``checks.data_loading``). The script prints each rank's DistributedSampler shard::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.data_loading
 """
-from __future__ import annotations
-
 import os
 import time
 import warnings
@@ -41,9 +38,8 @@ def epoch_seconds(loader) -> tuple[float, set[int]]:
 
 
 def throughput(workers=(0, 1, 2, 4), n=256, delay=0.005, batch_size=8) -> dict[int, dict]:
-    """One epoch per ``num_workers``: ``startup`` -- seconds until the first batch arrives (starting the
-    workers included), ``rate`` -- items per second after it (the steady state start-up would otherwise
-    hide in a short epoch), and the ``warnings`` the loader gave (e.g. more workers than cores)."""
+    """One epoch per ``num_workers``: ``startup`` (seconds to the first batch, workers started), ``rate`` (items
+    per second after it, which start-up would hide in a short epoch) and the loader's ``warnings``."""
     ds, out = SlowDataset(n, delay), {}
     for w in workers:
         with warnings.catch_warnings(record=True) as caught:
@@ -59,38 +55,26 @@ def throughput(workers=(0, 1, 2, 4), n=256, delay=0.005, batch_size=8) -> dict[i
     return out
 
 
-class _WhoMadeIt(Dataset):
-    """Each item is the id of the worker that made it (-1: the main process). Module level: a spawned or
-    forkserver worker unpickles it by name."""
-
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, i):
-        info = torch.utils.data.get_worker_info()
-        return -1 if info is None else info.id
+def _worker_id(batch) -> int:  # a collate_fn: runs where the batch is made. Module level: workers unpickle it
+    info = torch.utils.data.get_worker_info()
+    return -1 if info is None else info.id  # -1: the main process
 
 
 def batch_makers(num_workers: int, batches: int = 8, batch_size: int = 4) -> list[int]:
-    """Which worker made each of the first ``batches`` batches: the loader hands batch i to worker
-    i mod num_workers, and each worker makes whole batches."""
+    """Which worker made each of the first ``batches`` batches (batch i: worker i mod num_workers)."""
     with warnings.catch_warnings():  # more workers than cores: torch's warning is shown with throughput()
         warnings.simplefilter("ignore", UserWarning)
-        loader = DataLoader(_WhoMadeIt(), batch_size=batch_size, num_workers=num_workers)
-        return [int(b[0]) for b, _ in zip(loader, range(batches))]
+        loader = DataLoader(range(64), batch_size=batch_size, num_workers=num_workers, collate_fn=_worker_id)
+        return [b for b, _ in zip(loader, range(batches))]
 
 
-def worker_memory(num_workers: int, persistent: bool = False, **kw):
-    """Start a loader's workers (one batch taken), then measure each worker's RSS and USS (the pages only it
-    holds: a forked worker's RSS counts every page it shares with its parent; USS is what it adds)."""
+def worker_memory(num_workers: int):
+    """Each worker's RSS and USS once a batch is taken (USS: what it adds; RSS counts pages shared with its parent)."""
     import psutil
 
-    # Count only the processes this loader started: the kernel may already have other children
-    # (an earlier loader's workers not yet reaped, run_ranks' forkserver, a resource tracker).
+    # only this loader's workers: others may be alive (an earlier loader's, run_ranks' forkserver, a tracker)
     before = {p.pid for p in psutil.Process().children()}
-    loader = DataLoader(SlowDataset(64, 0.0), batch_size=8, num_workers=num_workers,
-                        persistent_workers=persistent, **kw)
-    it = iter(loader)
+    it = iter(DataLoader(SlowDataset(64, 0.0), batch_size=8, num_workers=num_workers))
     next(it)
     mems = [p.memory_full_info() for p in psutil.Process().children() if p.pid not in before]
     out = {"processes": len(mems), "rss": [m.rss for m in mems], "uss": [m.uss for m in mems]}
@@ -107,8 +91,7 @@ def pin_memory_on_this_machine():
 
 
 def in_flight(num_workers: int, prefetch_factor: int, batch_size: int = 4, wait: float = 0.5) -> int:
-    """Batches the workers have produced after the first one was taken and the loop stalls for ``wait`` s:
-    the loader keeps num_workers × prefetch_factor batches requested ahead."""
+    """Batches made ahead while the loop stalls after its first: num_workers × prefetch_factor."""
     import multiprocessing as mp
 
     counter = mp.Value("i", 0)
@@ -119,9 +102,8 @@ def in_flight(num_workers: int, prefetch_factor: int, batch_size: int = 4, wait:
                 counter.value += 1
             return super().__getitem__(i)
 
-    loader = DataLoader(Counting(256, 0.0), batch_size=batch_size, num_workers=num_workers,
-                        prefetch_factor=prefetch_factor)
-    it = iter(loader)
+    it = iter(DataLoader(Counting(256, 0.0), batch_size=batch_size, num_workers=num_workers,
+                         prefetch_factor=prefetch_factor))
     next(it)
     last, stable_since = -1, time.perf_counter()
     while time.perf_counter() - stable_since < wait:  # until the workers stop: the queue is full
@@ -133,7 +115,6 @@ def in_flight(num_workers: int, prefetch_factor: int, batch_size: int = 4, wait:
 
 
 def _script(rank, world, n=10):
-    """Each rank's DistributedSampler shard (process group's rank and size), gathered and checked."""
     import torch.distributed as dist
 
     s = DistributedSampler(range(n), shuffle=True, seed=0)  # rank and world size from the process group

@@ -1,12 +1,9 @@
 """Notebook 03 -- how ``nn.DataParallel`` works (scatter, replicate, parallel_apply, gather on device 0), what
-it costs on device 0, and why DDP replaced it. On a CPU ``nn.DataParallel`` just calls the module and its
-parts refuse CPU tensors, so exercise 3.1 (checked in ``checks.data_parallel``) writes the mechanism over CPU
-replicas, and :func:`simulate_data_parallel` runs it with one thread per simulated device, each under its
-own :class:`MemoryTracker` (a dispatch mode, hence thread-local). As a script -- DDP, one process per device:
-``torchrun --nproc-per-node 2 -m mgpu_helpers.data_parallel``
+it costs device 0, and why DDP replaced it. On a CPU ``nn.DataParallel`` just calls the module (its parts
+refuse CPU tensors), so exercise 3.1 (``checks.data_parallel``) writes the mechanism over CPU replicas, and
+:func:`simulate_data_parallel` runs a thread per simulated device, each under its own :class:`MemoryTracker`
+(a dispatch mode: thread-local). The script (DDP): ``torchrun --nproc-per-node 2 -m mgpu_helpers.data_parallel``
 """
-from __future__ import annotations
-
 import copy
 import timeit
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +18,8 @@ from .runtime.plots import stacked_bars
 from .runtime.tracker import MemoryTracker
 
 
-# The notebook's demo problem: a small "language-model head" whose logits (tokens x vocab) outweigh
-# its parameters, as in real LMs -- which is what makes gathering them on device 0 expensive.
+# A small "language-model head" whose logits (tokens x vocab) outweigh its parameters, as in real LMs:
+# what makes gathering them on device 0 expensive.
 DEMO = {"tokens": 512, "d_model": 64, "hidden": 256, "vocab": 8192}
 
 
@@ -36,8 +33,8 @@ def make_problem(tokens, d_model, hidden, vocab, seed=0, dtype=torch.float32):
 
 
 def single_device_grads(model, x, y, per_chunk=None):
-    """Gradients of the mean cross-entropy on one device (the reference), on a fresh copy of ``model``.
-    ``per_chunk=n`` instead averages the n chunks' own mean losses (unweighted): a common mistake."""
+    """Gradients of the mean cross-entropy on a copy of ``model`` (the reference); ``per_chunk=n``: the mean of n
+    chunks' mean losses instead, a common mistake."""
     m = copy.deepcopy(model)
     m.zero_grad(set_to_none=True)  # a copy would carry over any .grad already there
     pairs = list(zip(x.chunk(per_chunk), y.chunk(per_chunk))) if per_chunk else [(x, y)]
@@ -62,7 +59,7 @@ class SimDevice:
     """A thread standing in for GPU ``index``: what its tasks allocate is counted by its own tracker."""
 
     def __init__(self, index, model, optimizer=None):
-        self.index, self.model = index, model
+        self.model = model
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"device{index}")
         self.tracker = MemoryTracker(model, optimizer, device="cpu")
         self.run(self.tracker.__enter__)  # the mode is pushed on this device's thread only
@@ -76,10 +73,8 @@ class SimDevice:
 
 
 def simulate_data_parallel(model, x, y, n, loss_inside=False, adam=False):
-    """One DataParallel step over ``n`` simulated devices (device 0 holds ``model`` itself, as replicate
-    does): the loss, ``model``'s gradients and, per device, its peak, breakdown at the peak and phase peaks.
-    Devices run one after another (exact, repeatable figures; running at once changes no device's own).
-    ``adam=True``: then Adam's first step on device 0, the only place the optimizer exists."""
+    """One DataParallel step over ``n`` simulated devices taking turns: the loss, the gradients and each device's
+    peak, breakdown and phase peaks. ``adam=True``: then Adam's first step on device 0 (the only optimizer)."""
     xs, ys = x.chunk(n), y.chunk(n)
     replicas = [LossInside(model) if loss_inside else model]
     replicas += [copy.deepcopy(replicas[0]) for _ in xs[1:]]  # replicate: a full copy per extra device
@@ -87,15 +82,15 @@ def simulate_data_parallel(model, x, y, n, loss_inside=False, adam=False):
     devs = [SimDevice(i, r, opt if i == 0 else None) for i, r in enumerate(replicas)]
     for d in devs:
         d.run(d.tracker.mark, "forward")
-    if loss_inside:  # each device: its chunk (scatter copies it over), forward, its share of the loss
-        outs = [d.run(lambda d=d, i=i: d.model(xs[i].clone(), ys[i].clone(), len(x))) for i, d in enumerate(devs)]
-        devs[0].run(devs[0].tracker.mark, "gather + loss")
+
+    def forward(i):  # on device i: its chunk (scatter copies it over), forward, with loss_inside its share
+        return devs[i].model(xs[i].clone(), ys[i].clone(), len(x)) if loss_inside else devs[i].model(xs[i].clone())
+    outs = [d.run(forward, i) for i, d in enumerate(devs)]
+    devs[0].run(devs[0].tracker.mark, "gather + loss")
+    if loss_inside:
         loss = devs[0].run(lambda: torch.cat([o.detach() for o in outs]).sum())  # n numbers on device 0
         grads_out = [torch.ones(1)] * n
     else:
-        outs = [d.run(lambda d=d, i=i: d.model(xs[i].clone())) for i, d in enumerate(devs)]
-        devs[0].run(devs[0].tracker.mark, "gather + loss")
-
         def gather_and_loss():  # all the logits copied onto device 0, the loss and its gradient there
             gathered = torch.cat([o.detach() for o in outs]).requires_grad_()
             loss = F.cross_entropy(gathered, y)
@@ -141,8 +136,8 @@ def device_bars(devices, title="", ax=None, name="device"):
 
 
 def real_data_parallel_memory(n_gpus, loss_inside=False, spec=DEMO, seed=0):
-    """Peak ``torch.cuda.max_memory_allocated(i)`` per GPU above what GPU i held before a DataParallel
-    step (the second; the first warms cuBLAS up), the loss and the gradients (on CPU)."""
+    """Each GPU's peak above what it held before a DataParallel step (the second: the first warms cuBLAS up),
+    the loss and the gradients (on CPU)."""
     model, x, y = make_problem(**spec, seed=seed)
     model = model.cuda(0)
     net = nn.DataParallel(LossInside(model) if loss_inside else model, device_ids=list(range(n_gpus)))
@@ -177,12 +172,10 @@ def time_replicate(hiddens=(128, 256, 512, 1024), layers=4, batch=32, repeat=3):
 
 
 def gil_demo(n=2):
-    """Seconds for n replicas' forwards one after another vs in n threads, for Python-bound replicas
-    (many tiny ops: the GIL serialises them) and kernel-bound ones (big matmuls release the GIL)."""
+    """Seconds for n replicas' forwards in turn vs in n threads: the GIL serialises tiny ops, big matmuls release it."""
     threads, out = torch.get_num_threads(), {}
-    # One intra-op thread per replica, as one GPU per replica. The setting is per thread, so each worker
-    # thread sets it too: otherwise torch's own intra-op threads fill the cores and the Python threads
-    # have nothing left to run in parallel on.
+    # One intra-op thread per replica, as one GPU each; per thread, so each worker sets it too (else torch's
+    # intra-op threads fill the cores and leave the Python threads nothing to run in parallel on).
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(n, initializer=torch.set_num_threads, initargs=(1,)) as pool, torch.no_grad():
@@ -198,8 +191,7 @@ def gil_demo(n=2):
 
 
 def ddp_step(rank, world_size, spec=None, seed=0, adam=False):
-    """One DDP step on this rank's share of the batch: the rank's peak bytes, breakdown and gradients (on
-    CPU). ``adam=True``: then Adam's first step (every rank holds the whole optimizer state)."""
+    """One DDP step on this rank's share: its peak, breakdown and gradients (on CPU); ``adam``: then Adam's step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     dev = rank_device()
     model, x, y = make_problem(**(spec or DEMO), seed=seed)
@@ -207,9 +199,8 @@ def ddp_step(rank, world_size, spec=None, seed=0, adam=False):
     xr, yr = x.chunk(world_size)[rank].to(dev), y.chunk(world_size)[rank].to(dev)
     opt = make_optimizer("adam", model.parameters()) if adam else None
     with MemoryTracker(model, opt, device=dev) as mt:
-        # Made inside: its gradient buckets count too. init_sync=False: skip DDP's initial broadcast of the
-        # weights (every rank built the same ones from `seed`), whose buffer gloo's worker thread frees at a
-        # moment of its own choosing -- under load, inside the forward of one rank and not the other's.
+        # Made inside: its buckets count. init_sync=False: no initial broadcast (every rank built the same weights),
+        # whose buffer gloo's worker thread frees when it likes -- under load, inside one rank's forward.
         ddp = DDP(model, init_sync=False)
         F.cross_entropy(ddp(xr), yr).backward()  # DDP averages grads: equal chunks give the full-batch mean
         if opt:
@@ -219,16 +210,8 @@ def ddp_step(rank, world_size, spec=None, seed=0, adam=False):
             "grads": [p.grad.detach().cpu() for p in model.parameters()]}
 
 
-def _torchrun_demo(rank, world_size):
-    spec = {"tokens": 8 * world_size, "d_model": 16, "hidden": 32, "vocab": 64}
-    r = ddp_step(rank, world_size, spec)
-    model, x, y = make_problem(**spec)
-    _, ref = single_device_grads(model, x, y)
-    diff = max((g - e).abs().max().item() for g, e in zip(r["grads"], ref))
-    return (f"DDP on {world_size} ranks: gradients equal one device on the whole batch: {diff < 1e-5} "
-            f"(max |diff| {diff:.1e}); rank {rank} peak {r['peak']} bytes")
+if __name__ == "__main__":  # DataParallel's successor, as notebook 04 builds it
+    from .ddp import _demo
 
-
-if __name__ == "__main__":
     script_args(__doc__)
-    torchrun_main(_torchrun_demo)
+    torchrun_main(_demo)

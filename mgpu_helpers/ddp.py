@@ -1,22 +1,16 @@
 """Notebook 04 -- DistributedDataParallel from the collectives up: the learner averages gradients with
 ``all_reduce`` (exercise 4.1), then in buckets as DDP does (4.2; checks in ``checks.ddp``). Here: the batch's
-shards, collectives drawn, a gloo all_reduce that waits for its worker thread, and the launch traps
-(``mp.spawn`` from a notebook, fork after CUDA). Models and batches: ``memory.mlp`` and ``memory.make_batch``.
-
-Run as a script (torch DDP on 2 ranks against a single process on the full batch)::
+shards, collectives drawn, and the launch traps (``mp.spawn`` from a notebook, fork after CUDA). The script,
+torch DDP on 2 ranks against one process on the full batch::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.ddp
     python -m mgpu_helpers.ddp                                 # no torchrun: 2 ranks via run_ranks
 """
-from __future__ import annotations
-
-import contextlib
 import os
 import re
 import subprocess
 import sys
 import textwrap
-import time
 
 import matplotlib.pyplot as plt
 import torch
@@ -43,32 +37,9 @@ def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return flat_grads(model)
 
 
-@contextlib.contextmanager
-def settled_all_reduce():
-    """Within the ``with``, ``dist.all_reduce`` returns only once the backend has let go of the tensor:
-    gloo's worker thread drops its reference a moment *after* all_reduce returns, so a measurement would
-    see -- or not, by chance -- a buffer the program no longer holds."""
-    real = dist.all_reduce
-
-    def all_reduce(tensor, *args, **kwargs):
-        held = tensor._use_count()
-        out = real(tensor, *args, **kwargs)
-        while tensor._use_count() > held:  # the worker thread still holds it: let it run
-            time.sleep(0)
-        return out
-
-    dist.all_reduce = all_reduce
-    try:
-        yield
-    finally:
-        dist.all_reduce = real
-
-
 def draw_collectives(results: dict[str, tuple[list, list]]):
-    """One row per collective: each rank's tensor before (left) and after (right), one box per element.
-    ``results`` maps a name to (before, after), each a list over ranks of lists of numbers. A box's colour
-    says where its value comes from: the rank that held it before (a copy, as broadcast and all_gather
-    make), or grey when the collective computed it from every rank (a reduction: the name says "reduce")."""
+    """Per collective (``results``: name -> (before, after), lists over ranks of numbers), each rank's values
+    coloured by the rank they come from, or grey when computed from every rank (the name says "reduce")."""
     n_ranks = max(len(b) for b, _ in results.values())
     colours = [plt.get_cmap("tab10")(r) for r in range(n_ranks)]
     combined = "#B0B0B0"
@@ -76,13 +47,9 @@ def draw_collectives(results: dict[str, tuple[list, list]]):
     for row, (name, (before, after)) in zip(axes, results.items()):
         for ax, tensors, when in zip(row, (before, after), ("before", "after")):
             for r, t in enumerate(tensors):
-                for j, v in enumerate(t):
-                    if when == "before":
-                        colour = colours[r]
-                    elif "reduce" in name:
-                        colour = combined
-                    else:  # a copy: the colour of the rank whose tensor held this value
-                        colour = next((colours[s] for s, src in enumerate(before) if v in src), combined)
+                for j, v in enumerate(t):  # after a copy: the colour of the rank whose tensor held v
+                    colour = colours[r] if when == "before" else combined if "reduce" in name else next(
+                        (colours[s] for s, src in enumerate(before) if v in src), combined)
                     ax.add_patch(plt.Rectangle((j, -r - 1), 0.92, 0.85, color=colour, alpha=.55))
                     ax.text(j + 0.46, -r - 0.57, f"{v:g}", ha="center", va="center", fontsize=9)
             ax.set_xlim(0, max(len(t) for t in before + after))
@@ -99,8 +66,7 @@ def draw_collectives(results: dict[str, tuple[list, list]]):
 
 
 def _errors_of(code: str) -> list[str]:
-    """Run ``code`` in a fresh interpreter whose ``__main__`` cannot be imported (like a notebook's);
-    return the last line of each traceback it printed, then its exit code."""
+    """Each traceback's last line from ``code`` run in a fresh interpreter (``__main__`` unimportable), exit code."""
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     lines = [line for line in p.stderr.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
@@ -146,7 +112,4 @@ def _demo(rank: int, world_size: int) -> str:
 
 if __name__ == "__main__":
     script_args(__doc__)
-    if "RANK" in os.environ:
-        torchrun_main(_demo)
-    else:
-        print(run_ranks(_demo, 2)[0])
+    torchrun_main(_demo) if "RANK" in os.environ else print(run_ranks(_demo, 2)[0])

@@ -1,12 +1,8 @@
-"""Notebook 00 -- the environment report and how ranks run from a notebook.
-
-Run as a script to print the same report: ``python -m mgpu_helpers.environment``; under torchrun it checks
-that every rank can reach the others::
+"""Notebook 00 -- the environment report (``python -m mgpu_helpers.environment``) and how ranks run from a
+notebook; under torchrun the script checks that every rank can reach the others::
 
     torchrun --nproc-per-node 2 -m mgpu_helpers.environment
 """
-from __future__ import annotations
-
 import os
 import platform
 
@@ -57,7 +53,4 @@ if __name__ == "__main__":
     from .runtime.launch import script_args, torchrun_main
 
     script_args(__doc__)
-    if "RANK" in os.environ:
-        torchrun_main(hello)
-    else:
-        print_environment()
+    torchrun_main(hello) if "RANK" in os.environ else print_environment()

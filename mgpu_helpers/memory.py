@@ -1,10 +1,6 @@
-"""Notebook 01 -- where training memory goes: parameters, gradients, optimizer state and activations, counted
-by formula (exercises 1.1 and 1.2, checked in ``checks.memory``) and by ``runtime.tracker.MemoryTracker``.
-Also the builders every later face shares: ``mlp``, ``make_batch``, ``make_optimizer``, ``nbytes``.
-(The bytes per parameter of each precision: ``sharding.zero.model_state_bytes``.)
+"""Notebook 01 -- where training memory goes, by formula (exercises 1.1 and 1.2, ``checks.memory``) and by
+``MemoryTracker``; and the builders later faces share: ``mlp``, ``make_batch``, ``make_optimizer``, ``nbytes``.
 """
-from __future__ import annotations
-
 import torch
 from torch import nn
 
@@ -16,10 +12,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0, tie: tuple[int, int] | None = None,
         freeze: tuple[int, ...] = (), device=None, bias: bool = True) -> nn.Sequential:
-    """Linear → ReLU → … → Linear with the given layer widths, from ``seed`` (every rank builds the same
-    replica), on ``device`` (default ``rank_device()``: in a rank its GPU under NCCL, else the CPU; drawn on
-    the CPU first, so the weights are the same everywhere). ``tie=(i, j)``: Linear j's weight *is* Linear i's
-    (their shapes must agree). ``freeze``: Linears whose weight is frozen."""
+    """Linear → ReLU → … → Linear from ``seed``, drawn on the CPU (the same on every rank), on ``device`` (default
+    ``rank_device()``). ``tie=(i, j)``: Linear j's weight *is* Linear i's; ``freeze``: Linears frozen."""
     torch.manual_seed(seed)
     lins = [nn.Linear(a, b, bias=bias) for a, b in zip(widths[:-1], widths[1:])]
     if tie is not None:
@@ -31,8 +25,7 @@ def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0, ti
 
 
 def make_batch(n: int, d_in: int, classes: int, seed: int = 1, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` inputs and class labels from ``seed``, drawn on the CPU by a generator of their own (the global
-    RNG stays untouched), then moved to ``device`` (default ``rank_device()``, as ``mlp``)."""
+    """``n`` inputs and labels from ``seed`` by a CPU generator of their own, on ``device`` (``rank_device()``)."""
     g, device = torch.Generator().manual_seed(seed), device or rank_device()
     return torch.randn(n, d_in, generator=g).to(device), torch.randint(0, classes, (n,), generator=g).to(device)
 
@@ -49,8 +42,7 @@ def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer
 
 
 def nbytes(tensors) -> int:
-    """Bytes of distinct storages among ``tensors`` (views of one storage count once; a DTensor: this rank's
-    local shard)."""
+    """Bytes of the distinct storages of ``tensors`` (a view counts its base once; a DTensor: its local shard)."""
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     storages = [t.untyped_storage() for t in local if isinstance(t, torch.Tensor)]
     return sum({s.data_ptr(): s.nbytes() for s in storages}.values())

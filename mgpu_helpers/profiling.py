@@ -1,10 +1,7 @@
 """Notebook 02 -- measuring memory: allocated vs reserved vs peak, snapshots, the profiler (checks of 2.1 and
 2.2 in ``checks.profiling``). :func:`allocator_demo` and :func:`record_step_snapshot` need a GPU: on a CPU
-the notebook shows what ``PYTHONPATH=. python3 bench/profiling_gpu.py`` stored from them under
-``solutions/assets/02_gpu_*`` (the snapshot pickle opens at https://pytorch.org/memory_viz).
+the notebook shows what ``bench/profiling_gpu.py`` stored from them in ``solutions/assets/02_gpu_*``.
 """
-from __future__ import annotations
-
 import contextlib
 import itertools
 import json
@@ -51,9 +48,8 @@ def _counters(dev) -> dict:
 
 
 def allocator_demo(device="cuda") -> dict:
-    """Allocated / reserved / peak / device-wide use after each step of a short story; needs CUDA.
-    ``device_used`` is ``total - free`` from ``cudaMemGetInfo``: what nvidia-smi shows for the GPU (all
-    processes on it), so it includes the CUDA context and whatever the allocator keeps cached."""
+    """Allocated / reserved / peak / device use after each step of a short story; needs CUDA. ``device_used``
+    is ``cudaMemGetInfo``'s total - free, as nvidia-smi shows: every process, the CUDA context, the cache."""
     dev = torch.device(device)
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
@@ -71,9 +67,8 @@ def allocator_demo(device="cuda") -> dict:
     del a
     torch.cuda.empty_cache()
     out["del a; empty_cache()"] = _counters(dev)  # every step that changes the figures has its row
-    # Fragmentation. Requests between 1 and 10 MiB are cut from 20 MiB segments (c10/cuda/
-    # CUDACachingAllocator.cpp), so 40 tensors of 2 MiB fill 4 segments; every other one freed leaves 40 MiB
-    # of 2 MiB holes, each between live tensors of its own segment.
+    # Fragmentation: requests of 1-10 MiB are cut from 20 MiB segments (c10/cuda/CUDACachingAllocator.cpp), so
+    # 40 x 2 MiB fill 4 segments; freeing every other one leaves 2 MiB holes between live tensors.
     small = [torch.empty(2 * MiB, dtype=torch.uint8, device=dev) for _ in range(40)]
     del small[::2]
     out["40 x 2 MiB, every other one freed"] = _counters(dev)
@@ -129,8 +124,7 @@ def _trace_len(dev) -> int:
 
 
 def record_step_snapshot(path, widths=(4096, 4096, 4096, 4096, 10), batch=16384, device="cuda") -> dict:
-    """Record the allocator's history over one Adam step of an MLP, dump it to ``path`` (a pickle that
-    https://pytorch.org/memory_viz opens) and return the trace index at which each phase starts."""
+    """Record one Adam step of an MLP into ``path`` (for pytorch.org/memory_viz): each phase's first trace index."""
     dev = torch.device(device)
     dev = torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev
     model = mlp(list(widths)).to(dev)
@@ -147,17 +141,15 @@ def record_step_snapshot(path, widths=(4096, 4096, 4096, 4096, 10), batch=16384,
 
 
 def snapshot_series(snap: dict) -> tuple[list[int], list[int]]:
-    """(allocated, reserved) bytes after each event of the first non-empty device trace.
-    The trace holds the events since recording started; the segments hold the state at the dump.
-    Undoing the events from the dump's totals gives the totals at the start."""
+    """(allocated, reserved) bytes after each event of the first non-empty device trace: the segments hold
+    the state at the dump, so undoing the trace's events from their totals gives the totals at the start."""
     trace = next((t for t in snap["device_traces"] if t), [])
     sign = {"alloc": (1, 0), "free_completed": (-1, 0), "segment_alloc": (0, 1), "segment_free": (0, -1)}
     d = [[s * e.get("size", 0) for s in sign.get(e["action"], (0, 0))] for e in trace]
     alloc = sum(s["allocated_size"] for s in snap["segments"]) - sum(a for a, _ in d)
     res = sum(s["total_size"] for s in snap["segments"]) - sum(r for _, r in d)
-    allocated, reserved = list(itertools.accumulate((a for a, _ in d), initial=alloc))[1:], \
-        list(itertools.accumulate((r for _, r in d), initial=res))[1:]
-    return allocated, reserved
+    return (list(itertools.accumulate((a for a, _ in d), initial=alloc))[1:],
+            list(itertools.accumulate((r for _, r in d), initial=res))[1:])
 
 
 def snapshot_summary(snap: dict, marks: dict) -> dict:
@@ -202,8 +194,8 @@ def scenario_inputs(case):
 
 @contextlib.contextmanager
 def scenario(case: dict):
-    """A tracker that already holds a baseline and an earlier, larger peak, and one training-like step to
-    measure: ``with scenario(case) as (step, tracker): ...``."""
+    """``with scenario(case) as (step, tracker):`` a tracker already holding a baseline and an earlier, larger
+    peak, and a training-like step to measure."""
     model, (x, y) = scenario_inputs(case)
 
     def step():

@@ -186,7 +186,7 @@ def test_runs_under_torchrun():
 def test_planner_plans_these_knobs_to_the_byte_of_the_tracker():
     # the plan is the tracker's accounting of tensors; the profiler's peak also has what the CPU kernels
     # borrow (the bf16 -> fp32 copy of FSDP2's _chunk_cat under MixedPrecisionPolicy), which no plan promises
-    from mgpu_helpers.fsdp_practice.plan import plan_knobs
+    from mgpu_helpers.fsdp_practice import plan_knobs
     for world, knobs in [(2, {}), (2, {"precision": "mp_policy"}), (3, {"reshard_after_forward": False}),
                          (4, {"reshard_after_forward": 2})]:
         planned = plan_knobs(world, knobs, SMALL).rank_peaks

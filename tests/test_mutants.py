@@ -66,7 +66,7 @@ def test_solution_passes_and_stub_fails(ex):
                                         for m in EXERCISES[ex].mistakes])
 def test_mistake_is_named(ex, mistake, monkeypatch):
     if ex == "9.1":  # a pipeline deadlock costs the recorder's timeout per seed: 0.5 s (forked ranks inherit it)
-        monkeypatch.setattr("mgpu_helpers.model_sharding.pipeline.P2P_TIMEOUT", 0.5)
+        monkeypatch.setattr("mgpu_helpers.model_sharding.P2P_TIMEOUT", 0.5)
     mutant_fails_every_seed(_nb(ex), ex, EXERCISES[ex].function, mistake.edits, mistake.named, seeds=mistake.seeds)
 
 

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from ..memory import make_batch
-from ..model_sharding.pipeline import StepRecorder, Stuck, make_model, single_process_step, stage_bounds
-from ..model_sharding.tensor_parallel import make_mlp, param_bytes, parameter_bytes_formula
+from ..model_sharding import (StepRecorder, Stuck, make_mlp, make_model, param_bytes, parameter_bytes_formula,
+                              single_process_step, stage_bounds)
 from ..runtime.comm_log import CommLog
 from ..runtime.launch import rank_device
 from .base import (CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,

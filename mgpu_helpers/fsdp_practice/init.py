@@ -1,26 +1,19 @@
-"""Notebook 12 -- a model bigger than one rank: built on the ``meta`` device (no storage), sharded, and only
-then given storage with ``to_empty`` and initialised, so that each rank allocates its shard only; and what
-activation offload would move off the device."""
-from __future__ import annotations
-
+"""Notebook 12 -- a model bigger than one rank: built on the ``meta`` device, sharded, then given storage
+(``to_empty``) and initialised, so each rank allocates its shard only; and what activation offload moves."""
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..memory import nbytes
-from .instruments import profiled_peak
-from .knobs import MODEL, Net, build, make_model, shard
+from .knobs import MODEL, Net, build, make_model, profiled_peak, shard
 from ..runtime.launch import rank_device
 from ..runtime.precision import training_precision
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> None:
-    """Initialise a ``to_empty``'d sharded model's parameters to exactly what one process's ``make_model(seed)``
-    draws, on any number of ranks and any device: each module, in construction order, runs its own
-    ``reset_parameters()`` on whole plain tensors from one seeded generator, and each rank keeps its part --
-    one module whole at a time, never the model. Not ``reset_parameters()`` on the DTensors: DTensor's RNG
-    supports CUDA-like devices only (``torch/distributed/tensor/_random.py``): on a CPU mesh every rank draws
-    the same local values, and on GPUs the values are not those of one process."""
+    """Initialise a ``to_empty``'d sharded model to one process's ``make_model(seed)``: each module in turn runs
+    ``reset_parameters()`` on whole plain tensors and each rank keeps its part. Not on the DTensors: DTensor's RNG
+    serves CUDA-like devices only (``torch/distributed/tensor/_random.py``): CPU ranks all draw the same values."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     with torch.random.fork_rng(devices=[]):
@@ -52,8 +45,8 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def meta_init(rank, world_size, model_kw=None):
-    """``{"whole_model": bytes, "shard": this rank's parameter bytes, "built_then_sharded": peak,
-    "meta_then_sharded": peak, "on_meta": bytes of storage the meta-built model holds before to_empty}``."""
+    """Bytes: ``whole_model``, ``shard`` (this rank's parameters), ``on_meta`` (storage before to_empty), and the
+    peaks ``built_then_sharded``, ``meta_then_sharded``."""
     mkw = {**MODEL, **(model_kw or {})}
     with profiled_peak() as whole:
         model = shard(make_model(**mkw))
@@ -71,10 +64,8 @@ def meta_init(rank, world_size, model_kw=None):
 
 
 def meta_init_values(rank, world_size, model_kw=None, seed=0, dtensor_rng=False):
-    """On real ranks: whether the meta-built, sharded, ``to_empty``'d model, initialised by
-    :func:`init_weights` (or, with ``dtensor_rng``, by each module's ``reset_parameters()`` on the DTensors),
-    holds exactly the parameters of one process's ``make_model(seed)``; and whether rank 0's shard of the
-    first weight repeats on rank 1 (what DTensor's RNG does on a CPU mesh)."""
+    """Whether the meta-built model, initialised by :func:`init_weights` (``dtensor_rng``: on the DTensors), equals
+    one process's ``make_model(seed)``; whether rank 0's shard of the first weight repeats on rank 1."""
     import warnings
     mkw = {**MODEL, **(model_kw or {})}
     with torch.device("meta"):
@@ -97,9 +88,8 @@ def meta_init_values(rank, world_size, model_kw=None, seed=0, dtensor_rng=False)
 
 
 def saved_for_backward(rank, world_size, precision="fp32", rows=64, model_kw=None, weights=False):
-    """The bytes autograd saves for backward in one forward of the FSDP2 model on this rank (distinct storages,
-    by dtype): what ``torch.autograd.graph.save_on_cpu``, whose hooks it wraps, would copy to the host and back.
-    With ``weights``, ``(by dtype, bytes of them that are the parameters themselves)``: not activations at all."""
+    """Bytes autograd saves in one forward of the FSDP2 model on this rank, by dtype (distinct storages): what
+    ``save_on_cpu``, whose hooks it wraps, would move. ``weights``: also the bytes that are parameters."""
     model, _, _ = build({"precision": precision, "rows": rows}, model_kw)
     x = torch.randn(rows, {**MODEL, **(model_kw or {})}["d_in"], device=rank_device())
     half = training_precision(rank_device()).dtype  # as knobs.build's step: fp16 on a GPU without bf16
@@ -116,8 +106,8 @@ def saved_for_backward(rank, world_size, precision="fp32", rows=64, model_kw=Non
             weight_bytes += st.nbytes() if st.data_ptr() in computing_with else 0
         return offload.pack_hook(t)
 
-    # While a module runs, its parameters are what it computes with: under FSDP2 the unsharded tensors of this
-    # step's all-gather, which a matmul saves. Only then: once freed, their addresses are reused by activations.
+    # While a module runs, its parameters (under FSDP2 the unsharded all-gathered tensors, which a matmul saves);
+    # only then: once freed, their addresses are reused by activations.
     mods = [m for m in model.modules() if m._parameters]
     hooks = [m.register_forward_pre_hook(lambda m, args: computing_with.update(
         p.untyped_storage().data_ptr() for p in m.parameters(recurse=False))) for m in mods]

@@ -1,9 +1,11 @@
 """Notebook 12 -- the model, ``fully_shard`` under each knob, and one steady step measured per rank
-(``measure``; as rank 0 of N under a fake process group, ``sweep`` and ``knob_sweep``)."""
-from __future__ import annotations
-
+(``measure``; as rank 0 of N in a fake world: ``sweep``, ``knob_sweep``) with the instruments: the allocator's
+live bytes (``profiled_peak``: it sees FSDP2's unsharded parameters, re-grown after ``resize_(0)``, which the
+tracker misses) and the state by the tensors (``state_bytes``); and the planner on the same knobs (``plan_knobs``).
+"""
 import contextlib
 import functools
+import gc
 
 import torch
 import torch.distributed as dist
@@ -13,13 +15,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.nn import functional as F
 from torch.profiler import record_function
 
-from ..memory import make_batch
+from ..memory import make_batch, nbytes
+from ..planner.parallel import _forget_meshes
+from ..runtime.alloc_reference import AllocationReference, quiet_fd2
+from ..runtime.comm_log import CommLog
 from ..runtime.fake_world import fake_world
 from ..runtime.launch import rank_device
 from ..runtime.precision import training_precision
 from ..runtime.tracker import MemoryTracker
-from ..runtime.comm_log import CommLog
-from .instruments import profiled_peak, state_bytes
 
 MODEL = {"d": 128, "blocks": 4, "d_in": 32, "classes": 10}  # the notebook's model: 4 units of 131,712 bytes
 KNOBS = {"reshard_after_forward": True, "prefetch": 0, "precision": "fp32", "offload": False,  # the defaults
@@ -38,8 +41,7 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """``Linear(d_in, d)``, ``blocks`` × :class:`Block` (hidden 2d) in an ``nn.ModuleList`` (the units that
-    ``fully_shard`` wraps one by one, as the planner finds them), ``Linear(d, classes)``."""
+    """``Linear(d_in, d)``, ``blocks`` × :class:`Block` (the units ``fully_shard`` wraps), ``Linear(d, classes)``."""
 
     def __init__(self, d=128, blocks=4, d_in=32, classes=10):
         super().__init__()
@@ -65,23 +67,14 @@ def blocks(model) -> list[nn.Module]:
     return list(model.blocks)
 
 
-def forget_cached_meshes():
-    """Clear DTensor's sharding-propagation caches: their entries hold the mesh of the process that filled
-    them, which compares equal to a new mesh of the same shape, so a rank forked from a kernel that ran a
-    fake world as rank 0 would get rank 0's mesh back from an op on its DTensors."""
-    from torch.distributed.tensor import DTensor
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ fast path's own cache
-        torch._C._clear_DTensor_sharding_propagator_cache()
-
-
 def shard(model, mesh=None, *, reshard_after_forward=True, prefetch=0, mp_policy=None, offload_policy=None):
-    """``fully_shard`` each block with the knobs, then the root (which FSDP2 never reshards after forward:
-    backward needs its head at once). ``prefetch=k`` > 0 asks each block to all-gather the next k blocks
-    in forward and the previous k in backward (explicit prefetch); 0 leaves FSDP2's implicit order."""
+    """``fully_shard`` each block with the knobs, then the root (never resharded after forward: backward needs
+    it at once). ``prefetch=k``: each block all-gathers the next k (in backward the previous k); 0: FSDP2's order."""
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: the number of units to all-gather ahead, an int >= 0")
-    forget_cached_meshes()
+    # DTensor's caches hold the mesh of whoever filled them, equal to a new mesh of the same shape: a rank
+    # forked from a kernel that ran a fake world would get that world's rank-0 mesh back from its ops
+    _forget_meshes()
     mesh = mesh or init_device_mesh(rank_device().type, (dist.get_world_size(),))
     kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
           "offload_policy": offload_policy or OffloadPolicy()}
@@ -96,15 +89,13 @@ def shard(model, mesh=None, *, reshard_after_forward=True, prefetch=0, mp_policy
 
 
 def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
-    """(model, optimizer, step) on this rank for ``knobs`` (see :func:`measure`); ``shard_fn(model, mesh)``
-    (exercise 12.1's policy) replaces :func:`shard` and its knobs. ``step(mark)`` calls ``mark("backward")``
-    when the forward is done."""
+    """(model, optimizer, step) on this rank for ``knobs`` (see ``KNOBS``); ``shard_fn(model, mesh)`` (12.1's
+    policy) replaces :func:`shard` and its knobs. ``step(mark)`` calls ``mark("backward")`` after forward."""
     k = {**KNOBS, **knobs}
     if set(k) != set(KNOBS) or k["precision"] not in ("fp32", "mp_policy", "autocast") \
             or k["optimizer"] not in ("foreach", "fused"):
-        raise ValueError(f"knobs {knobs}: known are reshard_after_forward, prefetch, precision (fp32, mp_policy, "
-                         "autocast), offload (bool), optimizer (foreach, fused), save_on_cpu (bool), rows (per rank), "
-                         "async_unshard (bool)")
+        raise ValueError(f"knobs {knobs}: known are {KNOBS}, precision fp32, mp_policy or autocast, optimizer "
+                         "foreach or fused")
     mkw = {**MODEL, **(model_kw or {})}
     model = make_model(**mkw, seed=seed)
     half = training_precision(rank_device())  # bf16, or fp16 + GradScaler on a GPU without bf16 (a T4)
@@ -114,7 +105,7 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
         shard(model, reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"], mp_policy=mp,
               offload_policy=CPUOffloadPolicy(pin_memory=False) if k["offload"] else None)
     else:
-        forget_cached_meshes()
+        _forget_meshes()
         model = shard_fn(model, init_device_mesh(rank_device().type, (dist.get_world_size(),))) or model
     if k["async_unshard"]:
         # FSDP2 waits for each all-gather where it is issued unless unshard is async (a private switch): on a
@@ -144,11 +135,54 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
     return model, opt, step
 
 
+def state_bytes(model, opt) -> dict[str, int]:
+    """This rank's parameters, gradients and optimizer state, by the tensors themselves."""
+    ps = list(model.parameters())
+    return {"parameters": nbytes(ps), "gradients": nbytes(p.grad for p in ps),
+            "optimizer_state": nbytes(v for s in opt.state.values() for v in s.values())}
+
+
+@contextlib.contextmanager
+def profiled_peak(baseline: int = 0):
+    """``with profiled_peak(baseline) as r:``, then live bytes (``memory_allocated`` semantics, from the allocator
+    or on a CPU ``AllocationReference``): ``r["peak"]``, ``r["end"]``, ``r["phases"]`` (the peak in each
+    ``record_function("## name ##")``) and, on a CPU, ``r["compute"]`` (the most held as a matmul starts)."""
+    r = {"peak": baseline, "end": baseline, "phases": {}, "compute": {}}
+    # Collect now (FSDP2 modules sit in reference cycles) and not inside: an earlier tensor freed in the window
+    # would count as a free at gc's whim, and the same code must give the same bytes on every run.
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if rank_device().type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            at = torch.cuda.memory_allocated()
+            yield r
+            torch.cuda.synchronize()
+            r["peak"] = baseline + torch.cuda.max_memory_allocated() - at
+            r["end"] = baseline + torch.cuda.memory_allocated() - at
+            return
+        with quiet_fd2(), AllocationReference() as ref:  # C++ warns on fd 2 inside the window too
+            yield r
+    finally:
+        if enabled:
+            gc.enable()
+    r["peak"], r["end"] = baseline + ref.peak_bytes, baseline + ref.final_bytes
+    # the live total as each matmul starts: held *while computing*, not the transient all-gather copy-out peak
+    mms = [a for op in ("aten::addmm", "aten::mm") for a, _ in ref.ranges.get(op, [])]
+    for name, spans in ref.ranges.items():
+        if name.startswith("## "):
+            for a, b in spans:
+                if inside := ref.events_in(a, b):
+                    r["phases"][name[3:-3]] = max(r["phases"].get(name[3:-3], 0), baseline + max(inside))
+                if at_mm := [ref.live_at(t, inclusive=True) for t in mms if a <= t <= b]:
+                    r["compute"][name[3:-3]] = max(r["compute"].get(name[3:-3], 0), baseline + max(at_mm))
+
+
 def measure(rank, world_size, knobs=None, model_kw=None, categories=True, seed=0, shard_fn=None, keep=False):
-    """This rank's figures for one steady step under ``knobs`` (see ``KNOBS``): ``{"state"`` (bytes held
-    after it, by category), ``"peak"``, ``"phases"``, ``"compute"`` (:func:`profiled_peak`'s), ``"comm"``
-    (:meth:`CommLog.summary`), ``"gathered"``, ``"forward_order"}``; with ``categories``, also the tracker's
-    ``"tracker_peak"`` and ``"tracker_peak_breakdown"`` (a second pass over every op); with ``keep``, ``"model"``."""
+    """This rank's figures for one steady step under ``knobs``: ``state`` (held after it), :func:`profiled_peak`'s,
+    ``comm``, ``gathered``, ``forward_order``; ``categories``: the tracker's too (slower); ``keep``: ``model``."""
     model, opt, step = build(knobs or {}, model_kw, seed, shard_fn)
     step()  # warm-up: Adam makes its state, FSDP2 its buffers
     base = sum(state_bytes(model, opt).values())
@@ -164,10 +198,8 @@ def measure(rank, world_size, knobs=None, model_kw=None, categories=True, seed=0
 
 
 def accumulation(rank, world_size, micro_batches=4, sync_each=True, rows=8, seed=0) -> dict:
-    """One optimizer step over ``micro_batches`` micro-batches of ``rows`` rows per rank. ``sync_each``
-    (torchtitan's way): every backward reduce-scatters and reshards. ``False``: no gradient sync and no
-    reshard after backward until the last micro-batch, so every unit's unsharded parameters and gradients
-    stay. ``{"peak", "gathered", "reduced"`` (bytes sent into reduce-scatters), ``"per_micro"`` ({op: calls})}."""
+    """One optimizer step over ``micro_batches`` per rank. ``sync_each`` (torchtitan's way): every backward
+    reduce-scatters and reshards; ``False``: only the last, so unsharded parameters and gradients stay."""
     model, opt, _ = build({}, seed=seed)
     x, y = make_batch(rows * micro_batches * world_size, MODEL["d_in"], MODEL["classes"], seed + 1)
     x, y = x.tensor_split(world_size)[rank].to(rank_device()), y.tensor_split(world_size)[rank].to(rank_device())
@@ -194,8 +226,8 @@ def accumulation(rank, world_size, micro_batches=4, sync_each=True, rows=8, seed
 
 
 def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
-    """:func:`measure` for each knob dict in ``options`` as rank 0 of ``world_size`` under a fake process group:
-    rows ``{**knobs, "peak", "forward_compute"`` (held while the forward computes), ``"gathered", "forward_order"}``."""
+    """:func:`measure` per knob dict in ``options`` as rank 0 of a fake world: rows ``{**knobs, peak,
+    forward_compute`` (held while the forward computes), ``gathered, forward_order}``."""
     rows = []
     with fake_world(world_size):
         for o in options:
@@ -206,16 +238,15 @@ def sweep(world_size: int, options: list[dict], model_kw=None) -> list[dict]:
 
 
 def knob_grid(world_size: int) -> list[dict]:
-    """reshard_after_forward True / 2 (a smaller group, where 2 divides a world above 2) / False, each
-    with prefetch 0 and 1, and 2 where units are gathered again in backward (with False nothing is)."""
+    """reshard_after_forward True / 2 (an even world above 2) / False, with prefetch 0, 1 and 2 (not with False)."""
     ints = [2] if world_size > 2 and world_size % 2 == 0 else []
     return [{"reshard_after_forward": r, "prefetch": p} for r in [True, *ints, False]
             for p in ((0, 1) if r is False else (0, 1, 2))]
 
 
 def budgets(rows) -> dict:
-    """Exercise 12.1's budgets from a :func:`knob_sweep` table: each midway between the second- and the
-    third-lowest distinct figure of its column, so that some rows fit it, some miss it, and none sits on it."""
+    """Exercise 12.1's budgets from a :func:`knob_sweep` table: midway between the second- and third-lowest
+    distinct figures of a column, so that some rows fit, some miss, none sits on it."""
     def mid(xs):
         xs = sorted(set(xs))
         return (xs[1] + xs[2]) // 2
@@ -230,6 +261,24 @@ def _knob_sweep(world_size: int, blocks: int) -> tuple:
 def knob_sweep(world_size: int = 4, blocks: int = 4) -> list[dict]:
     """:func:`sweep` over :func:`knob_grid`, measured once per process and handed out as fresh copies."""
     return [dict(r) for r in _knob_sweep(world_size, blocks)]
+
+
+def plan_knobs(world_size: int, knobs: dict, model_kw=None):
+    """``planner.plan``'s :class:`~mgpu_helpers.planner.Plan` of :func:`measure`'s step under ``knobs``. The knobs
+    map one to one but prefetch: the planner's 1 is FSDP2's default order (0 here); k > 1 is explicit."""
+    from ..planner import plan
+
+    k = {**KNOBS, **knobs}
+    if set(knobs) - {"reshard_after_forward", "prefetch", "precision", "offload", "rows"}:
+        raise ValueError(f"knobs {knobs}: the planner plans reshard_after_forward (True, False, an int), "
+                         "prefetch, precision, offload")
+    mkw = {**MODEL, **(model_kw or {})}
+    batch = make_batch(k["rows"], mkw["d_in"], mkw["classes"], 1)  # only shapes and dtypes are used
+    return plan(functools.partial(Net, **mkw), batch, loss_fn=F.cross_entropy, optimizer="adam",
+                precision={"fp32": "fp32", "mp_policy": "fsdp-mixed", "autocast": "bf16-autocast"}[k["precision"]],
+                zero_stage=3, world_size=world_size, device="cpu",
+                reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"] or 1,
+                offload=k["offload"])
 
 
 def _demo(rank, world_size):

@@ -1,9 +1,6 @@
-"""Notebook 12 -- communication hidden behind compute: every rank's ``torch.profiler`` trace of one training
-step, merged into one figure; ``overlap`` = (time both run) / (time communication runs). Communication: on a
-CPU gloo's worker-thread ranges (FSDP2's reduce-scatter shows as an all_reduce), on a GPU the NCCL kernels;
-compute: ``COMPUTE`` on the main thread, on a GPU every other kernel."""
-from __future__ import annotations
-
+"""Notebook 12 -- communication hidden behind compute: each rank's ``torch.profiler`` trace of a step, in one
+figure; ``overlap`` = (time both run) / (time communication runs). Communication: gloo's worker-thread ranges
+(FSDP2's reduce-scatter shows as an all_reduce), or NCCL kernels; compute: ``COMPUTE`` ops, or other kernels."""
 from collections import Counter
 
 import torch
@@ -27,21 +24,15 @@ def _length(spans) -> float:
     return total
 
 
-def _intersection(xs, ys) -> float:  # |X and Y| = |X| + |Y| - |X or Y|
-    return _length(xs) + _length(ys) - _length([*xs, *ys])
-
-
 def overlap(compute, comm) -> float:
     """The fraction of communication time during which compute runs too (0 when nothing communicates)."""
-    total = _length(comm)
-    return _intersection(compute, comm) / total if total else 0.0
+    total = _length(comm)  # |X and Y| = |X| + |Y| - |X or Y|
+    return (_length(compute) + total - _length([*compute, *comm])) / total if total else 0.0
 
 
 def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
-    """This rank's profiled training step (``kind`` "fsdp": ``build(knobs)``; "ddp": the same step under DDP,
-    ``{"compute": [(start, end)], "comm": [(start, end, name)], "phases", "t0", "forward_order",
-    "reductions_before_last_backward_matmul": (early, all)}``, times in ms from ``t0`` (the step's start on the
-    machine's clock, shared by its ranks). The orders of issue are deterministic; times are not."""
+    """This rank's profiled step (``kind`` "fsdp": ``build(knobs)``; "ddp": under DDP): spans of ``compute`` and
+    ``comm`` in ms from ``t0`` (the machine's clock), ``phases``, and the orders of issue (deterministic)."""
     ddp = (lambda model, mesh: DDP(model, bucket_cap_mb=0.25)) if kind == "ddp" else None
     step = build(knobs or {}, model_kw, shard_fn=ddp)[2]
     for _ in range(warmup):  # DDP rebuilds its buckets after the first step; FSDP2 makes its buffers
@@ -87,21 +78,18 @@ def _spans(events, cuda):
 
 
 def summarize(traces) -> dict:
-    """Per rank: communication time (on gloo, a collective's span includes waiting for the slower peer),
-    the part of it overlapped by compute, the fraction, the step's time; and the collectives seen (name:
-    count), which do not vary between runs."""
+    """Per rank: communication time (on gloo with waits for the slower peer), overlap, step time, collectives."""
     out = []
     for tr in traces:
         comm = [(a, b) for a, b, _ in tr["comm"]]
-        out.append({"comm_ms": _length(comm), "overlapped_ms": _intersection(tr["compute"], comm),
-                    "overlap": overlap(tr["compute"], comm), "collectives": dict(Counter(n for *_, n in tr["comm"])),
+        out.append({"comm_ms": _length(comm), "overlap": overlap(tr["compute"], comm),
+                    "collectives": dict(Counter(n for *_, n in tr["comm"])),
                     "step_ms": tr["phases"]["optimizer"][1]})  # the whole step: what a speed-up is judged by
     return out
 
 
 def plot(traces_by_label: dict, title="One training step on every rank: compute and communication"):
-    """One figure: per label (e.g. "FSDP2 implicit", "DDP") and rank, compute spans (blue) above
-    communication spans (orange), backward shaded, aligned to the label's earliest forward start."""
+    """Per label (e.g. "DDP") and rank, compute (blue) above communication (orange), backward shaded."""
     import matplotlib.pyplot as plt
 
     rows = [(lab, r, tr) for lab, trs in traces_by_label.items() for r, tr in enumerate(trs)]

@@ -1,9 +1,7 @@
 """Notebook 08 -- torch's versions on one model: ``ZeroRedundancyOptimizer`` (ZeRO-1) and FSDP2 ``fully_shard``
-(ZeRO-3), per-rank memory (``MemoryTracker``, one step after a warm-up one: Adam's state exists) against
-:func:`model_state_bytes`, and the ways "FSDP did not save memory" happens. The script: ``sharding/__main__.py``.
+(ZeRO-3), per-rank memory of a steady step against :func:`model_state_bytes`, and the ways "FSDP did not save
+memory" happens. The script: ``sharding/__main__.py``.
 """
-from __future__ import annotations
-
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
@@ -23,16 +21,15 @@ from .zero import Zero2, linears, model_state_bytes
 
 STAGE = {"DDP (DistributedDataParallel)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)": 1, "ZeRO-2 (Zero2)": 2,
          "FSDP2 per block + root": 3, "FSDP2 root only": 3}
-# "buckets": DDP's gradient buckets (0 for the rest). With DDP's default gradient_as_bucket_view=False
-# (torch/nn/parallel/distributed.py) the reducer allocates flat buckets at construction and copies every
-# gradient into them for the all-reduce: a second copy of the gradients, alive as long as the model.
+# "buckets": with DDP's default gradient_as_bucket_view=False (torch/nn/parallel/distributed.py) the reducer
+# allocates flat buckets at construction and copies the gradients in: a second copy, alive with the model.
 MODEL_STATE = ("parameters", "gradients", "optimizer_state", "buckets")
 
 
 def _ddp(model):
     """Real ``DistributedDataParallel``, its buckets' bytes in ``bucket_bytes``."""
-    # init_sync=False: every rank built the same weights (one seed), and the initial broadcast's flat copy
-    # would be freed by gloo's worker thread at a moment of its own choosing, inside this count
+    # init_sync=False: the ranks built the same weights, and gloo's worker would free the initial broadcast's
+    # copy whenever it likes, inside this count
     with MemoryTracker() as mt:  # what the constructor allocates and keeps: the buckets
         ddp = DDP(model, init_sync=False)
     ddp.bucket_bytes = mt.current_bytes
@@ -64,10 +61,8 @@ def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
 
 
 def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatter_fn=None):
-    """This rank's memory for one steady step of ``methods`` (a key of ``STAGE``; a list gives ``{method: ...}``),
-    ``per_rank`` samples a rank: ``{"n_params", "state"`` (bytes held after the step, by category)``, "peak",
-    "peak_breakdown", "naive_param_bytes"}``; the last counts a DTensor's *global* size, the miscount that
-    makes FSDP2 seem to "save nothing"."""
+    """This rank's memory in a steady step of ``methods`` (a key of ``STAGE``, or a list); ``naive_param_bytes``
+    counts a DTensor's *global* size: the miscount that makes FSDP2 seem to "save nothing"."""
     if not isinstance(methods, str):
         return {m: measure(rank, world_size, m, widths, per_rank, seed, reduce_scatter_fn) for m in methods}
     model, opt, step = build(methods, widths, seed, reduce_scatter_fn=reduce_scatter_fn)
@@ -95,8 +90,7 @@ def measure(rank, world_size, methods, widths, per_rank=8, seed=0, reduce_scatte
 
 def trains_like_one_process(rank, world_size, method, widths, steps=3, per_rank=4, seed=0,
                             reduce_scatter_fn=None) -> float:
-    """Max |difference| between this rank's parameters after ``steps`` steps of ``method`` (each rank on its
-    share of the batch) and one process training the same model with Adam on the whole batch."""
+    """Max |difference| of this rank's parameters after ``steps`` of ``method`` from one process's Adam."""
     model, _, step = build(method, widths, seed, lr=1e-2, reduce_scatter_fn=reduce_scatter_fn)
     ref = mlp(widths, seed=seed)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=True)
@@ -124,16 +118,15 @@ def sweep(world_sizes, methods, widths, per_rank=8, reduce_scatter_fn=None) -> d
 
 
 def formula(n_params: int, method: str, world_size: int) -> dict[str, int]:
-    """The ZeRO accounting (fp32 Adam) for ``method`` in the tracker's categories, plus DDP's gradient
-    "buckets" (stages 0 and 1 run under DDP: one more fp32 copy of the gradients, not in the paper's)."""
+    """ZeRO's accounting (fp32 Adam) for ``method`` in the tracker's categories, plus DDP's "buckets" (stages
+    0 and 1 run under DDP: one more copy of the gradients, not in the paper's)."""
     f = model_state_bytes(n_params, zero_stage=STAGE[method], world_size=world_size, precision="fp32")
     return {"parameters": f["parameters"], "gradients": f["gradients"], "optimizer_state": f["optimizer"],
             "buckets": f["gradients"] if STAGE[method] <= 1 else 0}
 
 
 def plot_per_rank(results: dict, world_sizes, title="Per-rank model state after a training step"):
-    """Stacked bars (measured, by category) per world size and method, the formula as a black tick.
-    ``results[method][world_size]`` is rank 0's :func:`measure`."""
+    """Stacked bars of ``results[method][world_size]`` (rank 0's :func:`measure`), the formula as a black tick."""
     methods, cells = list(results), [(m, w) for w in world_sizes for m in results]
     bars = {f"{methods.index(m) + 1}\n{w} rank{'s' * (w > 1)}":  # DDP's buckets drawn as "other"
             {"other" if c == "buckets" else c: v for c, v in results[m][w]["state"].items()} for m, w in cells}

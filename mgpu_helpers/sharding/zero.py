@@ -1,8 +1,6 @@
 """Notebook 08 -- ZeRO by hand (Rajbhandari et al. 2020): :func:`model_state_bytes`, the accounting of stages
 1-3 in closed form, and :class:`Zero2`, ZeRO-2 around any model with exercise 8.2's reduce-scatter.
 """
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,13 +21,10 @@ def ceil_div(a: int, b: int) -> int:
 
 def model_state_bytes(n_params: int, *, zero_stage: int = 0, world_size: int = 1, precision: str = "mixed",
                       optimizer: str = "adam") -> dict[str, int]:
-    """Bytes **per rank** of parameters, gradients and optimizer state (``{"parameters", "gradients",
-    "optimizer", "total"}``) for ``n_params`` parameters trained with ZeRO stage ``zero_stage`` (0 = plain
-    data parallelism) on ``world_size`` ranks; bytes per parameter from :data:`PRECISIONS`.
-
-    A sharded category is ``world_size`` shards of ``ceil(n_params / world_size)`` elements: the flat buffer
-    is padded to a multiple of the world size, as ZeRO-2/3 implementations do. ``torch.autocast`` is the fp32
-    row; the 18 and 20 bytes/param met elsewhere are Megatron-LM's, which the paper's model has not.
+    """Bytes **per rank** of ``parameters``, ``gradients``, ``optimizer`` state and ``total`` for ``n_params``
+    trained with ZeRO stage ``zero_stage`` (0: plain data parallelism) on ``world_size`` ranks, bytes per
+    parameter from :data:`PRECISIONS` (``torch.autocast`` is "fp32"; the 18-20 met elsewhere are Megatron-LM's).
+    A sharded category is padded to ``world_size`` shards of ``ceil(n_params / world_size)``, as ZeRO-2/3 do.
     """
     if isinstance(n_params, bool) or not isinstance(n_params, int):
         raise TypeError(f"n_params must be an int, got {type(n_params).__name__}")
@@ -55,11 +50,10 @@ def model_state_bytes(n_params: int, *, zero_stage: int = 0, world_size: int = 1
 
 def comm_bytes_per_step(n_params: int, *, zero_stage: int, world_size: int, param_bytes: int = 4,
                         grad_bytes: int = 4) -> dict[str, int]:
-    """Bytes **one rank receives** per training step, by collective, for ZeRO stage ``zero_stage`` as the
-    course and torch build it, with ring collectives over padded shards of ``L = ceil(n / N)`` elements: a
-    reduce-scatter or an all-gather receives ``(N - 1) L`` elements, an all-reduce twice that. Stage 1 keeps
-    DDP's all-reduce and adds the owners' broadcast (as ZeroRedundancyOptimizer and 8.1 do; the paper's
-    section 7 reduce-scatters instead); stage 3 all-gathers in forward and again in backward.
+    """Bytes **one rank receives** per step, by collective, for ZeRO stage ``zero_stage`` as torch builds it: ring
+    collectives over padded shards of ``L = ceil(n / N)``, (N - 1) L elements for a reduce-scatter or all-gather,
+    twice that for an all-reduce. Stage 1 keeps DDP's all-reduce and adds the owners' broadcast (as
+    ZeroRedundancyOptimizer and 8.1 do; the paper reduce-scatters); stage 3 all-gathers in forward and backward.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -81,9 +75,8 @@ def unique(params) -> list[torch.Tensor]:
 
 
 class Zero2:
-    """ZeRO-2 for ``model`` on this rank: every trainable parameter becomes a view into one flat fp32 buffer,
-    padded to a multiple of the world size; this rank's optimizer holds only its slice as one parameter,
-    whose ``.grad`` is what ``reduce_scatter_fn(params)`` returns; after the step the slices are all-gathered."""
+    """ZeRO-2: the trainable parameters become views into one padded flat buffer; this rank's optimizer holds its
+    slice, whose ``.grad`` is ``reduce_scatter_fn(params)``'s; after the step the slices are all-gathered."""
 
     def __init__(self, model: nn.Module, optimizer_cls, reduce_scatter_fn, **kwargs):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

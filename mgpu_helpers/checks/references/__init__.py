@@ -15,8 +15,7 @@ from torch.utils.data import DistributedSampler
 from ...accumulation import no_sync_context
 from ...checkpointing import no_checkpointing, plan_for
 from ...memory import make_optimizer, nbytes
-from ...model_sharding.pipeline import stage_bounds
-from ...model_sharding.tensor_parallel import DenseMLP
+from ...model_sharding import DenseMLP, stage_bounds
 from ...profiling import scenario, scenario_inputs, train_step
 from ...runtime.tracker import MemoryTracker
 from ...sharding.zero import ceil_div

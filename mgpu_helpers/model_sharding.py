@@ -1,36 +1,41 @@
-"""Notebook 09, part 1 -- pipeline parallelism: a model's layers split across ranks (exercise 9.1).
-``StepRecorder`` watches a rank's sends, receives and stage (a step clock carried with every message, a
-timeout on every wait), so that a check can tell a right answer from a deadlock and a timeline can be drawn.
-"""
-from __future__ import annotations
+"""Notebook 09 -- model sharding: pipeline parallelism, a model's layers split across ranks (exercise 9.1), and
+tensor parallelism, one layer's weights split (9.2: the Megatron-LM MLP, fc1 column-parallel, fc2 row-parallel,
+one ``all_reduce`` per pass; and torch's own split). Checks in ``checks.model_sharding``. The script (a GPipe
+step and a tensor-parallel MLP against one process) judges with the checks' references, so it lives with them::
 
+    torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 \\
+        -m mgpu_helpers.checks model_sharding   # on each of 2 nodes (tests/test_multinode.py: localhost)
+    python -m mgpu_helpers.checks model_sharding   # no torchrun: 2 ranks via run_ranks
+"""
 import datetime
 import time
 import warnings
 
 import matplotlib.pyplot as plt
 import torch
+import torch._dynamo  # noqa: F401  parallelize_module imports it: 1 s in every forked rank, once here instead
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional as F
 
-from ..memory import make_batch
-from ..runtime.launch import rank_device
+from .memory import make_batch, nbytes
+from .runtime.launch import rank_device
 
 P2P_TIMEOUT = 3.0  # seconds a recorded send/recv may wait: the checks' ranks exchange tiny tensors
 
 
 def make_model(n_layers: int, width: int, seed: int = 0) -> nn.Sequential:
-    """``n_layers`` blocks Linear(width, width) → Tanh (every activation is (batch, width)), from ``seed``, on
-    ``rank_device()``."""
+    """``n_layers`` blocks Linear(width, width) → Tanh from ``seed``, on ``rank_device()``."""
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)])
     return model.to(rank_device())
 
 
 def stage_bounds(n_layers: int, world_size: int) -> list[tuple[int, int]]:
-    """(start, end) of each rank's layers: contiguous, as equal as can be, the first ``n_layers % world_size``
-    ranks one layer more (the rule of ``torch.tensor_split``)."""
+    """(start, end) of each rank's layers: contiguous, as ``torch.tensor_split`` splits them."""
     if world_size < 1 or n_layers < world_size:
         raise ValueError(f"n_layers={n_layers} cannot be split over world_size={world_size}: every stage "
                          "needs a layer")
@@ -49,10 +54,10 @@ class Stuck(RuntimeError):
 
 
 class StepRecorder:
-    """``with StepRecorder(model, first_layer) as rec:`` inside a rank, around a pipeline step: ``dist.send``/
-    ``recv`` wait at most ``timeout`` s (else :class:`Stuck`) and carry a Lamport clock (a stage's forward or
-    backward of a micro-batch takes one step, starting when the rank and its input are ready): ``rec.steps``
-    (kind, start step), ``rec.batches`` (sizes its forward saw). The same on every run and machine."""
+    """``with StepRecorder(model, first_layer) as rec:`` around a rank's pipeline step: ``dist.send``/``recv``
+    wait at most ``timeout`` s (else :class:`Stuck`, so a check tells a deadlock from a right answer) and carry a
+    Lamport clock (a stage's forward or backward of a micro-batch is one step, begun once the rank and its input
+    are ready): ``rec.steps`` (kind, start step), ``rec.batches`` (sizes its forward saw), the same on every run."""
 
     def __init__(self, model: nn.Sequential, first_layer: int, timeout: float = None):
         self.model, self.first, self.timeout = model, first_layer, timeout or P2P_TIMEOUT
@@ -117,21 +122,18 @@ class StepRecorder:
             h.remove()
 
 
-def step_timeline(rank: int, world_size: int, fn, n_layers: int, n_micro: int, width: int = 16,
-                  batch: int = 0, seed: int = 0) -> dict:
+def step_timeline(rank: int, world_size: int, fn, n_layers: int, n_micro: int, seed: int = 0) -> dict:
     """In a rank: one step of ``fn`` (pipeline_step's signature) watched by a StepRecorder."""
-    model, (x, y) = make_model(n_layers, width, seed), make_batch(batch or 2 * n_micro, width, width, seed + 1)
+    model, (x, y) = make_model(n_layers, 16, seed), make_batch(2 * n_micro, 16, 16, seed + 1)
     with StepRecorder(model, stage_bounds(n_layers, world_size)[rank][0]) as rec:
         fn(model, x, y, n_micro)
     return {"steps": rec.steps, "clock": rec.clock}
 
 
-def wall_timeline(rank: int, world_size: int, fn, n_micro: int, n_layers: int = 8, width: int = 384,
-                  batch: int = 384, repeats: int = 3) -> list:
-    """In a rank: the busy intervals (kind, micro-batch, t0, t1), in seconds, of one step of ``fn``
-    (pipeline_step's signature), best of ``repeats``, timed by hooks on this rank's stage. On a GPU the hooks
-    run when the CPU *enqueues* kernels, so they record CUDA events, placed on the CPU clock afterwards."""
-    model, (x, y), best = make_model(n_layers, width), make_batch(batch, width, width), None
+def wall_timeline(rank: int, world_size: int, fn, n_micro: int, n_layers: int = 8, repeats: int = 3) -> list:
+    """In a rank: the busy intervals (kind, micro-batch, t0, t1) in s of one step of ``fn``, best of ``repeats``.
+    On a GPU hooks run when kernels are *enqueued*: they record CUDA events, placed on the CPU clock after."""
+    model, (x, y), best = make_model(n_layers, 384), make_batch(384, 384, 384), None
     start, end = stage_bounds(n_layers, world_size)[rank]
     first, last, timeline, began = model[start], model[end - 1], [], {}
     cuda = rank_device().type == "cuda"
@@ -170,8 +172,7 @@ def wall_timeline(rank: int, world_size: int, fn, n_micro: int, n_layers: int = 
 
 
 def bubble_fraction(per_rank: list[list]) -> float:
-    """Idle share of the step, averaged over ranks, from busy intervals [(kind, j, t0, t1), ...] per rank:
-    1 - busy / (last end - first start)."""
+    """Idle share of the step over ranks from their busy intervals [(kind, j, t0, t1), ...]: 1 - busy / span."""
     t0 = min(iv[2] for r in per_rank for iv in r)
     span = max(iv[3] for r in per_rank for iv in r) - t0
     return 1 - sum(iv[3] - iv[2] for r in per_rank for iv in r) / (span * len(per_rank))
@@ -197,3 +198,38 @@ def plot_timeline(per_rank: list[list], title: str, unit: str = "steps", ax=None
     ax.invert_yaxis()
     ax.grid(axis="x", alpha=0.3)
     return ax
+
+
+# --- tensor parallelism (9.2) ---
+
+class DenseMLP(nn.Module):
+    """fc1: Linear(d, h) → ReLU → fc2: Linear(h, d) (weights as nn.Linear keeps them: out × in)."""
+
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make_mlp(d: int, h: int, seed: int = 0) -> DenseMLP:
+    """A DenseMLP from ``seed`` on ``rank_device()``."""
+    torch.manual_seed(seed)
+    return DenseMLP(d, h).to(rank_device())
+
+
+def param_bytes(module) -> int:
+    """Parameter bytes of ``module``: whole storages (a view costs its base), a DTensor's local shard."""
+    return nbytes(module.parameters())
+
+
+def parameter_bytes_formula(d: int, h: int, world_size: int, element_size: int = 4) -> int:
+    """Per-rank parameter bytes of the tensor-parallel MLP: W1, b1, W2 split N ways, b2 whole."""
+    return element_size * (2 * d * h // world_size + h // world_size + d)
+
+
+def torch_tensor_parallel(dense: DenseMLP, device_type: str | None = None):
+    """``dense`` parallelized in place by torch on a 1-D mesh of every rank: fc1 Colwise, fc2 RowwiseParallel."""
+    mesh = init_device_mesh(device_type or rank_device().type, (dist.get_world_size(),))
+    return parallelize_module(dense, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
