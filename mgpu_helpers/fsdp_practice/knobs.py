@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from ..memory import make_batch, nbytes
-from ..planner.parallel import _forget_meshes
+from ..planner.parallel import forget_meshes
 from ..runtime.alloc_reference import AllocationReference, quiet_fd2
 from ..runtime.comm_log import CommLog
 from ..runtime.fake_world import fake_world
@@ -74,7 +74,7 @@ def shard(model, mesh=None, *, reshard_after_forward=True, prefetch=0, mp_policy
         raise ValueError(f"prefetch={prefetch!r}: the number of units to all-gather ahead, an int >= 0")
     # DTensor's caches hold the mesh of whoever filled them, equal to a new mesh of the same shape: a rank
     # forked from a kernel that ran a fake world would get that world's rank-0 mesh back from its ops
-    _forget_meshes()
+    forget_meshes()
     mesh = mesh or init_device_mesh(rank_device().type, (dist.get_world_size(),))
     kw = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
           "offload_policy": offload_policy or OffloadPolicy()}
@@ -105,7 +105,7 @@ def build(knobs: dict, model_kw=None, seed=0, shard_fn=None):
         shard(model, reshard_after_forward=k["reshard_after_forward"], prefetch=k["prefetch"], mp_policy=mp,
               offload_policy=CPUOffloadPolicy(pin_memory=False) if k["offload"] else None)
     else:
-        _forget_meshes()
+        forget_meshes()
         model = shard_fn(model, init_device_mesh(rank_device().type, (dist.get_world_size(),))) or model
     if k["async_unshard"]:
         # FSDP2 waits for each all-gather where it is issued unless unshard is async (a private switch): on a

@@ -609,7 +609,7 @@ def settled_collectives():
 def _measure_rank(rank, world, cfg, layout, global_batch, seq):
     from ..runtime.launch import rank_device
     from ..runtime.tracker import MemoryTracker
-    _forget_meshes()  # forked from a process that may have planned: its DTensor caches hold other meshes
+    forget_meshes()  # forked from a process that may have planned: its DTensor caches hold other meshes
     torch.manual_seed(0)
     device = rank_device()
     tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rank, device)
@@ -641,7 +641,7 @@ def distinct_ranks(cfg: LlamaConfig, layout: Layout) -> dict:
     return {ranks[0]: ranks for ranks in groups.values()}
 
 
-def _forget_meshes():
+def forget_meshes():
     """DTensor caches sharding decisions keyed by specs whose mesh compares equal across process groups; a
     cached spec would carry the last fake world's (destroyed) mesh into the next one: cleared per world."""
     from torch.distributed.tensor import DTensor
@@ -690,7 +690,7 @@ def plan_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int) -
     peaks = [0] * layout.world
     for rep, ranks in distinct_ranks(cfg, layout).items():
         tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rep, "cpu")
-        _forget_meshes()
+        forget_meshes()
         with fake_world(layout.world, rep), _as_on_real_ranks():
             mesh = make_mesh(layout, "cpu")
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
