@@ -108,7 +108,7 @@ def _warm_cublas(device):
 def _rank(rank, world, batch, seq, rows):
     import gc
 
-    from mgpu_helpers.planner.parallel import _forget_meshes, _rank_batch, make_mesh, rank_step
+    from mgpu_helpers.planner.parallel import forget_meshes, _rank_batch, make_mesh, rank_step
     from mgpu_helpers.runtime.launch import rank_device
     from mgpu_helpers.runtime.tracker import MemoryTracker
     device = rank_device()
@@ -116,7 +116,7 @@ def _rank(rank, world, batch, seq, rows):
         _warm_cublas(device)
     out = []
     for cfg, layout, precision in rows:
-        _forget_meshes()
+        forget_meshes()
         torch.manual_seed(0)
         tokens, targets = _rank_batch(cfg, layout, batch, seq, rank, device)
         mesh = make_mesh(layout, device.type)

@@ -198,7 +198,7 @@ def _traced_as_on_a_gpu(cfg, layout, bf16):
     peaks = [0] * layout.world
     for rep, ranks in parallel.distinct_ranks(cfg, layout).items():
         tokens, targets = parallel._rank_batch(cfg, layout, 8, 128, rep, "cpu")
-        parallel._forget_meshes()
+        parallel.forget_meshes()
         with fake_world(layout.world, rep), parallel._as_on_real_ranks():
             mesh = parallel.make_mesh(layout, "cpu")
             with FakeTensorMode(allow_non_fake_inputs=True) as mode, CudaKernels(), autocast:
