@@ -7,23 +7,21 @@
     run_ranks(work, 2)                          # -> [tensor([3., 3.]), tensor([3., 3.])]
 
 As a script, ``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2 -m my.module`` (try
-``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.runtime.launch``). ``describe(2)`` says how 2 ranks
-would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving ``timeout`` s
-raises ``RankTimeout`` saying where each hung rank was (launch_watch.py); every way out, Ctrl-C too, kills and
-joins every child.
+``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.runtime.launch``). A rank that raises becomes
+``RankError``, with its traceback; a launch outliving ``timeout`` s raises ``RankTimeout`` saying where each
+rank hung (launch_watch.py); every way out, Ctrl-C too, kills and joins every child.
 
-``backend="auto"`` gives each rank, by what the machine has:
+``backend="auto"`` gives each rank, by what the machine has (``describe(2)`` says which):
 
-- one GPU per rank: NCCL, ``rank_device()`` = ``cuda:LOCAL_RANK``. NCCL has no CPU backend, so models and
-  batches live on ``rank_device()`` and results go back as Python values or ``.cpu()`` tensors.
-- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``, under ``contract.py``: a tensor that
-  would be a host tensor on a GPU machine raises ``ContractError`` in a collective or send/recv.
-- ``MGPU_SHARED_GPU=1`` with fewer GPUs than ranks (tests on one lent GPU): ``init_process_group("cuda:gloo")``,
-  every rank on GPU 0 (NCCL refuses two ranks on one GPU); send/recv and DTensor fail there (bench/RESULTS.md).
+- one GPU per rank: NCCL, ``rank_device()`` = ``cuda:LOCAL_RANK``. NCCL has no CPU backend: models and batches
+  live on ``rank_device()``, results go back as Python values or ``.cpu()`` tensors.
+- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``, under ``contract.py`` (a would-be host
+  tensor in a collective or send/recv raises ``ContractError``).
+- ``MGPU_SHARED_GPU=1`` with fewer GPUs than ranks (tests on one lent GPU): ``"cuda:gloo"``, every rank on GPU 0
+  (NCCL refuses two ranks on one GPU); send/recv and DTensor fail there.
 
-``cpu_backend=True`` adds a CPU backend beside NCCL (``"cuda:nccl,cpu:gloo"``, as torchtitan does), which
-``dcp.async_save`` needs. Off by default, so that a CPU tensor in a collective fails on GPUs as the contract says;
-with it ``dist.get_backend()`` returns the whole string: ask ``rank_device()`` for the device.
+``cpu_backend=True`` adds a CPU backend beside NCCL (``"cuda:nccl,cpu:gloo"``, as torchtitan does) for
+``dcp.async_save``; then ``dist.get_backend()`` returns that whole string: ask ``rank_device()`` for the device.
 """
 import contextlib
 import datetime
@@ -32,9 +30,9 @@ import io
 import linecache
 import multiprocessing as mp
 import os
+import pathlib
 import pickle
 import signal
-import pkgutil
 import sys
 import tempfile
 import threading
@@ -55,14 +53,8 @@ _device = None  # the device of the rank this process runs; None in the caller
 _noted = False  # whether this process has said that it falls back from GPUs to gloo
 
 
-def _cores():
-    # Affinity, not cpu_count(): containers and taskset often grant fewer cores than the host has.
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _choose_backend(backend, ranks_here, who="run_ranks", cpu_backend=False):
-    """(what init_process_group is given, note): note is one line explaining a fall-back from GPUs to
-    gloo/CPU, else ''."""
+    """(what init_process_group is given, one line saying why GPUs fell back to gloo on CPU, or '')."""
     # device_count() asks NVML while CUDA is uninitialised, whereas torch.cuda.is_available() calls
     # cudaGetDeviceCount, which "poisons" fork: children forked afterwards cannot use CUDA.
     gpus = torch.cuda.device_count()  # 0 on CPU-only builds
@@ -87,7 +79,7 @@ def _cuda(backend):
 
 def _note(note):
     # Once per process, on stderr: stdout stays the same on CPU, 1 and N GPUs. MGPU_FALLBACK_NOTE=0 (the
-    # test run) silences it, since nbval compares stderr too.
+    # test run) silences it: nbval compares stderr too.
     global _noted
     if note and not _noted and os.environ.get("MGPU_FALLBACK_NOTE", "1") != "0":
         _noted = True
@@ -120,24 +112,14 @@ def _context(method):
     return ctx
 
 
-# Imported once by the forkserver: torch's distributed parts the ranks use, and the course's modules but tooling.
-_PACKAGE = __package__.rpartition(".")[0]                       # mgpu_helpers
-_NOT_IN_RANKS = {"tools", "references"}                        # tooling, judges' references
-
-
-def _course_modules(path=os.path.dirname(os.path.dirname(__file__)), prefix=_PACKAGE):
-    """The lesson modules, the runtime and the checks (whose rank functions run in ranks)."""
-    for m in pkgutil.iter_modules([path]):
-        if m.name in _NOT_IN_RANKS or m.name == "__main__":
-            continue
-        yield f"{prefix}.{m.name}"
-        if m.ispkg:
-            yield from _course_modules(os.path.join(path, m.name), f"{prefix}.{m.name}")
-
-
+# Imported once by the forkserver: torch's distributed parts the ranks use, and the course's lessons, runtime
+# and checks (not the tooling, nor the judges' references).
+_ROOT = pathlib.Path(__file__).parents[1]
 _RANK_MODULES = ["torch._dynamo", "torch.nn.parallel", "torch.distributed.optim", "torch.distributed.fsdp",
                  "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.utils.checkpoint",
-                 "torch.utils.data"] + list(_course_modules())
+                 "torch.utils.data"] + sorted(
+    ".".join((_ROOT.name, *p.relative_to(_ROOT).with_suffix("").parts)).removesuffix(".__init__")
+    for p in _ROOT.rglob("*.py") if not {"tools", "references", "__main__.py"} & set(p.relative_to(_ROOT).parts))
 
 
 @contextlib.contextmanager
@@ -159,7 +141,9 @@ def _interrupt_deferred():
 
 
 def _threads(method, world_size, threads):
-    return threads or (1 if method == "fork" else max(1, _cores() // world_size))
+    # Affinity, not cpu_count(): containers and taskset often grant fewer cores than the host has.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return threads or (1 if method == "fork" else max(1, cores // world_size))
 
 
 def describe(world_size=2, backend="auto", threads=None):
@@ -189,7 +173,7 @@ def _setup_rank(local_rank, backend, threads, cpu_backend=False):
     else:
         _device = torch.device("cpu")
         contract.enable(cpu_backend)  # gloo on the CPU: refuse what NCCL would (contract.py)
-    torch.set_num_threads(threads) if threads else None  # all cores per rank: world 2 ran 4x slower (148 vs 45 ms/step)
+    torch.set_num_threads(threads) if threads else None  # not all cores in every rank: they would contend
 
 
 class _JobPickler(cloudpickle.Pickler):
@@ -310,20 +294,17 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
             os.unlink(store_path)
 
 
-def torchrun_main(fn, *args, backend="auto", timeout=300.0, cpu_backend=False):
-    """Run ``fn(rank, world_size, *args)`` in a process started by torchrun (env:// rendezvous from
-    RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; device from LOCAL_RANK, so multi-node works); print rank 0's
-    result, destroy the group, return the result. Threads: torchrun sets OMP_NUM_THREADS=1 unless set.
-    """
+def torchrun_main(fn):
+    """Run ``fn(rank, world_size)`` in a process started by torchrun (env:// rendezvous; device from
+    LOCAL_RANK, so multi-node works); return its result, printed by rank 0. torchrun sets OMP_NUM_THREADS=1."""
     rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    backend, note = _choose_backend(backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun_main", cpu_backend)
+    backend, note = _choose_backend("auto", int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun_main")
     if rank == 0:
         _note(note)
-    _setup_rank(local_rank, backend, None, cpu_backend)
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    _setup_rank(local_rank, backend, None)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
     try:
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size)
         dist.barrier()  # no rank tears its group down while a peer still talks to it (gloo aborted under load)
     finally:
         dist.destroy_process_group() if dist.is_initialized() else None
@@ -335,8 +316,7 @@ def script_args(doc: str, *, add=None):
     """The command line of a ``python -m`` / ``torchrun -m`` script of the course: ``--help`` prints ``doc``
     (the module's docstring) and exits; ``add(parser)`` adds the script's own arguments, if any."""
     import argparse
-    spec = getattr(sys.modules["__main__"], "__spec__", None)
-    name = getattr(spec, "name", None) or "script"
+    name = getattr(sys.modules["__main__"].__spec__, "name", None) or "script"
     parser = argparse.ArgumentParser(prog=f"python -m {name.removesuffix('.__main__')}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     if add is not None:
