@@ -32,8 +32,7 @@ class Precision:
 
 
 def training_precision(device: torch.device | str | None = None) -> Precision:
-    """The autocast dtype and whether a GradScaler is needed on ``device`` (default: cuda if visible);
-    ``MGPU_GPU_CAPABILITY`` set, on a CUDA device as if it had that compute capability."""
+    """The autocast dtype and whether a GradScaler is needed on ``device`` (default: cuda if visible)."""
     raw = os.environ.get(CAPABILITY_ENV, "").strip()
     told = re.fullmatch(r"(\d+)\.(\d+)", raw)
     if raw and not told:

@@ -14,9 +14,8 @@ exact bytes on the CPU, 512-byte blocks on CUDA (``round_to=512`` on the CPU pre
 optimizer; the breakdowns' ``other`` absorbs the difference.
 
 Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``, whose design this follows? It labels by
-*when* a tensor was made, not its role; counts a pre-entry tensor once an in-place op touches it; needs a reset
-between forwards; has no timeline, phases, peak reset or rounding off CUDA. ``per_module=True`` runs it
-alongside: ``mt.module_tracker.display_modulewise_snapshots(depth=2, units="MiB")``.
+*when* a tensor was made, not its role; counts a pre-entry tensor once touched in place; needs a reset between
+forwards; has no timeline, phases or rounding off CUDA. ``per_module=True`` runs it as ``mt.module_tracker``.
 """
 from __future__ import annotations
 
@@ -49,9 +48,8 @@ class _Rec:
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Count the bytes of live tensors, as ``torch.cuda.memory_allocated()`` would, on any device (module docs):
-    ``current_bytes``, ``peak_bytes`` (since entry or ``reset_peak()``), ``breakdown()`` / ``peak_breakdown()``
-    (by CATEGORIES), ``mark(label)`` starts a phase, ``phase_peaks()``, ``timeline`` (after every change)."""
+    """Live tensor bytes as ``torch.cuda.memory_allocated()`` counts them: ``current_bytes``, ``peak_bytes``
+    (since entry or ``reset_peak()``), ``breakdown()``, ``peak_breakdown()``, ``mark()``, ``phase_peaks()``."""
 
     def __init__(self, model=None, optimizer=None, device=None, round_to=None, per_module=False):
         super().__init__()
@@ -125,8 +123,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._change(rec, -rec.nbytes)
 
     def _relabel(self, rec, cat):
-        # Move the bytes now and in every sample since the storage was made (and in the peak's
-        # breakdown if it was alive then): the timeline shows the role it had all along.
+        # Now, in every sample since the storage was made, and at the peak if it lived then: the role all along.
         old, n, rec.cat = rec.cat, rec.nbytes, cat
         for cats in [self._cats] + [s[2] for s in self._timeline[rec.born:]] + (
                 [self._peak_cats] if self._peak_idx >= rec.born else []):
