@@ -5,16 +5,15 @@
             loss = model(x).sum(); loss.backward(); opt.step()
     ref.peak_bytes, ref.peak_in("step0"), ref.final_bytes
 
-The course's CPU figures count tensors (``MemoryTracker``, the planner): the same on every CPU. The allocator
-also holds what C++ allocates behind no tensor (oneDNN's scratch, gloo's copies); this reference shows that
-where a lesson needs it (notebook 04's staged bytes, 11's ranks, 12's peaks, where FSDP2's ``resize_`` hides
-storages from the tracker). It sees only this thread's allocations and frees of blocks made after entry: a
-lower bound, and a figure that depends on the machine. Figures exist once the ``with`` has exited.
+The course's figures count tensors (``MemoryTracker``, the planner), the same on every CPU; the allocator also
+holds what C++ allocates behind no tensor (oneDNN's scratch, gloo's copies). This sees only this thread's
+allocations, and frees of blocks made after entry: a lower bound, and a figure that depends on the machine.
 """
 from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import os
 
 import torch
@@ -23,8 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 @contextlib.contextmanager
 def quiet_fd2():
-    # Kineto prints "USDT: ... profiler_start/stop" on file descriptor 2 (not sys.stderr): in a notebook that
-    # lands in the cell's output. Silence fd 2 for the start and the stop only.
+    # Kineto prints "USDT: ... profiler_start/stop" on fd 2, not sys.stderr: into a notebook cell's output.
     saved = os.dup(2)
     try:
         with open(os.devnull, "wb") as sink:
@@ -55,19 +53,15 @@ class AllocationReference:
     def __exit__(self, *exc):
         with quiet_fd2():
             self._prof.__exit__(*exc)
-        events = list(self._prof.profiler.kineto_results.events())
+        events = sorted(self._prof.profiler.kineto_results.events(), key=lambda e: (e.start_ns(), e.end_ns()))
         allocs = [(e.start_ns(), e.nbytes()) for e in events
                   if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
         for e in events:
             if e.name() != "[memory]":
                 self.ranges.setdefault(e.name(), []).append((e.start_ns(), e.end_ns()))
-        for spans in self.ranges.values():
-            spans.sort()
-        live = 0
-        for t, n in sorted(allocs):
-            live += n
-            self.timeline.append((t, live))
-        self._times = [t for t, _ in self.timeline]
+        allocs.sort()
+        self._times = [t for t, _ in allocs]
+        self.timeline = list(zip(self._times, itertools.accumulate(n for _, n in allocs)))
         self._done = True
         return False
 
@@ -81,13 +75,8 @@ class AllocationReference:
         lo, hi = bisect.bisect_left(self._times, start), bisect.bisect_right(self._times, end)
         return [b for _, b in self.timeline[lo:hi]]
 
-    @property
-    def peak_bytes(self) -> int:
-        return max([0] + [b for _, b in self.timeline])
-
-    @property
-    def final_bytes(self) -> int:
-        return self.timeline[-1][1] if self.timeline else 0
+    peak_bytes = property(lambda self: max([0] + [b for _, b in self.timeline]))
+    final_bytes = property(lambda self: self.timeline[-1][1] if self.timeline else 0)
 
     def at(self, label: str, occurrence: int = 0) -> int:
         """Live bytes when the ``occurrence``-th range named ``label`` opened."""

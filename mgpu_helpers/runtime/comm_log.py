@@ -10,20 +10,18 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-_KINDS = [("all_gather", "allgather"), ("reduce_scatter", "reducescatter"), ("all_reduce", "allreduce"),
-          ("broadcast", "broadcast")]
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
 def _kind(name: str) -> str:  # c10d names vary: reduce_scatter_, _reduce_scatter_base_, reduce_scatter_tensor...
     n = name.replace("_", "")
-    return next((k for k, w in _KINDS if w in n), name)
+    return next((k for k in _KINDS if k.replace("_", "") in n), name)
 
 
 class CommLog(TorchDispatchMode):
-    """``with CommLog() as c:`` records each collective this rank makes in ``c.calls``: ``(op, dtype, bytes
-    in, bytes out)`` (an all-gather: in = this rank's shard, out = the whole unit; a reduce-scatter the
-    reverse). ``c.order``: the issue order of all-gathers (``G``) and matrix multiplies (``m``), what explicit
-    prefetch changes (``G m m G m m`` -> ``G G m m G m m``), the same on every machine where times are not."""
+    """``with CommLog() as c:`` records each collective in ``c.calls``: ``(op, dtype, bytes in, bytes out)`` (an
+    all-gather: in = this rank's shard, out = the whole unit; a reduce-scatter the reverse). ``c.order``: the
+    all-gathers (``G``) and matmuls (``m``) in issue order, which prefetch changes (``GmmGmm`` -> ``GGmmGmm``)."""
 
     def __init__(self):
         super().__init__()
@@ -46,10 +44,7 @@ class CommLog(TorchDispatchMode):
             self.order += "m"
         return func(*args, **(kwargs or {}))
 
-    @property
-    def counts(self) -> dict[str, int]:
-        return dict(Counter(op for op, *_ in self.calls))
-
+    counts = property(lambda self: dict(Counter(op for op, *_ in self.calls)))
     all_gathers = property(lambda self: self.counts.get("all_gather", 0))
     reduce_scatters = property(lambda self: self.counts.get("reduce_scatter", 0))
 

@@ -1,35 +1,30 @@
 """The device contract, proved on a CPU-only machine: a rank's tensors that meet a collective or a send/recv
-live on ``rank_device()``.
+live on ``rank_device()``. NCCL has no CPU backend (``dist.all_reduce(torch.arange(4))`` raises "No backend type
+associated with device type cpu") where gloo CPU ranks succeed; so in every gloo CPU rank (``enable``, called by
+the launcher) a ``TorchFunctionMode`` judges which tensors would be *host* tensors on a GPU machine, and the
+collectives refuse those with :class:`ContractError`, naming the tensor and where it was made.
 
-An NCCL-only group has no CPU backend: ``dist.all_reduce(torch.arange(4))`` raises "No backend type associated
-with device type cpu"; on gloo CPU ranks the same call works. So that code which works here also works on
-GPUs, every gloo CPU rank (``enable``, called by the launcher) judges, in a ``TorchFunctionMode`` that sees
-every torch call, which tensors would be *host* tensors on a GPU machine; its collectives and send/recv refuse
-them with :class:`ContractError`, naming the tensor (shape, dtype, where it was made) and the call.
+Host: what the caller hands the rank; a factory's result (``torch.tensor``, ``zeros``, ``from_numpy``,
+``nn.Linear``'s parameters...) with no device or a string device (``"cpu"``); ``.cpu()``, ``.to("cpu")`` (a fresh
+alias: the original keeps its judgement); an op whose tensor inputs are all host; a Parameter of host data.
+Device: made with a ``torch.device`` (``device=rank_device()``, ``device=x.device``); moved with
+``.to(rank_device())``; an op with any device input; any tensor the mode never saw (made in C++). In place
+(``x.add_()``, ``out=``, ``dist.recv`` into a buffer) a tensor keeps its judgement.
 
-- **host**: handed to the rank by the caller (``run_ranks(fn, n, x)``); made by a factory (``torch.tensor``,
-  ``zeros``, ``from_numpy``, ``nn.Linear``'s parameters...) with no device or a string device (``"cpu"``);
-  ``.cpu()`` and ``.to("cpu")`` (a fresh alias: the original keeps its judgement); an op whose tensor inputs
-  are all host; an ``nn.Parameter`` of host data.
-- **device**: made with a ``torch.device`` object (``device=rank_device()``, ``device=x.device``); moved with
-  ``.to(rank_device())``; an op with any device input; any tensor the mode never saw (made in C++).
-- an in-place op (``x.add_()``, ``out=``, ``dist.recv`` into a buffer) keeps its tensor's judgement.
-
-``dcp.async_save`` refuses to run unless the launch asked for a CPU backend (``run_ranks(...,
-cpu_backend=True)``), as torch does on an NCCL-only group. Collectives called from torch's own code (FSDP2,
-DTensor, DDP) are not judged: torch places their buffers itself. Blind spots (it may pass code that fails on
-GPUs, never the reverse): tensors made in other threads (a mode is per thread); a host tensor moved with
-``.to(rank_device())``, which on the CPU turns device in place; ``device=torch.device("cpu")`` spelt out;
-collectives made in C++ or through ``torch.ops._c10d_functional``; a collective taken into a variable before
-the rank started; host parameters only ever computed with, never sent. It costs one Python call per torch op;
-off with ``MGPU_CONTRACT=0``.
+Not judged: collectives that torch's own code calls (FSDP2, DTensor, DDP). Blind spots (it may pass code that
+fails on GPUs, never the reverse): other threads' tensors (a mode is per thread); a host tensor moved with
+``.to(rank_device())`` (in place on the CPU); ``device=torch.device("cpu")``; collectives made in C++, through
+``torch.ops._c10d_functional`` or bound before the rank started; host parameters never sent. ``dcp.async_save``
+needs ``run_ranks(..., cpu_backend=True)``, as on NCCL. Off with ``MGPU_CONTRACT=0`` (one Python call per op).
 """
+import contextlib
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _HERE = __file__
@@ -37,8 +32,7 @@ _TAG = "_mgpu_host"  # the attribute a host tensor carries: where it was made (a
 _active = False
 _cpu_backend = False  # whether the launch asked for a CPU backend beside the GPU's (run_ranks(cpu_backend=True))
 
-# Collectives and point-to-point calls whose tensor arguments must be on the rank's device (those a torch lacks
-# are skipped).
+# Collectives and point-to-point calls whose tensors must be on the rank's device (those a torch lacks: skipped).
 CALLS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_coalesced",
          "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
          "reduce_scatter_single", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
@@ -50,8 +44,7 @@ class ContractError(RuntimeError):
 
 
 def _where():
-    """'function (file:line)' of the first frame outside torch and this module; a notebook cell says
-    'cell line N'."""
+    """'function (file:line)' of the first frame outside torch and this module, or 'cell line N'."""
     f = sys._getframe(2)
     while f is not None and (f.f_code.co_filename.startswith(_TORCH) or f.f_code.co_filename == _HERE):
         f = f.f_back
@@ -66,8 +59,6 @@ def _where():
 def _name(func):
     """torch.arange, Tensor.cpu(), ... as the learner wrote it."""
     n = getattr(func, "__name__", str(func))
-    if n == "__get__":  # a property getter: Tensor.data.__get__
-        n = getattr(getattr(func, "__self__", None), "__name__", n)
     if getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor.")):
         return f"Tensor.{n}()"
     return f"torch.{n}" if (getattr(func, "__module__", None) or "").startswith("torch") else n
@@ -78,24 +69,20 @@ def _host(t):
 
 
 def _tag(t, origin):
-    try:
+    with contextlib.suppress(AttributeError, RuntimeError):  # some tensor subclasses refuse attributes: device
         setattr(t, _TAG, origin)
-    except (AttributeError, RuntimeError):  # some tensor subclasses refuse attributes: judged device
-        pass
 
 
 _TO, _CPU, _Tensor = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor
 
 
 def _on_host(device):
-    """Whether a factory's device argument means the host: none (the default device), or "cpu" as a string.
-    A torch.device object counts as the rank's device: it is rank_device() or some tensor's .device."""
+    """Whether a factory's device means the host: None or a "cpu" string (a torch.device is rank_device()'s)."""
     return device is None or isinstance(device, str) and device.startswith("cpu")
 
 
 class _HostMode(TorchFunctionMode):
-    # Runs around every torch call of the rank: the fast path (an op on tensors) reads one attribute per
-    # input and sets one on the result.
+    # Runs around every torch call: the fast path reads one attribute per input and sets one on the result.
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **kwargs) if kwargs else func(*args)
         if type(out) is not _Tensor and not isinstance(out, _Tensor):
@@ -136,54 +123,23 @@ class _HostMode(TorchFunctionMode):
         return origin or f"{_name(func)} in {_where()}"
 
 
-def _describe(t):
-    return f"a host tensor (shape {list(t.shape)}, {t.dtype}) made by {_host(t)}"
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dist.P2POp):
-        yield x.tensor
-
-
 def _guarded(name, real):
     def call(*args, **kwargs):
         caller = sys._getframe(1)
         while caller.f_code.co_filename == _HERE:  # c10d's collectives come back through the mode: see past it
             caller = caller.f_back
         if not caller.f_code.co_filename.startswith(_TORCH):  # torch's own calls: not judged
-            for a in (*args, *kwargs.values()):
-                for t in _tensors(a):
-                    if _host(t) is not None:
-                        raise ContractError(
-                            f"dist.{name} got {_describe(t)}: on GPU ranks (NCCL) a collective's and a "
-                            f"send/recv's tensors must be on rank_device() -- make it with "
-                            f"device=rank_device() or move it with .to(rank_device()) (NCCL has no CPU "
-                            f"backend: 'No backend type associated with device type cpu')")
+            for t in tree_leaves((args, kwargs)):
+                t = t.tensor if isinstance(t, dist.P2POp) else t
+                if isinstance(t, torch.Tensor) and _host(t) is not None:
+                    raise ContractError(
+                        f"dist.{name} got a host tensor (shape {list(t.shape)}, {t.dtype}) made by {_host(t)}: "
+                        f"on GPU ranks (NCCL) a collective's and a send/recv's tensors must be on rank_device() "
+                        f"-- make it with device=rank_device() or move it with .to(rank_device()) (NCCL has no "
+                        f"CPU backend: 'No backend type associated with device type cpu')")
         return real(*args, **kwargs)
     call.__name__, call.__qualname__, call.__wrapped__ = real.__name__, real.__qualname__, real
     return call
-
-
-def _parameter_new(real):
-    def new(cls, data=None, requires_grad=True):
-        p = real(cls, data, requires_grad)
-        if data is not None and _host(data) is not None:
-            _tag(p, _host(data))
-        return p
-    return staticmethod(new)
-
-
-def _from_numpy(real):
-    def from_numpy(a):
-        t = real(a)
-        _tag(t, f"torch.from_numpy in {_where()}")
-        return t
-    return from_numpy
 
 
 def _async_save(real):
@@ -202,8 +158,7 @@ _SAVER = "torch.distributed.checkpoint.state_dict_saver"
 
 
 class _PatchSaver:
-    """Wraps dcp.async_save when torch.distributed.checkpoint is first imported (importing it in every rank
-    would cost every launch), or at once if it already is."""
+    """Wraps dcp.async_save when it is first imported (importing it in every rank would slow every launch)."""
 
     def find_spec(self, name, path=None, target=None):
         if name != _SAVER:
@@ -221,9 +176,7 @@ class _PatchSaver:
 
 
 def enable(cpu_backend=False):
-    """In a gloo CPU rank (the launcher calls it): judge its tensors and guard its collectives, for the
-    rest of the process; ``cpu_backend``: whether the launch asked for a CPU backend beside the GPU's
-    (``dcp.async_save`` needs one). Does nothing when MGPU_CONTRACT=0 or when already on."""
+    """Judge this gloo CPU rank's tensors and guard its collectives until it exits (the launcher calls it)."""
     global _active, _cpu_backend
     if _active or os.environ.get("MGPU_CONTRACT", "1") == "0":
         return
@@ -242,8 +195,19 @@ def enable(cpu_backend=False):
             setattr(c10d, name, guarded)  # c10d's own helpers (P2POp's check of isend/irecv) see the same
             if getattr(dist, name, None) is real:
                 setattr(dist, name, guarded)
-    torch.nn.Parameter.__new__ = _parameter_new(torch.nn.Parameter.__new__)
-    torch.from_numpy = _from_numpy(torch.from_numpy)
+    real_new, real_from_numpy = torch.nn.Parameter.__new__, torch.from_numpy
+
+    def parameter_new(cls, data=None, requires_grad=True):  # an nn.Parameter of host data is host
+        p = real_new(cls, data, requires_grad)
+        if _host(data) is not None:
+            _tag(p, _host(data))
+        return p
+
+    def from_numpy(a):  # one of torch.overrides.get_ignored_functions(): the mode never sees it
+        t = real_from_numpy(a)
+        _tag(t, f"torch.from_numpy in {_where()}")
+        return t
+    torch.nn.Parameter.__new__, torch.from_numpy = staticmethod(parameter_new), from_numpy
     _HostMode().__enter__()  # never left: the mode lives as long as the rank
 
 

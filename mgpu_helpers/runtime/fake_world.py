@@ -1,8 +1,7 @@
 """One fake process group: be rank ``rank`` of ``world_size`` ranks inside this process.
 
-torch's fake process group (private: ``torch.testing._internal.distributed.fake_pg``) returns from every
-collective at once, moving no data. Shapes and allocations are real, values are not: right for memory
-accounting (notebooks 08 and 12, the planner's FSDP2 runs), useless for training."""
+torch's fake process group (``torch.testing._internal.distributed.fake_pg``) returns from every collective at once,
+moving no data: shapes and allocations are real, values not. Right for memory accounting, useless for training."""
 from __future__ import annotations
 
 import contextlib

@@ -6,24 +6,13 @@
         return t.cpu()
     run_ranks(work, 2)                          # -> [tensor([3., 3.]), tensor([3., 3.])]
 
-As a script, ``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2 -m my.module`` (try
-``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.runtime.launch``). ``describe(2)`` says how 2 ranks
-would start. A rank that raises becomes ``RankError`` here, with its traceback; a launch outliving ``timeout`` s
-raises ``RankTimeout`` saying where each hung rank was (launch_watch.py); every way out, Ctrl-C too, kills and
-joins every child.
-
-``backend="auto"`` gives each rank, by what the machine has:
-
-- one GPU per rank: NCCL, ``rank_device()`` = ``cuda:LOCAL_RANK``. NCCL has no CPU backend, so models and
-  batches live on ``rank_device()`` and results go back as Python values or ``.cpu()`` tensors.
-- fewer GPUs than ranks: gloo on the CPU, ``rank_device()`` = ``cpu``, under ``contract.py``: a tensor that
-  would be a host tensor on a GPU machine raises ``ContractError`` in a collective or send/recv.
-- ``MGPU_SHARED_GPU=1`` with fewer GPUs than ranks (tests on one lent GPU): ``init_process_group("cuda:gloo")``,
-  every rank on GPU 0 (NCCL refuses two ranks on one GPU); send/recv and DTensor fail there (bench/RESULTS.md).
-
-``cpu_backend=True`` adds a CPU backend beside NCCL (``"cuda:nccl,cpu:gloo"``, as torchtitan does), which
-``dcp.async_save`` needs. Off by default, so that a CPU tensor in a collective fails on GPUs as the contract says;
-with it ``dist.get_backend()`` returns the whole string: ask ``rank_device()`` for the device.
+``torchrun_main(work)`` runs it under ``torchrun --nproc-per-node 2 -m my.module``; try
+``torchrun --nproc-per-node 2 --standalone -m mgpu_helpers.runtime.launch``. A failure raises ``RankError``, a
+hang ``RankTimeout`` (launch_watch.py); every way out, Ctrl-C too, kills and joins every child.
+``backend="auto"`` (see ``describe(2)``): NCCL with one GPU per rank (no CPU backend: results go back as Python
+values or ``.cpu()`` tensors), else gloo on the CPU under ``contract.py``, which refuses what NCCL would.
+``cpu_backend=True`` adds "cpu:gloo" beside NCCL (as torchtitan does) for ``dcp.async_save``; ``dist.get_backend()``
+then returns the whole string: ask ``rank_device()`` for the device.
 """
 import contextlib
 import datetime
@@ -32,9 +21,9 @@ import io
 import linecache
 import multiprocessing as mp
 import os
+import pathlib
 import pickle
 import signal
-import pkgutil
 import sys
 import tempfile
 import threading
@@ -55,22 +44,15 @@ _device = None  # the device of the rank this process runs; None in the caller
 _noted = False  # whether this process has said that it falls back from GPUs to gloo
 
 
-def _cores():
-    # Affinity, not cpu_count(): containers and taskset often grant fewer cores than the host has.
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _choose_backend(backend, ranks_here, who="run_ranks", cpu_backend=False):
-    """(what init_process_group is given, note): note is one line explaining a fall-back from GPUs to
-    gloo/CPU, else ''."""
-    # device_count() asks NVML while CUDA is uninitialised, whereas torch.cuda.is_available() calls
-    # cudaGetDeviceCount, which "poisons" fork: children forked afterwards cannot use CUDA.
+    """(what init_process_group is given, one line saying why GPUs fell back to gloo on CPU, or '')."""
+    # device_count() asks NVML; torch.cuda.is_available() would call cudaGetDeviceCount, which poisons fork.
     gpus = torch.cuda.device_count()  # 0 on CPU-only builds
     nccl = "cuda:nccl,cpu:gloo" if cpu_backend else "nccl"
     if backend == "auto":
         if gpus >= ranks_here:
             return nccl, ""
-        if gpus and os.environ.get("MGPU_SHARED_GPU") == "1":
+        if gpus and os.environ.get("MGPU_SHARED_GPU") == "1":  # tests on one GPU (send/recv, DTensor fail there)
             return "cpu:gloo,cuda:gloo" if cpu_backend else "cuda:gloo", ""
         return "gloo", (f"{who}: {ranks_here} ranks but {gpus} GPU(s): using gloo on CPU "
                         "(nccl needs one GPU per rank)") if gpus else ""
@@ -86,8 +68,7 @@ def _cuda(backend):
 
 
 def _note(note):
-    # Once per process, on stderr: stdout stays the same on CPU, 1 and N GPUs. MGPU_FALLBACK_NOTE=0 (the
-    # test run) silences it, since nbval compares stderr too.
+    # Once per process, on stderr (stdout is the same on CPU, 1 and N GPUs); MGPU_FALLBACK_NOTE=0 for nbval.
     global _noted
     if note and not _noted and os.environ.get("MGPU_FALLBACK_NOTE", "1") != "0":
         _noted = True
@@ -95,10 +76,9 @@ def _note(note):
 
 
 def _start_method(backend, threads=None):
-    # Fork is the fastest, but forked children can't use CUDA once the parent did, nor run backward once a
-    # CUDA build's autograd started its threads, and GNU OpenMP hangs a forked child's first parallel op if
-    # the parent ran one: fork only on a CPU build, 1 thread per rank. Otherwise a forkserver, which imported
-    # torch and never touches CUDA: far faster than spawn.
+    # Forked children can't use CUDA once the parent did, nor run backward once a CUDA build's autograd started
+    # its threads, and GNU OpenMP hangs a forked child's first parallel op if the parent ran one: fork only on a
+    # CPU build, 1 thread per rank. Otherwise a forkserver (torch imported, CUDA never touched): faster than spawn.
     if os.environ.get("MGPU_START_METHOD"):  # tests, debugging: fork, forkserver or spawn
         return os.environ["MGPU_START_METHOD"]
     if not sys.platform.startswith("linux"):
@@ -111,8 +91,7 @@ def _start_method(backend, threads=None):
 def _context(method):
     ctx = mp.get_context(method)
     if method == "forkserver":  # what the server imports once (no effect once it runs)
-        # A child re-runs the caller's __main__ module by name (not a `python -m pkg` main), and imports
-        # every module a rank may need, in every rank of every launch unless the server has it.
+        # A child re-runs the caller's __main__ by name (bar `python -m pkg`); ranks import what the server lacks.
         main = getattr(sys.modules["__main__"].__spec__, "name", None)
         extra = [main] if main and not main.endswith("__main__") else []
         extra += sorted(m for m in sys.modules if m.startswith("mgpu_helpers.")) + _RANK_MODULES
@@ -120,31 +99,19 @@ def _context(method):
     return ctx
 
 
-# Imported once by the forkserver: torch's distributed parts the ranks use, and the course's modules but tooling.
-_PACKAGE = __package__.rpartition(".")[0]                       # mgpu_helpers
-_NOT_IN_RANKS = {"tools", "references"}                        # tooling, judges' references
-
-
-def _course_modules(path=os.path.dirname(os.path.dirname(__file__)), prefix=_PACKAGE):
-    """The lesson modules, the runtime and the checks (whose rank functions run in ranks)."""
-    for m in pkgutil.iter_modules([path]):
-        if m.name in _NOT_IN_RANKS or m.name == "__main__":
-            continue
-        yield f"{prefix}.{m.name}"
-        if m.ispkg:
-            yield from _course_modules(os.path.join(path, m.name), f"{prefix}.{m.name}")
-
-
+# Imported once by the forkserver: torch's distributed parts and the course's modules bar tooling and references.
+_ROOT = pathlib.Path(__file__).parents[1]
 _RANK_MODULES = ["torch._dynamo", "torch.nn.parallel", "torch.distributed.optim", "torch.distributed.fsdp",
                  "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.utils.checkpoint",
-                 "torch.utils.data"] + list(_course_modules())
+                 "torch.utils.data"] + sorted(
+    ".".join((_ROOT.name, *p.relative_to(_ROOT).with_suffix("").parts)).removesuffix(".__init__")
+    for p in _ROOT.rglob("*.py") if not {"tools", "references", "__main__.py"} & set(p.relative_to(_ROOT).parts))
 
 
 @contextlib.contextmanager
 def _interrupt_deferred():
-    """Hold Ctrl-C while ranks start: an interrupt inside Process.start() would orphan a rank we never
-    learnt the pid of. The Python-level handler is swapped, not the thread's signal mask: a kernel has other
-    threads, and a SIGINT sent to the process would reach one of those and still raise here."""
+    """Hold Ctrl-C while ranks start (inside Process.start() it would orphan a rank of unknown pid). The handler
+    is swapped, not the signal mask: a kernel's other threads would take the SIGINT and still raise here."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -158,22 +125,24 @@ def _interrupt_deferred():
             old(*held[0])
 
 
-def _threads(method, world_size, threads):
-    return threads or (1 if method == "fork" else max(1, _cores() // world_size))
+def _plan(world_size, backend, threads, cpu_backend=False):
+    """(what init_process_group is given, fall-back note, start method, torch threads per rank)."""
+    backend, note = _choose_backend(backend, world_size, cpu_backend=cpu_backend)
+    method = _start_method(backend, threads)
+    # Affinity, not cpu_count(): containers and taskset often grant fewer cores than the host has.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return backend, note, method, threads or (1 if method == "fork" else max(1, cores // world_size))
 
 
 def describe(world_size=2, backend="auto", threads=None):
     """How ``run_ranks(fn, world_size)`` would start, e.g. 'fork, gloo, 1 thread/rank'."""
-    backend, note = _choose_backend(backend, world_size)
-    method = _start_method(backend, threads)
-    n = _threads(method, world_size, threads)
+    backend, note, method, n = _plan(world_size, backend, threads)
     why = f" ({note.split(': ', 1)[1]})" if note else ""
     return f"{method}, {backend}{why}, {n} thread{'s' * (n > 1)}/rank"
 
 
 def rank_device():
-    """This rank's device: its GPU under NCCL (or a shared-GPU "cuda:gloo" group), else cpu (also outside
-    any rank)."""
+    """This rank's device: its GPU under NCCL (or "cuda:gloo"), else cpu (also outside any rank)."""
     if _device is not None:
         return _device
     if dist.is_available() and dist.is_initialized() and _cuda(str(dist.get_backend())):
@@ -189,12 +158,11 @@ def _setup_rank(local_rank, backend, threads, cpu_backend=False):
     else:
         _device = torch.device("cpu")
         contract.enable(cpu_backend)  # gloo on the CPU: refuse what NCCL would (contract.py)
-    torch.set_num_threads(threads) if threads else None  # all cores per rank: world 2 ran 4x slower (148 vs 45 ms/step)
+    torch.set_num_threads(threads) if threads else None  # not all cores in every rank: they would contend
 
 
 class _JobPickler(cloudpickle.Pickler):
-    # cloudpickle blanks code objects' file names to '<dynamic-code>'; keep them (and ship the source
-    # lines, see _ship) so that a spawned rank's traceback shows file, line and code as a forked one's.
+    # cloudpickle blanks code objects' file names; keep them (and ship their lines): tracebacks as when forked.
     files = set()
     def _code(code):
         make, fields = cloudpickle.cloudpickle._code_reduce(code)
@@ -214,12 +182,10 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
                cpu_backend=False):
     """One rank: set up, run fn, send its result or its error (launch_watch.collect reads them)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it kills us
-    # On a timeout the caller asks for our Python stack before it kills us (see launch_watch).
-    faulthandler.register(DUMP_SIGNAL, file=dump.fileno(), all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=dump.fileno(), all_threads=True)  # a RankTimeout asks for our stack
     if sys.platform.startswith("linux"):
-        # Die with our parent (the caller, or its forkserver): a rank blocked in a collective would outlive a
-        # killed kernel until the group timeout. 1 = PR_SET_PDEATHSIG.
-        __import__("ctypes").CDLL(None).prctl(1, signal.SIGKILL)
+        # Die with our parent (caller or forkserver), or a rank blocked in a collective outlives a killed kernel.
+        __import__("ctypes").CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
         if parent_pid is not None and os.getppid() != parent_pid:
             os._exit(1)  # the caller died before prctl took effect
     try:
@@ -235,15 +201,14 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
         conn.send_bytes(pickle.dumps({"kind": "go"}))  # imports done: the caller's timeout starts when all said so
         timeout, store = datetime.timedelta(seconds=pg_timeout), dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        # Wait until every rank's init returned: a rank whose fn did no collective could otherwise exit
-        # while a peer was still connecting to it (gloo "Connection closed by peer", 1 launch in 5).
+        # Every rank's init returns first: one with no collective could exit while a peer still connects (gloo).
         store.set(f"mgpu/ready/{rank}", "1")
         store.wait([f"mgpu/ready/{r}" for r in range(world_size)], timeout)
         result = fn(rank, world_size, *args)
         if dist.is_initialized():
             dist.destroy_process_group()
-        # Plain pickle copies tensors' bytes (the pipe's ForkingPickler would share memory that dies with this
-        # process); cloudpickle takes what it refuses (lambdas, classes made inside fn).
+        # Plain pickle copies tensors' bytes (ForkingPickler would share memory that dies with us); cloudpickle
+        # takes what it refuses (lambdas, classes made inside fn).
         try:
             msg = {"kind": "ok", "result": pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)}
         except Exception:
@@ -257,25 +222,19 @@ def _rank_main(rank, world_size, store_path, backend, threads, pg_timeout, conn,
 
 
 def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None, cpu_backend=False):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes in a process group; return their results
-    by rank. ``backend``, ``cpu_backend``: the module docstring. Each rank gets ``threads`` torch threads
-    (default: 1 for forked ranks, else cores // world_size). Raises RankError, or RankTimeout after ``timeout`` s.
-    """
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results by rank. ``threads``
+    per rank: 1 if forked, else cores // world_size. Raises RankError, or RankTimeout after ``timeout`` s."""
     if not callable(fn):
         raise TypeError(f"run_ranks: the first argument must be the function each rank runs, got "
                         f"{type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_ranks: world_size={world_size!r}: the number of ranks, an int >= 1")
-    backend, note = _choose_backend(backend, world_size, cpu_backend=cpu_backend)
+    backend, note, method, threads = _plan(world_size, backend, threads, cpu_backend)
     _note(note)
-    method = _start_method(backend, threads)
     ctx = _context(method)
-    threads = _threads(method, world_size, threads)
     job = (fn, args) if method == "fork" else _ship(fn, args)  # forked ranks inherit fn and args
-    # The group times out after the launch, so our RankTimeout names the hung ranks first.
-    pg_timeout = (timeout if timeout is not None else 1800) + 5
-    # Rendezvous through a FileStore in a fresh temp file: no port to choose, none to race for (a TCPStore
-    # on port 0 sometimes never answered a rank's handshake).
+    pg_timeout = (timeout if timeout is not None else 1800) + 5  # after ours: RankTimeout names the hung ranks
+    # A FileStore in a fresh temp file: no port to race for (a TCPStore on port 0 sometimes never answered).
     fd, store_path = tempfile.mkstemp(prefix="mgpu-rdzv-")
     os.close(fd)
     procs, conns, dumps = [], [], []
@@ -294,7 +253,6 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
                 procs[-1].start()
                 writer.close()  # now only the child holds it, so the child's exit shows as EOF on reader
                 dump_writer.close()
-        # The timeout runs from when every rank said "go" (after its imports): a cold start is not theirs.
         return collect(procs, conns, dumps, timeout)
     finally:
         for p in procs:
@@ -306,24 +264,19 @@ def run_ranks(fn, world_size, *args, backend="auto", timeout=120.0, threads=None
             p.close()
         for c in conns + dumps:
             c.close()
-        if os.path.exists(store_path):  # the last rank to close the store deletes it, unless one failed
-            os.unlink(store_path)
+        pathlib.Path(store_path).unlink(missing_ok=True)  # the last rank to close it deletes it, unless one failed
 
 
-def torchrun_main(fn, *args, backend="auto", timeout=300.0, cpu_backend=False):
-    """Run ``fn(rank, world_size, *args)`` in a process started by torchrun (env:// rendezvous from
-    RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; device from LOCAL_RANK, so multi-node works); print rank 0's
-    result, destroy the group, return the result. Threads: torchrun sets OMP_NUM_THREADS=1 unless set.
-    """
+def torchrun_main(fn):
+    """Run ``fn(rank, world_size)`` in a torchrun process (device from LOCAL_RANK: multi-node works); rank 0 prints."""
     rank, world_size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    backend, note = _choose_backend(backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun_main", cpu_backend)
+    backend, note = _choose_backend("auto", int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun_main")
     if rank == 0:
         _note(note)
-    _setup_rank(local_rank, backend, None, cpu_backend)
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    _setup_rank(local_rank, backend, None)  # threads: torchrun sets OMP_NUM_THREADS=1
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
     try:
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size)
         dist.barrier()  # no rank tears its group down while a peer still talks to it (gloo aborted under load)
     finally:
         dist.destroy_process_group() if dist.is_initialized() else None
@@ -332,11 +285,9 @@ def torchrun_main(fn, *args, backend="auto", timeout=300.0, cpu_backend=False):
 
 
 def script_args(doc: str, *, add=None):
-    """The command line of a ``python -m`` / ``torchrun -m`` script of the course: ``--help`` prints ``doc``
-    (the module's docstring) and exits; ``add(parser)`` adds the script's own arguments, if any."""
+    """Parse a course script's command line: ``--help`` prints ``doc``; ``add(parser)`` adds its own arguments."""
     import argparse
-    spec = getattr(sys.modules["__main__"], "__spec__", None)
-    name = getattr(spec, "name", None) or "script"
+    name = getattr(sys.modules["__main__"].__spec__, "name", None) or "script"
     parser = argparse.ArgumentParser(prog=f"python -m {name.removesuffix('.__main__')}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     if add is not None:

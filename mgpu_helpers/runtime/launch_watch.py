@@ -1,12 +1,12 @@
 """The caller's side of ``run_ranks`` (launch.py): collect results, blame the right rank, say where a hang is.
 
-- **Blame the cause.** When rank 1 dies, rank 0's "Connection closed by peer" can arrive here *before* rank
-  1's exit shows. So each rank sends its exception before it exits, stamped with CLOCK_MONOTONIC, and a
-  peer's disconnection is blamed only when no cause shows up (a death without an exception is a cause).
-- **The same failure, the same first line**: the lowest rank is named; which peers failed after it goes below.
-- **A hang says where.** Before hung ranks are killed each dumps its Python stack with ``faulthandler``
-  (registered for ``DUMP_SIGNAL``), which writes from C: it works while the rank waits inside a collective.
+- **Blame the cause.** Rank 0's "Connection closed by peer" can arrive *before* the exit of rank 1 that caused
+  it: each rank sends its exception before it exits, stamped with CLOCK_MONOTONIC, and a peer's disconnection is
+  blamed only when no cause shows up (a death without an exception is a cause). Ties name the lowest rank.
+- **A hang says where.** Hung ranks dump their Python stacks with ``faulthandler`` (on ``DUMP_SIGNAL``) before
+  they are killed: it writes from C, so it works while a rank waits inside a collective.
 """
+import contextlib
 import linecache
 import os
 import pickle
@@ -26,6 +26,7 @@ _CONSEQUENCE = re.compile(r"(closed|reset) by peer|broken pipe|remote (worker|pr
 _CAUSE_SETTLE = 0.25  # s: once a cause is known, how long its peers' errors may still arrive
 _CONSEQUENCE_SETTLE = 5.0  # s: with only consequences known, how long to wait for their cause
 _DUMP_WAIT, _DUMP_QUIET = 1.5, 0.1  # s: at most, and silence that ends a rank's stack dump
+STARTUP_LIMIT = 300.0  # s: for the ranks' imports and unpickling, before ``timeout`` runs (dynamo's, under load)
 
 
 class RankError(RuntimeError):
@@ -36,23 +37,17 @@ class RankError(RuntimeError):
 
 
 class RankTimeout(TimeoutError):
-    """Ranks outlived the launch's timeout. ``running``: their ranks; ``summary``: the message's first
-    lines (where each rank was: the same on every run of the same code); ``stacks``: rank -> its Python
-    stack when it was killed, most recent call last (file paths vary between machines)."""
+    """Ranks outlived the launch's timeout. ``running``: their ranks; ``summary``: where each was (the same on
+    every run of the same code); ``stacks``: rank -> its Python stack when killed (paths vary by machine)."""
     def __init__(self, summary, running, stacks):
         super().__init__(summary + "".join(f"\n\n--- Python stack of rank {r} when it was killed "
                                            f"(most recent call last) ---\n{s.rstrip()}" for r, s in stacks.items()))
         self.summary, self.running, self.stacks = summary, running, stacks
 
 
-# How long ranks may take to start (imports, unpickling the job) before ``timeout`` runs: a spawned rank
-# imports torch and the caller's modules (sympy, dynamo: 15+ s on a loaded 16-core host without .pyc files).
-STARTUP_LIMIT = 300.0
-
-
 def collect(procs, conns, dumps, timeout):
     """Each rank's result, in rank order; raise RankError or RankTimeout (the caller kills what is left).
-    ``timeout`` counts from every rank's "go" (after its imports): a cold start is not the ranks' time."""
+    ``timeout`` counts from every rank's "go", after its imports."""
     results, pending, failures, returned = [None] * len(procs), set(range(len(procs))), {}, []
     going = set()
     deadline = None if timeout is None else time.monotonic() + max(timeout, STARTUP_LIMIT)
@@ -68,9 +63,15 @@ def collect(procs, conns, dumps, timeout):
                              "" if started else f" (rank(s) {_ranks(sorted(set(pending) - going))} never started)")
         waits = {**{conns[r]: r for r in pending}, **{procs[r].sentinel: r for r in pending}}
         for r in sorted({waits[obj] for obj in wait(list(waits), timeout=left)}):
-            got = _receive(procs[r], conns[r])  # None: a spurious wake-up
-            if got is None:
-                continue
+            seen, got = time.monotonic(), None
+            if conns[r].poll():
+                with contextlib.suppress(EOFError):
+                    got = {**pickle.loads(conns[r].recv_bytes()), "seen": seen}
+            elif procs[r].exitcode is None:
+                continue  # a spurious wake-up
+            if got is None:  # EOF: the process is exiting; wait for its exit code
+                procs[r].join(5)  # a death is known only when seen: its time is an upper bound
+                got = {"kind": "died", "time": seen, "what": procs[r].exitcode, "seen": seen}
             if got["kind"] == "go":
                 going.add(r)
                 if len(going) == len(procs) and timeout is not None:
@@ -91,21 +92,6 @@ def collect(procs, conns, dumps, timeout):
     for p in procs:  # all reported: let them exit on their own before the caller kills stragglers
         p.join(5)
     return results
-
-
-def _receive(proc, conn):
-    """A rank's report as a dict (kind ok, err or died), or None while it runs silently."""
-    seen = time.monotonic()
-    if conn.poll():
-        try:
-            return {**pickle.loads(conn.recv_bytes()), "seen": seen}
-        except EOFError:
-            pass
-    elif proc.exitcode is None:
-        return None
-    proc.join(5)  # EOF: the process is exiting; wait for its exit code
-    # A death is known only when seen: its time is an upper bound, good enough against exceptions.
-    return {"kind": "died", "time": seen, "what": proc.exitcode, "seen": seen}
 
 
 def _is_cause(f):
@@ -145,28 +131,12 @@ def _blame(failures, returned, running):
                     rank, traceback=f["traceback"])
 
 
-# --- timeouts: each hung rank's Python stack -------------------------------------------------------
-
 def _timed_out(procs, dumps, running, timeout, why=""):
     for r in running:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(procs[r].pid, DUMP_SIGNAL)
-        except ProcessLookupError:
-            pass
-    texts = _read_dumps({r: dumps[r] for r in running})
-    lines = [f"run_ranks: timed out after {timeout:g} s{why}; rank(s) {_ranks(running)} still running (killed)"]
-    stacks = {}
-    for r in running:
-        frames, launcher = _frames(texts[r])
-        if frames:
-            stacks[r] = "".join(traceback.format_list([(file, n, fn, None) for file, n, fn in frames]))
-        lines.append(f"  rank {r} " + _where(frames, launcher))
-    return RankTimeout("\n".join(lines), running, stacks)
-
-
-def _read_dumps(dumps):
-    """rank -> what it wrote to its dump pipe; ends once every rank has written and gone quiet."""
-    texts, heard, open_ = {r: b"" for r in dumps}, set(), dict(dumps)
+    # Read the dumps until every rank has written and gone quiet, or _DUMP_WAIT is up.
+    texts, heard, open_ = {r: b"" for r in running}, set(), {r: dumps[r] for r in running}
     end = time.monotonic() + _DUMP_WAIT
     while open_ and time.monotonic() < end:
         ready = wait(list(open_.values()), timeout=_DUMP_QUIET)
@@ -178,7 +148,14 @@ def _read_dumps(dumps):
             heard.add(r)
             if not chunk:  # EOF: the rank has exited
                 del open_[r]
-    return {r: t.decode(errors="replace") for r, t in texts.items()}
+    lines = [f"run_ranks: timed out after {timeout:g} s{why}; rank(s) {_ranks(running)} still running (killed)"]
+    stacks = {}
+    for r in running:
+        frames, launcher = _frames(texts[r].decode(errors="replace"))
+        if frames:
+            stacks[r] = "".join(traceback.format_list([(file, n, fn, None) for file, n, fn in frames]))
+        lines.append(f"  rank {r} " + _where(frames, launcher))
+    return RankTimeout("\n".join(lines), running, stacks)
 
 
 _FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
@@ -196,18 +173,16 @@ def _frames(text):
     return [], None
 
 
-def _library_dirs():
-    paths = sysconfig.get_paths()
-    return tuple(os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")) + (
-        os.path.dirname(os.path.realpath(torch.__file__)) + os.sep,)
+_HERE = os.path.dirname(os.path.realpath(__file__)) + os.sep
+_LIBRARIES = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in (
+    "stdlib", "platstdlib", "purelib", "platlib")) + (os.path.dirname(os.path.realpath(torch.__file__)) + os.sep,)
 
 
 def _is_library(file):
-    here = os.path.dirname(os.path.realpath(__file__)) + os.sep
     real = os.path.realpath(file)
-    if real.startswith(here):  # the course's helpers are the learner's code, bar the launcher itself
+    if real.startswith(_HERE):  # the course's helpers are the learner's code, bar the launcher itself
         return os.path.basename(real).startswith("launch")
-    return file.startswith("<frozen") or real.startswith(_library_dirs())
+    return file.startswith("<frozen") or real.startswith(_LIBRARIES)
 
 
 def _short(file):

@@ -40,9 +40,7 @@ def stacked_bars(bars: Mapping[str, Mapping[str, int]], title: str = "", ax=None
         bottoms = [x + v for x, v in zip(bottoms, vals)]
     for i, t in enumerate(totals):
         ax.text(i, t / div, f"{t / div:.1f}", ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel(unit)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
+    ax.set(ylabel=unit, title=title, xlabel=xlabel)
     ax.legend(loc="upper left", fontsize=8, frameon=False)
     return ax
 
@@ -64,8 +62,6 @@ def timeline(samples: Sequence[tuple[str, int, Mapping[str, int]]], title: str =
             ax.axvline(x, color="k", lw=0.6, ls=":")
             ax.text(x, ax.get_ylim()[1] * 0.97, f" {phase}", fontsize=8, va="top")
             last = phase
-    ax.set_xlabel("allocation / free events")
-    ax.set_ylabel(unit)
-    ax.set_title(title)
+    ax.set(xlabel="allocation / free events", ylabel=unit, title=title)
     ax.legend(loc="upper right", fontsize=8, frameon=False)
     return ax

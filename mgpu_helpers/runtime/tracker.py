@@ -5,24 +5,17 @@
     mt.peak_bytes, mt.peak_breakdown(), mt.phase_peaks(), mt.timeline
 
 Counted: each distinct live storage on the tracked device made inside the ``with`` (views once), plus the
-parameters, buffers and ``.grad`` of ``model`` and the state of ``optimizer`` at entry. Categories, by role
-(first that applies): parameters (and buffers); gradients; optimizer_state (Adam's ``step`` too);
-activations (made in a forward of ``model`` -- recomputation too -- and still alive); other (inputs, loss,
-backward and optimizer temporaries). A role often shows only after the tensor was made (AccumulateGrad
-adopts a temporary as ``.grad``; Adam makes its state inside ``step``), so a late label is carried back
-through the timeline and the peak breakdown.
+model's parameters, buffers and ``.grad`` and the optimizer's state at entry, by role (the first that fits):
+parameters (and buffers), gradients, optimizer_state, activations (made in a forward of ``model``, recomputation
+too), other (inputs, loss, temporaries). A role that shows late (AccumulateGrad adopts a temporary as ``.grad``,
+Adam makes its state in ``step``) is carried back through the timeline and the peak breakdown. ``round_to=None``:
+exact bytes on the CPU, 512-byte blocks on CUDA (``round_to=512`` on the CPU predicts a GPU). On CUDA
+``current_bytes``/``peak_bytes`` read the allocator (kernels' scratch too), less what entry held beyond model and
+optimizer; the breakdowns' ``other`` absorbs the difference.
 
-Rounding: CUDA's caching allocator counts 512-byte blocks; ``round_to=None`` counts exact bytes on the CPU
-and blocks on CUDA, ``round_to=512`` on the CPU predicts a GPU. Not seen: kernels' own scratch (cuBLAS
-workspace) and allocator slack (bench/tracker_vs_cuda.py). On CUDA ``current_bytes``/``peak_bytes`` read the
-allocator, less what was allocated at entry beyond the model and optimizer; the breakdowns' ``other`` absorbs
-the difference (``accounted_bytes``: the tensors alone).
-
-Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``, whose design this follows (a weakref per
-storage, ``resize_`` patched for FSDP2, DTensor decomposed, fake-mode ops skipped)? It labels a tensor by *when*
-it was made, not by its role; it counts a tensor made before entry once an in-place op touches it; it raises on
-a second forward unless reset; it has no timeline, phases, peak reset or rounding off CUDA. ``per_module=True``
-runs it alongside for per-module figures: ``mt.module_tracker.display_modulewise_snapshots(depth=2, units="MiB")``.
+Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``, whose design this follows? It labels by
+*when* a tensor was made, not its role; counts a pre-entry tensor once touched in place; needs a reset between
+forwards; has no timeline, phases or rounding off CUDA. ``per_module=True`` runs it as ``mt.module_tracker``.
 """
 from __future__ import annotations
 
@@ -55,10 +48,8 @@ class _Rec:
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Count the bytes of live tensors, as ``torch.cuda.memory_allocated()`` would, on any device (module docs).
-
-    ``current_bytes``, ``peak_bytes`` (since entry or ``reset_peak()``), ``breakdown()`` / ``peak_breakdown()``
-    (by CATEGORIES), ``mark(label)`` starts a phase, ``phase_peaks()``, ``timeline`` (after every change)."""
+    """Live tensor bytes as ``torch.cuda.memory_allocated()`` counts them: ``current_bytes``, ``peak_bytes``
+    (since entry or ``reset_peak()``), ``breakdown()``, ``peak_breakdown()``, ``mark()``, ``phase_peaks()``."""
 
     def __init__(self, model=None, optimizer=None, device=None, round_to=None, per_module=False):
         super().__init__()
@@ -75,11 +66,9 @@ class MemoryTracker(TorchDispatchMode):
         self._active, self._fwd_depth, self._in_opt, self._handles = False, 0, False, []
         self.events = None  # a list: every size change in order (planner.allocator replays a fake trace's)
 
-    def _params(self):
-        ps = list(self.model.parameters()) if self.model is not None else []
-        seen = {id(p) for p in ps}  # an optimizer may hold parameters the model does not (or no model)
-        return ps + [p for g in getattr(self.optimizer, "param_groups", []) for p in g["params"]
-                     if id(p) not in seen]
+    def _params(self):  # an optimizer may hold parameters the model does not (or no model); tensors hash by id
+        return list(dict.fromkeys([*(self.model.parameters() if self.model is not None else ()),
+                                   *(p for g in getattr(self.optimizer, "param_groups", []) for p in g["params"])]))
 
     def _claim(self, tensors, cat, add=False):
         # Label the storages as `cat`; add=True also counts unseen ones (seeds; a .grad set by hand).
@@ -134,8 +123,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._change(rec, -rec.nbytes)
 
     def _relabel(self, rec, cat):
-        # Move the bytes now and in every sample since the storage was made (and in the peak's
-        # breakdown if it was alive then): the timeline shows the role it had all along.
+        # Now, in every sample since the storage was made, and at the peak if it lived then: the role all along.
         old, n, rec.cat = rec.cat, rec.nbytes, cat
         for cats in [self._cats] + [s[2] for s in self._timeline[rec.born:]] + (
                 [self._peak_cats] if self._peak_idx >= rec.born else []):
@@ -163,7 +151,6 @@ class MemoryTracker(TorchDispatchMode):
                             self._add(st, cat)
         return out
 
-    # ---- hooks ----------------------------------------------------------------------------------
     def _pre_forward(self, module, args):
         self._fwd_depth += 1
         with self._lock:  # FSDP2 swaps all-gathered tensors in as the parameters: parameters too
@@ -247,7 +234,6 @@ class MemoryTracker(TorchDispatchMode):
         self._handles.clear()
         return False
 
-    # ---- the API --------------------------------------------------------------------------------
     def mark(self, label: str) -> None:
         """Label the samples from now on (``"forward"`` until the first mark)."""
         with self._lock:
