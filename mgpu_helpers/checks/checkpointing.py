@@ -1,5 +1,5 @@
-"""Check of notebook 07: 7.1 segments of k blocks under checkpointing; gradients against the plain step,
-the peak against ``predict_peak`` (exact, proven against the tracker), the recomputed blocks recorded."""
+"""Check of notebook 07: 7.1 segments of k blocks under checkpointing; gradients against the plain step, the peak
+against ``predict_peak`` (exact, proven against the tracker), the recomputed blocks recorded."""
 from __future__ import annotations
 
 import torch
@@ -31,13 +31,12 @@ def _mistake_plans(L, k):
              "no checkpointing at all": plan_for(L, None),
              "checkpointed only the blocks i with i % k == 0, each on its own: that saves L/k blocks' "
              "activations and keeps the rest, not the sqrt(L) trade-off": [(1, i % k == 0) for i in range(L)]}
+    if k > 1:
+        plans["segments of k - 1 blocks (off by one)"] = plan_for(L, k - 1)
     if k < L:
         plans["one segment for the whole stack (as if k = L): backward recomputes every block at once"] = \
             plan_for(L, L)
         plans["segments of k + 1 blocks (off by one)"] = plan_for(L, k + 1)
-    if k > 1:
-        plans["segments of k - 1 blocks (off by one)"] = plan_for(L, k - 1)
-    if k < L:
         plans["block 0 left out (segments started at block 1)"] = [(1, False)] + [
             (stop - start, True) for start, stop in segments(L - 1, min(k, L - 1))]
     return plans
@@ -77,10 +76,6 @@ class CheckpointEvery(Check):
         # preserve_rng_state=True); judged after the others, so a mistake they catch is named there first.
         dropout = [dict(_case(rng, rng.randint(4, 8), 2), dropout=0.5), dict(_case(rng, 5, 5), dropout=0.3)]
         return cases + dropout + bad
-
-    def describe(self, case):
-        return (f"{case['layers']} blocks, k={case['k']}, batch {case['batch']}, d={case['d']}, h={case['h']}"
-                + (f", dropout {case['dropout']}" if case.get("dropout") else ""))
 
     def run(self, fn, case):
         model, x, y = _problem(case)
@@ -167,8 +162,9 @@ class CheckpointEvery(Check):
                    "preserve_rng_state=False -- the recomputation draws new dropout masks, so backward "
                    "differentiates another function than the forward computed. Hint: leave checkpoint's "
                    "preserve_rng_state at its default, True.")
-        expect_close(got, ref, "the gradients (compared with the same step without checkpointing)", hint="Hint: pass each segment's blocks and input to checkpoint as arguments; "
-                     "non-reentrant checkpointing gives gradients equal to the plain step.", rtol=1e-4, atol=1e-6)
+        expect_close(got, ref, "the gradients (compared with the same step without checkpointing)", rtol=1e-4,
+                     atol=1e-6, hint="Hint: pass each segment's blocks and input to checkpoint as arguments; "
+                     "non-reentrant checkpointing gives gradients equal to the plain step.")
         if case.get("dropout"):
             return  # predict_peak models the stack without dropout (whose masks add to the peak)
         shape = (case["d"], case["h"], case["classes"], case["batch"])

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 
-from .base import Check, expect, expect_close, expect_ranks, flat, run_learner_ranks
+from .base import Check, expect, expect_close, flat, run_learner_ranks
 from ..fsdp_practice import MODEL, blocks, budgets, knob_sweep, make_model, measure, shard
 from ..runtime.launch import rank_device
 from ..runtime.fake_world import fake_world
@@ -32,6 +32,7 @@ def _rank_12_1(rank, world, fn, case):
 
 class ShardForBudgetCheck(Check):
     id, function, points = "12.1", "shard_for_budget", 3
+    rank_fn = staticmethod(_rank_12_1)  # run as each rank in turn (run below)
 
     def cases(self, rng):
         # The budgets are the notebook's (``fsdp_practice.budgets`` of the measured table, deterministic);
@@ -40,10 +41,6 @@ class ShardForBudgetCheck(Check):
         return [{"world_size": 4, "seed": rng.randrange(2**31), "budget": b["memory"],
                  "comm_budget": b["communication"]}]
 
-    def describe(self, case):
-        return (f"{case['world_size']} ranks, the notebook's model (seed {case['seed']}), at most {case['budget']:,} "
-                f"bytes per rank and {case['comm_budget']:,} bytes all-gathered per rank per step")
-
     def run(self, fn, case):
         # Every rank of 4, each in turn in this process under torch's fake process group: the allocations are
         # real, the collectives move no data, so the bytes are the same on every run (gloo's worker threads
@@ -51,23 +48,20 @@ class ShardForBudgetCheck(Check):
         out = []
         for rank in range(case["world_size"]):
             with fake_world(case["world_size"], rank):
-                out.append(_rank_12_1(rank, case["world_size"], fn, case))
+                out.append(self.rank_fn(rank, case["world_size"], fn, case))
         return out
 
-    def hint(self, error):
-        if "all_gather_copy_in_stream" in error:  # FSDP2's lazy init found no root state
-            return ("the root is not a fully_shard unit: after the blocks, call fully_shard(model, mesh=mesh); "
-                    "the root's forward is what sets every unit up")
-        if "has no attribute 'set_modules_to_" in error:
-            return ("set_modules_to_forward_prefetch is a method of FSDPModule: fully_shard each block first, "
-                    "then give each block the list of blocks to prefetch")
-        if "reshard_after_forward as an int" in error:  # torch: "... it should be a factor of N"
-            return ("an int reshard_after_forward is a world size to reshard to after forward: a divisor of "
-                    "the mesh's size other than 1 and the size itself")
-        return ""
+    hints = {"all_gather_copy_in_stream":  # FSDP2's lazy init found no root state
+             "the root is not a fully_shard unit: after the blocks, call fully_shard(model, mesh=mesh); the root's "
+             "forward is what sets every unit up",
+             "has no attribute 'set_modules_to_":
+             "set_modules_to_forward_prefetch is a method of FSDPModule: fully_shard each block first, then give "
+             "each block the list of blocks to prefetch",
+             "reshard_after_forward as an int":  # torch: "... it should be a factor of N"
+             "an int reshard_after_forward is a world size to reshard to after forward: a divisor of the mesh's "
+             "size other than 1 and the size itself"}
 
     def judge(self, case, result):
-        expect_ranks(result, case["world_size"])
         r0 = result[0]
         expect(r0["root"], "the root is not a fully_shard unit: after the blocks, fully_shard(model, mesh=mesh) "
                "shards what is left (the first and last Linear) and drives each step's all-gathers")
@@ -132,8 +126,7 @@ def _train(model, opt, case, steps, first):
     world, rank = (dist.get_world_size(), dist.get_rank()) if isinstance(model, FSDPModule) else (1, 0)  # 1: the judge
     for s in range(first, first + steps):
         x, y = (t.tensor_split(world)[rank].to(rank_device()) for t in _batch(case, s))
-        x = x.to(DTYPE)
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x.to(DTYPE)), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -226,11 +219,6 @@ class ShardedCheckpointCheck(Check):
                 {"save_on": 3, "load_on": 2, "before": rng.randint(1, 2), "after": 2, "seed": rng.randrange(2**31),
                  "lr": lr(), "reorder": True}]
 
-    def describe(self, case):
-        return (f"{case['before']} steps on {case['save_on']} ranks, lr set to {case['lr']}, saved; loaded on "
-                f"{case['load_on']} ranks" + (" by an optimizer listing the parameters in reverse order"
-                                              if case.get("reorder") else "") + f", {case['after']} more steps")
-
     def run(self, cls, case):
         path = tempfile.mkdtemp(prefix="mgpu-ckpt-")
         try:
@@ -244,16 +232,13 @@ class ShardedCheckpointCheck(Check):
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
-    def hint(self, error):
-        import re
-        if re.search(r"Size mismatch between saved .* for \w+\.state\.\d+\.", error):
-            return ("the optimizer's state was keyed by position (optimizer.state_dict(): parameter 0, 1, ...): "
-                    "an optimizer that lists its parameters in another order loaded one parameter's moments into "
-                    "another. get_state_dict(model, optimizer) keys the optimizer's state by parameter name")
-        if "Timeout" in error and "dcp" in error and ("barrier" in error or "all_gather" in error):
-            return ("dcp.save and dcp.load are collective: every rank calls them (each writes or reads its own "
-                    "shards), never only rank 0 -- the ranks that did not call it waited for it")
-        return ""
+    hints = {r"Size mismatch between saved .* for \w+\.state\.\d+\.":
+             "the optimizer's state was keyed by position (optimizer.state_dict(): parameter 0, 1, ...): an "
+             "optimizer that lists its parameters in another order loaded one parameter's moments into another. "
+             "get_state_dict(model, optimizer) keys the optimizer's state by parameter name",
+             r"^(?=.*Timeout)(?=.*dcp)(?=.*(barrier|all_gather))":
+             "dcp.save and dcp.load are collective: every rank calls them (each writes or reads its own shards), "
+             "never only rank 0 -- the ranks that did not call it waited for it"}
 
     def judge(self, case, result):
         expect(isinstance(result, dict) and "saved" in result, "expected what was saved and loaded")

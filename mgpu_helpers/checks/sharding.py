@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from ..memory import make_batch, mlp
 from ..runtime.comm_log import CommLog
 from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, unique
-from .base import RemembersVerdict, expect, expect_close, expect_equal, expect_ranks, expect_type, flat
+from .base import RemembersVerdict, expect, expect_close, expect_equal, expect_type, flat
 
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -29,49 +29,37 @@ def _groups(model, case):
     return [{"params": [p for m in body for p in m.parameters()]}]  # a tie appears twice in this one group
 
 
-def _extra_group(model, case):
-    return {"params": list(linears(model)[-1].parameters()), "lr": case["kwargs"]["lr"] * 2}
-
-
 def _train(case, make_opt, model, hparams=True, schedule=True, grad_scale=1.0):
     """``steps`` steps on the full batch (every rank computes the same gradient, as after DDP's all-reduce).
     ``grad_scale``: a baseline's gradients multiplied before each step (a mistake's value, never the learner's)."""
-    groups = _groups(model, case)
+    groups = _groups(model, case) + [{"params": list(linears(model)[-1].parameters()),  # the added group
+                                      "lr": case["kwargs"]["lr"] * 2}]
     if not hparams:
         groups = [{"params": g["params"]} for g in groups]
-    opt = make_opt(groups)
+    opt = make_opt(groups[:-1])
     if case["add_group"]:
-        opt.add_param_group(_extra_group(model, case) if hparams else {"params": _extra_group(model, case)["params"]})
+        opt.add_param_group(groups[-1])
     x, y = make_batch(case["batch"], case["widths"][0], case["widths"][-1], case["seed"] + 1)
-    opt.after_first = None
     for step in range(case["steps"]):
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         if step == 1 and schedule:  # what an lr scheduler does: write the new lr into param_groups
             for g in opt.param_groups:
                 g["lr"] *= 0.5
-        if grad_scale != 1.0:
-            for p in unique(model.parameters()):
-                if p.grad is not None:
-                    p.grad.mul_(grad_scale)
+        for p in unique(model.parameters()):
+            if p.grad is not None:
+                p.grad.mul_(grad_scale)
         opt.step()
         if step == 0:  # a rank that never receives the others' updates is plainest after one step
             opt.after_first = [p.detach().clone() for p in unique(model.parameters())]
     return opt
 
 
-def _dedupe(groups):
-    seen, out = set(), []
-    for g in groups:
-        out.append({**g, "params": [p for p in g["params"] if id(p) not in seen and not seen.add(id(p))]})
-    return out
-
-
 def _baseline(case, dedupe=True, **variant):
     model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
     cls = OPTIMIZERS[case["optimizer"]]
 
-    class Plain(cls):  # the unsharded optimizer, given the same (deduplicated) groups
+    class Plain(cls):  # the unsharded optimizer, given the same groups, deduplicated (its __init__ adds them here)
         def add_param_group(self, g):
             ids = {id(p) for grp in self.param_groups for p in grp["params"]}
             kept = unique(g["params"]) if dedupe else list(g["params"])
@@ -79,8 +67,7 @@ def _baseline(case, dedupe=True, **variant):
 
     with warnings.catch_warnings():  # dedupe=False: torch warns of the duplicate in a group
         warnings.simplefilter("ignore")
-        opt = _train(case, lambda groups: Plain(_dedupe(groups) if dedupe else groups, **case["kwargs"]), model,
-                     **variant)
+        opt = _train(case, lambda groups: Plain(groups, **case["kwargs"]), model, **variant)
     return opt.after_first, [p.detach().clone() for p in unique(model.parameters())]
 
 
@@ -101,26 +88,29 @@ def _rank_81(rank, world, cls, case):
     params = unique(model.parameters())
     first = [p.detach().clone() for p in params]
     opt = _train(case, lambda groups: cls(groups, OPTIMIZERS[case["optimizer"]], **case["kwargs"]), model)
-    index, owned = {id(p): i for i, p in enumerate(params)}, {}
+    index, owned = {id(p): i for i, p in enumerate(params)}, set()
     for state in _all_states(opt):
-        for p, s in state.items():
-            if id(p) in index and any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in s.values()):
-                owned[index[id(p)]] = True
+        owned |= {index[id(p)] for p, s in state.items()
+                  if id(p) in index and any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in s.values())}
     return {"params": [p.detach().clone() for p in params], "first": first, "owned": sorted(owned),
             "after_first": getattr(opt, "after_first", None),
             "is_optimizer": isinstance(opt, torch.optim.Optimizer), "groups": len(opt.param_groups)}
 
 
+# Bad input: (what ShardedOptimizer is given, the exception it must raise, a word its message must say, the call).
+_BAD = [("an optimizer instance", "TypeError", "optimizer_cls",
+         lambda cls, p: cls(p, torch.optim.SGD(p, lr=0.1), lr=0.1)),
+        ("an lr scheduler class", "TypeError", "optimizer_cls",
+         lambda cls, p: cls(p, torch.optim.lr_scheduler.StepLR, lr=0.1)),
+        ("a parameter on another device", "ValueError", "device",
+         lambda cls, p: cls(p + [torch.nn.Parameter(torch.empty(2, device="meta"))], torch.optim.SGD, lr=0.1))]
+
+
 def _bad_input(cls):
-    p = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
-    probes = {"an optimizer instance": lambda: cls(p, torch.optim.SGD(p, lr=0.1), lr=0.1),
-              "an lr scheduler class": lambda: cls(p, torch.optim.lr_scheduler.StepLR, lr=0.1),
-              "a parameter on another device": lambda: cls(p + [torch.nn.Parameter(torch.empty(2, device="meta"))],
-                                                           torch.optim.SGD, lr=0.1)}
-    out = {}
-    for name, make in probes.items():
+    p, out = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))], {}
+    for name, _, _, make in _BAD:
         try:
-            make()
+            make(cls, p)
             out[name] = ("no error", "")
         except NotImplementedError:
             raise  # the stub: "not implemented yet", not a wrong exception
@@ -133,11 +123,10 @@ def _train_case(rng, world, optimizer, **over):
     kw = {"Adam": {"lr": 0.01}, "AdamW": {"lr": 0.01, "weight_decay": 0.1},
           "SGD": {"lr": 0.1, "momentum": 0.9}}[optimizer]
     h = rng.randint(3, 8)
-    case = {"kind": "train", "world_size": world, "optimizer": optimizer, "kwargs": kw,
+    return {"kind": "train", "world_size": world, "optimizer": optimizer, "kwargs": kw,
             "widths": [rng.randint(2, 9), h, h, h, rng.randint(2, 5)], "tie": (1, 2), "freeze": [0],
             "groups": "split", "lr_factor": 0.3, "add_group": True, "steps": 3, "batch": 6,
-            "seed": rng.randrange(2**31)}
-    return {**case, **over}
+            "seed": rng.randrange(2**31), **over}
 
 
 class ShardedOptimizerCheck(RemembersVerdict):
@@ -155,23 +144,17 @@ class ShardedOptimizerCheck(RemembersVerdict):
                 _train_case(rng, 3, rng.choice(["Adam", "AdamW", "SGD"]), tie=None,  # uneven sizes
                             widths=[rng.randint(2, 30) for _ in range(4)])]
 
-    def describe(self, case):
-        if case["kind"] == "bad input":
-            return "bad input"
-        return (f"{case['world_size']} rank(s), {case['optimizer']}{case['kwargs']}, widths={case['widths']}, "
-                f"tie={case['tie']}, frozen={case['freeze']}, groups={case['groups']}, add_param_group="
-                f"{case['add_group']}")
-
-    def hint(self, error):
-        if "more than one parameter group" in error:
-            return ("a tied tensor (one parameter reached from two modules) must be kept once: drop the parameters "
-                    "already seen before adding a group")
-        return ""
+    hints = {"more than one parameter group": "a tied tensor (one parameter reached from two modules) must be kept "
+             "once: drop the parameters already seen before adding a group"}
 
     def judge(self, case, result):
-        expect_ranks(result, case["world_size"])
         if case["kind"] == "bad input":
-            return self._judge_bad(result[0])
+            for probe, want, word, _ in _BAD:
+                kind, msg = result[0][probe]
+                expect_equal(kind, want, f"ShardedOptimizer given {probe}: the exception", hint=f"Raise {want}.")
+                expect(word in msg, f"ShardedOptimizer given {probe} raised {kind}({msg!r}), which does not "
+                       f"mention {word!r}: say what is wrong with which argument")
+            return
         world, (base1, base) = case["world_size"], _baseline(case)
         model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
         trainable = [i for i, p in enumerate(unique(model.parameters())) if p.requires_grad]
@@ -237,15 +220,6 @@ class ShardedOptimizerCheck(RemembersVerdict):
                f"(shares {load}); giving each parameter, largest first, to the least-loaded rank (as "
                f"ZeroRedundancyOptimizer does) gives at most {max(greedy)} per rank. The heaviest rank's "
                "optimizer state sets the memory ZeRO-1 saves")
-
-    def _judge_bad(self, got):
-        for probe, want, word in [("an optimizer instance", "TypeError", "optimizer_cls"),
-                                  ("an lr scheduler class", "TypeError", "optimizer_cls"),
-                                  ("a parameter on another device", "ValueError", "device")]:
-            kind, msg = got[probe]
-            expect_equal(kind, want, f"ShardedOptimizer given {probe}: the exception", hint=f"Raise {want}.")
-            expect(word in msg, f"ShardedOptimizer given {probe} raised {kind}({msg!r}), which does not "
-                   f"mention {word!r}: say what is wrong with which argument")
 
 
 # --- 8.2: ZeRO-2 ----------------------------------------------------------------------------------------
@@ -345,8 +319,8 @@ class ReduceScatterCheck(RemembersVerdict):
             while True:  # redraw until the flat size does (or does not) divide by the world size
                 widths = [rng.randint(2, 12) for _ in range(rng.randint(3, 4))]
                 freeze = [rng.randrange(len(widths) - 1)] if rng.random() < 0.5 else []
-                n = sum((a + 1) * b for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))) - sum(
-                    widths[i] * widths[i + 1] for i in freeze)
+                n = sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:])) - sum(widths[i] * widths[i + 1]
+                                                                               for i in freeze)
                 if (n % world == 0) == divides:
                     opt = rng.choice(["SGD", "Adam"])
                     return {"world_size": world, "widths": widths, "freeze": freeze, "optimizer": opt,
@@ -354,16 +328,11 @@ class ReduceScatterCheck(RemembersVerdict):
                             "steps": 2, "per_rank": rng.randint(2, 4), "seed": rng.randrange(2**31), "n": n}
         return [case(3, False), case(2, True), case(4, False), case(1, True)]
 
-    def describe(self, case):
-        return (f"{case['world_size']} rank(s), widths={case['widths']} ({case['n']} trainable elements), "
-                f"frozen={case['freeze']}, {case['optimizer']}")
-
     def judge(self, case, result):
         world, n = case["world_size"], case["n"]
         L = ceil_div(n, world)
         grads, final = _baseline_82(case)
         pad = lambda g: F.pad(g, (0, L * world - n))  # noqa: E731
-        expect_ranks(result, world)
         sizes = next((res["sizes"] for res in result if "sizes" in res), None)
         expect(sizes is None, f"{sizes} ({n} gradient elements, {world} ranks: L = {L}).")
         for r, res in enumerate(result):

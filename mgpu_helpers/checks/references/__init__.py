@@ -25,9 +25,8 @@ from ...sharding.zero import ceil_div
 # --- 1.1: the training state one real step leaves behind ----------------------------------------------------
 
 def measured_training_state(model: nn.Module, optimizer: str, precision: str, batch: int = 4) -> dict[str, int]:
-    """The bytes one real training step leaves behind, by category. "mixed": a bf16 model for forward/backward
-    and an fp32 master copy the optimizer updates. The optimizer's 0-d ``step`` counter stays on the CPU even
-    when training on a GPU, so like ``torch.cuda.memory_allocated`` we do not count it."""
+    """The bytes one real training step leaves behind, by category. "mixed": a bf16 model and an fp32 master copy
+    the optimizer updates. Adam's 0-d ``step`` counter stays on the CPU even on a GPU: not counted."""
     work = model.to(torch.bfloat16 if precision in ("bf16", "mixed") else torch.float32)
     master = [p.detach().float().clone() for p in work.parameters()] if precision == "mixed" else None
     opt = make_optimizer(optimizer, master if master is not None else work.parameters())
@@ -87,8 +86,7 @@ def accumulate(model, loss_fn, inputs, targets, k, skip=no_sync_context) -> floa
 # --- 7.1, for the tests and benches: a plan runner, and segments of k blocks under checkpointing ------------
 
 def run_plan(blocks, x, plan, context_fn=None):
-    """Run a plan of :func:`plan_for`'s form: [(blocks in the segment, checkpointed?), ...], non-reentrant;
-    ``context_fn``: e.g. :func:`selective_context` for selective checkpointing."""
+    """Run a plan of :func:`plan_for`'s form, non-reentrant; ``context_fn``: e.g. :func:`selective_context`."""
     start, extra = 0, {} if context_fn is None else {"context_fn": context_fn}
     for n, ck in plan:
         seg = blocks[start:start + n]  # passed as an argument, with its input: what checkpoint recomputes from
@@ -120,9 +118,8 @@ def reference_reduce_scatter(params):
 # --- 9.1's contract, for the tests, the GPU benches and the script: a GPipe step ----------------------------
 
 def gpipe_step(model: nn.Sequential, inputs, targets, n_micro: int):
-    """GPipe forward + backward of ``model`` split over the ranks (every rank passes the same model
-    and batch; each uses its own stage). Leaves each stage's gradients in its parameters; returns the batch's
-    mean loss on the last rank, None elsewhere."""
+    """GPipe forward + backward of ``model`` split over the ranks (each uses its own stage of the same model and
+    batch). Leaves each stage's gradients in its parameters; returns the mean loss on the last rank, else None."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(inputs) % n_micro:
         raise ValueError(f"n_micro={n_micro} does not divide the batch of {len(inputs)} samples")
@@ -168,8 +165,7 @@ class CopyToParallel(torch.autograd.Function):
 
 
 class ReduceFromParallel(torch.autograd.Function):
-    """Megatron's g: forward sums the partial outputs over the ranks; backward passes the gradient through
-    (each rank's partial output contributed with weight 1 to the sum)."""
+    """Megatron's g: forward sums the partial outputs over the ranks; backward passes the gradient through."""
 
     @staticmethod
     def forward(ctx, partial):
