@@ -71,13 +71,10 @@ def _expect_split(who, res, k, m):
            "the next forward.")
 
 
-def _expect_loss(who, res, k, loss, last_loss):
+def _expect_loss(who, res, loss, mistakes, hint):
     expect_type(res["loss"], (float, int), f"{who}the function", "a float: the accumulated loss",
                 hint="Hint: a Python number, as loss.item() gives, not a tensor (which would keep its graph alive).")
-    expect_close(res["loss"], loss, f"{who}the returned loss", rtol=1e-4, mistakes={
-        "summed the micro-batch losses without dividing by k": k * loss,
-        "returned only the last micro-batch's loss/k (total = instead of total +=)": last_loss / k},
-        hint="Hint: return the sum of the k values of loss/k: the big batch's mean loss.")
+    expect_close(res["loss"], loss, f"{who}the returned loss", rtol=1e-4, mistakes=mistakes, hint=hint)
 
 
 class AccumulateGradients(Check):
@@ -120,12 +117,10 @@ class AccumulateGradients(Check):
             "divided by the micro-batch size instead of k: loss_fn already averages over it": g0 + means / m,
         }, hint="Hint: loss_fn(model(x), y, reduction='sum') / (the whole batch's count of targets != -100) "
                 "for each micro-batch, backward, and zero nothing.")
-        expect_type(result["loss"], (float, int), "the function", "a float: the accumulated loss",
-                    hint="Hint: a Python number, as loss.item() gives, not a tensor (which would keep its graph alive).")
-        expect_close(result["loss"], loss, "the returned loss", rtol=1e-4, mistakes={
+        _expect_loss("", result, loss, {
             "summed the micro-batch losses without dividing": sum(v / c for _, v, c in parts),
             "returned only the last micro-batch's share (total = instead of total +=)": parts[-1][1] / n},
-            hint="Hint: return the sum of the k shares: the big batch's mean loss over its counted targets.")
+            "Hint: return the sum of the k shares: the big batch's mean loss over its counted targets.")
 
 
 def _ddp_case(rank, world, fn, case):
@@ -174,15 +169,19 @@ def _judge_rank(case, rank, world, res):
         f"no no_sync (or the forward ran outside it: DDP decides in forward): all {k} micro-steps all-reduced, "
         "k× the collectives": k * b,
         "no_sync on every micro-step, including the last: gradients never all-reduced": 0})
-    _expect_loss(f"rank {rank}: ", res, k, loss, _grads_of(case["widths"], case["seed"], xs[-m:], ys[-m:])[1])
+    _expect_loss(f"rank {rank}: ", res, loss, {
+        "summed the micro-batch losses without dividing by k": k * loss,
+        "returned only the last micro-batch's loss/k (total = instead of total +=)":
+            _grads_of(case["widths"], case["seed"], xs[-m:], ys[-m:])[1] / k},
+        "Hint: return the sum of the k values of loss/k: the big batch's mean loss.")
 
 
 class AccumulateDDP(Check):
     id, function = "5.2", "accumulate_ddp"
 
     def cases(self, rng):
-        cases = [dict(_model_case(rng, k, rng.randint(2, 4)), world=2) for k in rng.sample([2, 3, 4], 3)]
-        cases.append(dict(_model_case(rng, rng.randint(2, 4), rng.randint(2, 4)), world=1))  # one rank: DDP still syncs
+        cases = [dict(_model_case(rng, k, rng.randint(2, 4)), world=2) for k in rng.sample([2, 3, 4], 3)] + [
+            dict(_model_case(rng, rng.randint(2, 4), rng.randint(2, 4)), world=1)]  # one rank: DDP still syncs
         for c in cases:  # a bucket cap that splits the gradients into a few buckets, so counts are telling
             n = sum((a + 1) * b for a, b in zip(c["widths"][:-1], c["widths"][1:]))
             c["bucket_cap_mb"] = 4 * n / rng.randint(2, 4) / 2**20

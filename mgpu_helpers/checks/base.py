@@ -50,9 +50,8 @@ _PACKAGE = str(Path(__file__).resolve().parent)
 
 def is_stub(e: BaseException | str) -> bool:
     """Whether an exception (or its "Type: message" text, as the grader records it) is a stub's."""
-    if isinstance(e, BaseException):
-        return isinstance(e, NotImplementedError) and bool(STUB.match(str(e)))
-    return e.startswith("NotImplementedError: ") and bool(STUB.match(e[len("NotImplementedError: "):]))
+    text = f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else e
+    return text.startswith("NotImplementedError: ") and bool(STUB.match(text[len("NotImplementedError: "):]))
 
 
 class CheckFailure(AssertionError):
@@ -60,16 +59,12 @@ class CheckFailure(AssertionError):
     traceback of the learner's exception (if it raised) without the course package's frames."""
 
     def _render_traceback_(self) -> list[str]:
-        lines: list[str] = []
-        cause = self.__cause__
+        lines, cause = [], self.__cause__
         if cause is not None:
             frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(_PACKAGE)]
-            if frames:
-                lines += ["Traceback of the exception your code raised (most recent call last):"]
-                lines += [x.rstrip("\n") for x in traceback.format_list(frames)]
-            lines += [x.rstrip("\n") for x in traceback.format_exception_only(type(cause), cause)]
-            lines += [""]
-        return lines + [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+            head = ["Traceback of the exception your code raised (most recent call last):"] if frames else []
+            lines = head + traceback.format_list(frames) + traceback.format_exception_only(cause) + [""]
+        return [x.rstrip("\n") for x in lines] + [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
 class Check:
@@ -161,8 +156,7 @@ class Check:
         except CheckFailure as e:
             raise CheckFailure(where + str(e)) from None
         except Exception as e:
-            # The judge could not use what the learner's function returned (a wrong type or shape):
-            # say so, instead of a TypeError that reads as if the learner's code had raised.
+            # the judge could not use what the learner's function returned: not a TypeError "the learner raised"
             raise CheckFailure(
                 where + f"{self.function} returned {describe_value(result)}, which the check cannot use "
                 f"({type(e).__name__}: {e}); see the exercise text for what to return"
@@ -231,11 +225,9 @@ class Check:
                         return False, f"Exercise {self.id} ✗ {self.function}: not implemented yet"
                     return False, self._raised(err)
                 try:
-                    self.judge_one(i, len(cases), case, r["result"])
+                    self.judge_one(i, len(cases), case, r.get("result"))  # any exception: a CheckFailure
                 except CheckFailure as e:
                     return False, str(e)
-                except Exception as e:  # a malformed result must not crash the judge
-                    return False, f"Exercise {self.id} ✗ {self.function}: unusable result ({type(e).__name__}: {e})"
         return True, f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases"
 
 
@@ -298,11 +290,8 @@ def expect_close(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
         raise CheckFailure(f"{what}: expected a number or tensor, got {type(actual).__name__}. {hint}".rstrip()) from None
     if ta.shape != tb.shape:
         raise CheckFailure(f"{what}: shape {tuple(ta.shape)}, expected {tuple(tb.shape)}. {hint}".rstrip())
-    diff = (ta - tb).abs().max().item()
-    if ta.numel() == 1:
-        detail = f"got {ta.item():.6g}, expected {tb.item():.6g}"
-    else:
-        detail = f"max |difference| = {diff:.3g} (tolerance {atol:g} + {rtol:g}·|expected|)"
+    detail = (f"got {ta.item():.6g}, expected {tb.item():.6g}" if ta.numel() == 1 else
+              f"max |difference| = {(ta - tb).abs().max().item():.3g} (tolerance {atol:g} + {rtol:g}·|expected|)")
     raise CheckFailure(f"{what}: wrong, {detail}. {hint}".rstrip())
 
 
@@ -373,9 +362,8 @@ def expect_equal(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
     if _equal(actual, expected):
         return
     named = [name for name, wrong in (mistakes or {}).items() if _equal(actual, wrong)]
-    if named:
-        raise CheckFailure(f"{what}: got {actual!r}, expected {expected!r}; {_matches(named)}. {hint}".rstrip())
-    raise CheckFailure(f"{what}: got {actual!r}, expected {expected!r}. {hint}".rstrip())
+    said = f"; {_matches(named)}" if named else ""
+    raise CheckFailure(f"{what}: got {actual!r}, expected {expected!r}{said}. {hint}".rstrip())
 
 
 def expect(cond: bool, message: str) -> None:

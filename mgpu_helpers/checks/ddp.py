@@ -100,20 +100,8 @@ def _expected_buckets(sizes: list[int], cap: int, close_at_cap: bool = False, af
 
 class _AverageCheck(Check):
     rank_fn = staticmethod(_learner_rank)
-
-    def run(self, fn, case):
-        try:
-            return super().run(fn, case)
-        except NotImplementedError:
-            raise
-        except Exception as e:
-            said = str(e).split("--- traceback")[0].strip()
-            if case["unused"] and "None" in said:
-                raise CheckFailure(
-                    f"Exercise {self.id} ✗ {self.function} raised on this model's unused parameter, whose .grad "
-                    f"is None (the forward pass never used it): skip parameters without a gradient.\n"
-                    f"  on case: {self.describe(case)}\n  {said}") from None
-            raise
+    hints = {"NoneType": "it failed on the model's unused parameter, whose .grad is None (the forward pass never "
+             "used it): skip parameters without a gradient"}
 
     def mistakes(self, case, local, target, world) -> dict:
         return {"summed with all_reduce but not divided by the world size": {n: world * t for n, t in target.items()},
@@ -206,7 +194,5 @@ class Check42(_AverageCheck):
                          mistakes={k: len(v) for k, v in mistakes.items()}, hint=hint)
             seen = [b for op, b, _ in got["calls"] if op == "all_reduce"]
             if seen:  # seen only when the learner calls dist.all_reduce (not an alias of it)
-                expect_equal(len(seen), len(buckets), f"rank {r}: the number of all_reduce calls issued",
-                             mistakes={k: len(v) for k, v in mistakes.items()}, hint=hint)
                 expect_equal(seen, buckets, f"rank {r}: the bytes of each all_reduce'd bucket", mistakes=mistakes,
                              hint=hint)

@@ -1,7 +1,6 @@
-"""Notebook 12 -- the checks of exercises 12.1 (``fully_shard`` the notebook's model with a reshard and
-prefetch policy that meets a memory and a communication budget, measured as each of 4 ranks, the forward's
-issue order against FSDP2's own) and 12.2 (a resumable sharded checkpoint: saved on N ranks, loaded on M,
-against one process training on the whole batch; the checkpoint's DCP metadata read)."""
+"""Notebook 12 -- the checks of 12.1 (a ``fully_shard`` policy meeting a memory and a communication budget,
+measured as each of 4 ranks; the forward's issue order against FSDP2's own) and 12.2 (a sharded checkpoint saved
+on N ranks, loaded on M, against one process training on the whole batch; its DCP metadata read)."""
 from __future__ import annotations
 
 import shutil
@@ -35,16 +34,14 @@ class ShardForBudgetCheck(Check):
     rank_fn = staticmethod(_rank_12_1)  # run as each rank in turn (run below)
 
     def cases(self, rng):
-        # The budgets are the notebook's (``fsdp_practice.budgets`` of the measured table, deterministic);
-        # the draw is the model's and the batch's seed. The learner's policy is applied as each of 4 ranks.
+        # The budgets are the notebook's (``fsdp_practice.budgets``, deterministic); the draw is the seed only.
         b = budgets(knob_sweep(4, MODEL["blocks"]))
         return [{"world_size": 4, "seed": rng.randrange(2**31), "budget": b["memory"],
                  "comm_budget": b["communication"]}]
 
     def run(self, fn, case):
-        # Every rank of 4, each in turn in this process under torch's fake process group: the allocations are
-        # real, the collectives move no data, so the bytes are the same on every run (gloo's worker threads
-        # free their buffers on their own schedule, which moved a rank's profiled peak between runs).
+        # Each rank in turn in this process under torch's fake process group: real allocations, collectives that
+        # move no data, so the same bytes on every run (gloo's worker threads moved a rank's profiled peak).
         out = []
         for rank in range(case["world_size"]):
             with fake_world(case["world_size"], rank):
@@ -269,9 +266,7 @@ class ShardedCheckpointCheck(Check):
                "-- each rank reads its own shards -- and put it back with set_state_dict")
         at_load, final = _baseline(case)
         fresh, fresh_final = _baseline(case, load_nothing=True)
-        _, restarted = _baseline(case, optimizer="fresh")
-        _, initialised = _baseline(case, optimizer="initialised")
-        _, lr_lost = _baseline(case, optimizer="lr lost")
+        restarted, initialised, lr_lost = (_baseline(case, optimizer=o)[1] for o in ("fresh", "initialised", "lr lost"))
         expect_close(flat(result["loaded"]), flat(at_load), f"the parameters just after the load on "
                      f"{case['load_on']} ranks", rtol=1e-5, atol=1e-6, mistakes={
                          "nothing was loaded: these are the new model's own initial parameters": flat(fresh)},

@@ -12,7 +12,7 @@ from ..model_sharding.pipeline import StepRecorder, Stuck, make_model, single_pr
 from ..model_sharding.tensor_parallel import make_mlp, param_bytes, parameter_bytes_formula
 from ..runtime.comm_log import CommLog
 from ..runtime.launch import rank_device
-from .base import (CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_type, plain,
+from .base import (REGISTRY, CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_type, plain,
                    scalar)  # plain: a rank hands back CPU tensors
 
 
@@ -49,10 +49,9 @@ def _expect_stages(owned, case):
     want = [list(range(a, b)) for a, b in stage_bounds(n, p)]
     if owned == want:
         return
-    if p > 1 and owned[-1] == want[-1] and not any(owned[:-1]):
-        raise CheckFailure(f"only the last stage's parameters have a .grad; ranks 0..{p - 2} have .grad None: "
-                           "the gradient was never sent back (each stage must backward its saved outputs with "
-                           "the gradient it receives from the next rank, then send its input's gradient on)")
+    expect(p == 1 or owned[-1] != want[-1] or any(owned[:-1]), f"only the last stage's parameters have a .grad; "
+           f"ranks 0..{p - 2} have .grad None: the gradient was never sent back (each stage must backward its saved "
+           "outputs with the gradient it receives from the next rank, then send its input's gradient on)")
     named = [name for name, split in _other_splits(n, p).items() if split == owned]
     seen = "; ".join(f"rank {r}: {o}" for r, o in enumerate(owned))
     raise CheckFailure(f"the layers with a gradient on each rank are {seen}; expected {want} (contiguous, the "
@@ -105,18 +104,16 @@ class PipelineStep(RemembersVerdict):
             res = result[r]
             got = torch.cat([res["grads"][k].flatten() for i in owned[r] for k in (2 * i, 2 * i + 1)])
             want = torch.cat([ref[k].flatten() for i in owned[r] for k in (2 * i, 2 * i + 1)])
-            if r == p - 1:
-                expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]}, the last stage)", rtol=1e-4,
-                             atol=1e-6, mistakes={"loss not divided by n_micro: the micro-batch losses add up to "
-                                                  "n_micro × the batch's mean": m * want},
-                             hint="Hint: the last stage backwards cross_entropy(out, y) / n_micro for each micro-batch.")
-            else:
-                expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]})", rtol=1e-4, atol=1e-6,
-                             hint=f"The later stages' gradients are right, so what reached rank {r}'s backward is "
-                             "off: each saved output must be backwarded with the gradient of *that* micro-batch's "
-                             f"output, received from rank {r + 1} -- both ranks must run the micro-batches' backwards "
-                             "in the same order -- and the gradient sent back must be x.grad of the same "
-                             "micro-batch's input.")
+            last = r == p - 1
+            expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]}{', the last stage' * last})", rtol=1e-4,
+                         atol=1e-6, mistakes={"loss not divided by n_micro: the micro-batch losses add up to "
+                                              "n_micro × the batch's mean": m * want} if last else None,
+                         hint="Hint: the last stage backwards cross_entropy(out, y) / n_micro for each micro-batch."
+                         if last else f"The later stages' gradients are right, so what reached rank {r}'s backward "
+                         "is off: each saved output must be backwarded with the gradient of *that* micro-batch's "
+                         f"output, received from rank {r + 1} -- both ranks must run the micro-batches' backwards "
+                         "in the same order -- and the gradient sent back must be x.grad of the same micro-batch's "
+                         "input.")
         last = result[-1]["loss"]
         expect_type(last, (float, int), "the last rank", "the batch's mean loss (a float)")
         expect_close(last, loss, "the loss returned by the last rank", rtol=1e-4, mistakes={
@@ -266,8 +263,8 @@ def script(rank, world):
     from .references import TensorParallelMLP, gpipe_step
     pipe = {"world_size": world, "n_layers": world + 1, "n_micro": 4, "batch": 16, "width": 32, "seed": 0}
     tp = {"world_size": world, "d": 32, "h": 240, "batch": 8, "seed": 0}
-    for check, rank_fn, fn, case in ((check_9_1, _pipe_rank, gpipe_step, pipe),
-                                     (check_9_2, _tp_rank, TensorParallelMLP, tp)):
+    for check, rank_fn, fn, case in ((REGISTRY["9.1"], _pipe_rank, gpipe_step, pipe),
+                                     (REGISTRY["9.2"], _tp_rank, TensorParallelMLP, tp)):
         results = [None] * world
         dist.all_gather_object(results, rank_fn(rank, world, fn, case))
         check.judge(case, results)

@@ -46,9 +46,8 @@ class PeakPhase(Check):
     may_use = ("mgpu_helpers.runtime.tracker",)  # the task: measure the phases with MemoryTracker
 
     def cases(self, rng):
-        # Fixed kinds, random sizes: weight-heavy steps peak in the optimizer, activation-heavy ones in backward,
-        # narrow layers with plain SGD at a small batch in backward, wide ones with Adam at a larger batch in the
-        # optimizer; so no rule on the batch size alone gives every answer: it has to be measured.
+        # Fixed kinds, random sizes: weight-heavy steps and wide ones with Adam peak in the optimizer, activation-heavy
+        # and narrow ones with SGD in backward; so no rule on the batch size gives every answer: it must be measured.
         out = []
         for kind, opt in (("weights", "adam"), ("weights", "momentum"), ("activations", "adam"),
                           ("activations", "sgd"), ("narrow", "sgd"), ("wide", "adam")):

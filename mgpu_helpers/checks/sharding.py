@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from ..memory import make_batch, mlp
 from ..runtime.comm_log import CommLog
 from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, unique
-from .base import RemembersVerdict, expect, expect_close, expect_equal, expect_type, flat
+from .base import CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_type, flat
 
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -165,10 +165,10 @@ class ShardedOptimizerCheck(RemembersVerdict):
             expect(res["is_optimizer"], "ShardedOptimizer must subclass torch.optim.Optimizer")
             expect_equal(res["groups"], len(_groups(model, case)) + case["add_group"], f"rank {r}: len(param_groups)",
                          hint="param_groups holds every group, with ALL its parameters (lr schedulers use it).")
+        expect(world == 1 or any(len(v) < world for v in owners.values()), "every rank keeps optimizer state for "
+               "every parameter: nothing is sharded. ZeRO-1 gives each parameter to one rank, which alone keeps its "
+               "state and steps it.")
         for i, rs in owners.items():
-            if world > 1 and len(rs) == world and all(len(v) == world for v in owners.values()):
-                expect(False, "every rank keeps optimizer state for every parameter: nothing is sharded. ZeRO-1 "
-                       "gives each parameter to one rank, which alone keeps its state and steps it.")
             expect(len(rs) <= 1, f"parameter {i} has optimizer state on ranks {rs}: each parameter belongs to "
                    "exactly one rank's share" + (" (it is the tied tensor: keep it once)" if i in tied else ""))
             expect(len(rs) == 1, f"parameter {i} (trainable) has optimizer state on no rank: nobody stepped it"
@@ -224,17 +224,13 @@ class ShardedOptimizerCheck(RemembersVerdict):
 
 # --- 8.2: ZeRO-2 ----------------------------------------------------------------------------------------
 
-class _ShardSizes(Exception):
-    """The ranks called a reduce-scatter or all-gather with sizes that cannot pair up (raised on every rank)."""
-
-
 _SIZED = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_gather_single",
           "all_gather_into_tensor")
 
 
 def _same_sizes():
     """Before each sized collective the learner makes, the ranks exchange (output, input) element counts and
-    all raise :class:`_ShardSizes` naming them when they cannot pair up -- else gloo fails with "Connection
+    all raise a :class:`CheckFailure` naming them when they cannot pair up -- else gloo fails with "Connection
     reset by peer" (or waits) and nothing says why."""
     from torch.utils._python_dispatch import _disable_current_modes
     gather = dist.all_gather
@@ -251,7 +247,7 @@ def _same_sizes():
             scatter = name.startswith("reduce_scatter")
             pairs = len(set(sizes)) == 1 and (sizes[0][1] == n * sizes[0][0] if scatter else sizes[0][0] == n * sizes[0][1])
             if not pairs:
-                raise _ShardSizes(f"dist.{name} was called with sizes that do not pair up: " + "; ".join(
+                raise CheckFailure(f"dist.{name} was called with sizes that do not pair up: " + "; ".join(
                     f"rank {r}: output {o} element(s), input {i}" for r, (o, i) in enumerate(sizes)) + ". A "
                     + ("reduce-scatter needs the same sizes on every rank and an input of N × the output: "
                        if scatter else "an all-gather needs the same sizes on every rank and an output of N × the "
@@ -274,7 +270,7 @@ def _rank_82(rank, world, fn, case):
         try:
             with CommLog() as count, _same_sizes():
                 shard = fn(zero.params)
-        except _ShardSizes as e:
+        except CheckFailure as e:  # the sizes cannot pair up: raised on every rank
             return {"sizes": str(e)}
         out["local"].append(local)
         out["shards"].append(shard.detach().clone() if isinstance(shard, torch.Tensor) else repr(shard)[:80])
