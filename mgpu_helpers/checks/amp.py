@@ -43,9 +43,7 @@ def scripted_run(case, scale, step, get_scale, counter) -> dict:
         rec["stepped"].append(scalar(step(opt)))
         rec["moved"].append(not torch.equal(flat(params), before))
         rec["clean_steps"].append(scalar(counter()))
-    rec["final_scale"] = scalar(get_scale())
-    rec["params"] = flat(params)
-    return rec
+    return {**rec, "final_scale": scalar(get_scale()), "params": flat(params)}
 
 
 def gradscaler_run(case, unscale=True) -> dict:
@@ -100,8 +98,7 @@ def _decisions(case, mistake=None) -> dict:
             elif mistake == "no_reset_growth" and count > case["growth_interval"]:
                 scale *= case["growth_factor"]
         rec["clean_steps"].append(count)
-    rec["final_scale"] = scale
-    return rec
+    return {**rec, "final_scale": scale}
 
 
 class LossScalerCheck(Check):
@@ -203,13 +200,9 @@ def _batch8(case):
 def watch_steps(opt, params) -> list:
     """The fp32 gradients ``opt.step()`` is given, one flat tensor per call (an optimizer pre-hook): what
     the optimizer saw, compared bit for bit -- Adam's update hides a gradient's scale, this does not."""
-    seen: list = []
-    params = list(params)
-
-    def hook(optimizer, args, kwargs):
-        seen.append(None if any(p.grad is None for p in params) else flat(p.grad for p in params))
-
-    opt.register_step_pre_hook(hook)
+    seen, params = [], list(params)
+    opt.register_step_pre_hook(lambda *_: seen.append(None if any(p.grad is None for p in params)
+                                                      else flat(p.grad for p in params)))
     return seen
 
 

@@ -184,9 +184,7 @@ class Check:
             return False
         return True
 
-    def passed(self, fn: Callable) -> bool:
-        """:meth:`passes`; a :class:`RemembersVerdict` check answers from its last verdict on ``fn``."""
-        return self.passes(fn)
+    passed = passes  # a RemembersVerdict check answers from its last verdict on the function
 
     # --- grading split: run in the learner's kernel, judge elsewhere -----------------------------------
     def run_all(self, fn: Callable, seed: int) -> list[dict]:
