@@ -1,8 +1,6 @@
-"""The exercises' checks: ``base`` is the machinery (``Check``: cases, run, judge); ``checks/<lesson>.py``
-holds the checks of ``mgpu_helpers/<lesson>.py``'s notebook (``from mgpu_helpers.checks.ddp import
-check_4_1``). ``references/`` holds what a judge compares against when PyTorch itself cannot serve: it is
-imported only inside ``judge`` (never by a notebook or a lesson module) and the grading sandbox does not
-mount it, so no learner's code can reach it while it is graded."""
+"""The exercises' checks: ``base`` is the machinery; ``checks/<lesson>.py`` holds the checks of the notebook of
+``mgpu_helpers/<lesson>.py`` (``from mgpu_helpers.checks.ddp import check_4_1``). ``references/`` is imported only
+inside ``judge`` and not mounted in the grading sandbox, so no learner's code can reach it while it is graded."""
 from .base import *  # noqa: F401,F403  the machinery, for `from mgpu_helpers.checks import Check`
 
 

@@ -4,8 +4,7 @@
     torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding   # notebook 09: GPipe step, tensor-parallel MLP
     python -m mgpu_helpers.checks model_sharding                        # no torchrun: 2 ranks via run_ranks
 
-Each is ``checks.<lesson>.script(rank, world_size)``: the lesson's machinery against one process, judged
-as the check judges it. It lives here, not in the lesson module, because a lesson never imports its checks.
+Each is ``checks.<lesson>.script(rank, world_size)``, judged as its check judges: a lesson never imports its checks.
 """
 import importlib
 import os

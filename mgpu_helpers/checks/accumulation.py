@@ -1,5 +1,5 @@
-"""Checks of notebook 05: 5.1 accumulation = one big batch, 5.2 DDP accumulation that all-reduces once;
-against a single process on the big batch, collectives counted."""
+"""Checks of notebook 05: 5.1 accumulation = one big batch, 5.2 DDP accumulation that all-reduces once; against
+a single process on the big batch, collectives counted."""
 from __future__ import annotations
 
 import torch
@@ -29,10 +29,8 @@ def _data(case, world=1):
 
 def _prefill(model, case):
     """Gradients already in .grad when the function is called (the caller's, from earlier micro-batches)."""
-    if not case.get("prefilled"):
-        return torch.zeros(sum(p.numel() for p in model.parameters()))
     g = torch.Generator().manual_seed(case["seed"] + 3)
-    for p in model.parameters():
+    for p in model.parameters() if case.get("prefilled") else ():
         p.grad = torch.randn(p.shape, generator=g)
     return flat_grads(model)
 
@@ -56,9 +54,8 @@ def _run_counted(model, call):
     def seen(mod, args):  # returns None: a pre-hook's return value would replace the input
         sizes.append(len(args[0]))
         grads_seen.append(sum(float(p.grad.detach().double().sum()) for p in model.parameters() if p.grad is not None))
-    hook = model.register_forward_pre_hook(seen)
-    loss = call()
-    hook.remove()
+    with model.register_forward_pre_hook(seen):
+        loss = call()
     return {"loss": plain(loss), "grads": flat_grads(model), "forward_batches": sizes, "grads_seen": grads_seen}
 
 
@@ -74,13 +71,10 @@ def _expect_split(who, res, k, m):
            "the next forward.")
 
 
-def _expect_loss(who, res, k, loss, last_loss):
+def _expect_loss(who, res, loss, mistakes, hint):
     expect_type(res["loss"], (float, int), f"{who}the function", "a float: the accumulated loss",
                 hint="Hint: a Python number, as loss.item() gives, not a tensor (which would keep its graph alive).")
-    expect_close(res["loss"], loss, f"{who}the returned loss", rtol=1e-4, mistakes={
-        "summed the micro-batch losses without dividing by k": k * loss,
-        "returned only the last micro-batch's loss/k (total = instead of total +=)": last_loss / k},
-        hint="Hint: return the sum of the k values of loss/k: the big batch's mean loss.")
+    expect_close(res["loss"], loss, f"{who}the returned loss", rtol=1e-4, mistakes=mistakes, hint=hint)
 
 
 class AccumulateGradients(Check):
@@ -92,11 +86,6 @@ class AccumulateGradients(Check):
                 dict(_model_case(rng, rng.randint(4, 8), 1), prefilled=True),        # one sample each; .grad set
                 dict(_model_case(rng, 1, rng.randint(2, 8)), pad=True),              # k=1: the big batch itself
                 dict(_model_case(rng, rng.randint(2, 4), rng.randint(4, 6)), pad=True, prefilled=True)]
-
-    def describe(self, case):
-        return (f"k={case['k']} micro-batches of {case['micro']} rows, widths {case['widths']}"
-                + (", padding (unequal counted targets)" if case.get("pad") else "")
-                + (", .grad already holding gradients" if case.get("prefilled") else ""))
 
     def run(self, fn, case):
         model, (x, y) = mlp(case["widths"], seed=case["seed"]), _data(case)
@@ -128,12 +117,10 @@ class AccumulateGradients(Check):
             "divided by the micro-batch size instead of k: loss_fn already averages over it": g0 + means / m,
         }, hint="Hint: loss_fn(model(x), y, reduction='sum') / (the whole batch's count of targets != -100) "
                 "for each micro-batch, backward, and zero nothing.")
-        expect_type(result["loss"], (float, int), "the function", "a float: the accumulated loss",
-                    hint="Hint: a Python number, as loss.item() gives, not a tensor (which would keep its graph alive).")
-        expect_close(result["loss"], loss, "the returned loss", rtol=1e-4, mistakes={
+        _expect_loss("", result, loss, {
             "summed the micro-batch losses without dividing": sum(v / c for _, v, c in parts),
             "returned only the last micro-batch's share (total = instead of total +=)": parts[-1][1] / n},
-            hint="Hint: return the sum of the k shares: the big batch's mean loss over its counted targets.")
+            "Hint: return the sum of the k shares: the big batch's mean loss over its counted targets.")
 
 
 def _ddp_case(rank, world, fn, case):
@@ -148,7 +135,7 @@ def _ddp_case(rank, world, fn, case):
     ddp.zero_grad(set_to_none=True)
     count.calls, forwards = 0, []
     model.register_forward_pre_hook(lambda mod, args: forwards.append(1))
-    count.ledger, count.tag = CollectiveLedger(device=dev), lambda: len(forwards)  # tag: the micro-step
+    count.ledger, count.tag = CollectiveLedger(), lambda: len(forwards)  # tag: the micro-step
     out = _run_counted(model, lambda: fn(ddp, F.cross_entropy, x, y, case["k"]))
     out["mismatch"], count.ledger = count.ledger.finish(), None
     out["allreduces"], count.calls = count.calls, 0
@@ -182,23 +169,23 @@ def _judge_rank(case, rank, world, res):
         f"no no_sync (or the forward ran outside it: DDP decides in forward): all {k} micro-steps all-reduced, "
         "k× the collectives": k * b,
         "no_sync on every micro-step, including the last: gradients never all-reduced": 0})
-    _expect_loss(f"rank {rank}: ", res, k, loss, _grads_of(case["widths"], case["seed"], xs[-m:], ys[-m:])[1])
+    _expect_loss(f"rank {rank}: ", res, loss, {
+        "summed the micro-batch losses without dividing by k": k * loss,
+        "returned only the last micro-batch's loss/k (total = instead of total +=)":
+            _grads_of(case["widths"], case["seed"], xs[-m:], ys[-m:])[1] / k},
+        "Hint: return the sum of the k values of loss/k: the big batch's mean loss.")
 
 
 class AccumulateDDP(Check):
     id, function = "5.2", "accumulate_ddp"
 
     def cases(self, rng):
-        cases = [dict(_model_case(rng, k, rng.randint(2, 4)), world=2) for k in rng.sample([2, 3, 4], 3)]
-        cases.append(dict(_model_case(rng, rng.randint(2, 4), rng.randint(2, 4)), world=1))  # one rank: DDP still syncs
+        cases = [dict(_model_case(rng, k, rng.randint(2, 4)), world=2) for k in rng.sample([2, 3, 4], 3)] + [
+            dict(_model_case(rng, rng.randint(2, 4), rng.randint(2, 4)), world=1)]  # one rank: DDP still syncs
         for c in cases:  # a bucket cap that splits the gradients into a few buckets, so counts are telling
             n = sum((a + 1) * b for a, b in zip(c["widths"][:-1], c["widths"][1:]))
             c["bucket_cap_mb"] = 4 * n / rng.randint(2, 4) / 2**20
         return cases
-
-    def describe(self, case):
-        return (f"{case['world']} rank{'s' * (case['world'] > 1)}, batch {case['k'] * case['micro']} per rank, "
-                f"k={case['k']}, widths={case['widths']}")
 
     def run(self, fn, case):
         return {"ranks": run_learner_ranks(_ddp_case, case["world"], fn, case, timeout=15)}
@@ -210,8 +197,6 @@ class AccumulateDDP(Check):
                                "same micro-steps, with the same no_sync choices.")
         for rank, res in enumerate(result["ranks"]):
             _judge_rank(case, rank, case["world"], res)
-
-
 
 
 def script(rank, world, k=4):

@@ -1,28 +1,19 @@
-"""Notebook 06's checks: 6.1 a dynamic loss scaler against ``torch.amp.GradScaler``, 6.2 a mixed-precision
-step with fp32 master weights against the library way (an fp32 model under ``torch.autocast``). Expected values
-come from torch's own ``GradScaler`` and ``autocast``; the named mistakes are those calls used wrongly, or a
-scale-decision rule with one planted slip (``_decisions``): no working scaler or master-weight step lives here.
-"""
+"""Notebook 06's checks: 6.1 a dynamic loss scaler against ``torch.amp.GradScaler``, 6.2 a mixed-precision step
+with fp32 master weights against an fp32 model under ``torch.autocast``. The named mistakes are those torch calls
+used wrongly, or GradScaler's rule with one planted slip (``_decisions``): no working scaler lives here."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from .base import Check, CheckFailure, _matches, describe_value, expect, expect_close, expect_equal, flat, scalar
-from ..memory import make_optimizer, mlp, nbytes
+from ..memory import make_batch, make_optimizer, mlp, nbytes
 from ..runtime.tracker import MemoryTracker
 
 DTYPES16 = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # --- 6.1: scripted overflows --------------------------------------------------------------------------
-
-def param_groups(params) -> list[dict]:
-    """Two parameter groups with different learning rates, as real training scripts have: a scaler must
-    unscale and check every group, not only ``param_groups[0]``."""
-    half = len(params) // 2
-    return [{"params": params[:half]}, {"params": params[half:], "lr": 0.02}]
-
 
 def group_of(case, t) -> int:
     """The parameter group whose gradient step ``t``'s injected inf/nan went into (the draw's edge test asks)."""
@@ -37,7 +28,8 @@ def scripted_run(case, scale, step, get_scale, counter) -> dict:
     widths, g = case["widths"], torch.Generator().manual_seed(case["seed"] + 1)
     model = mlp(widths, seed=case["seed"])
     params = list(model.parameters())
-    opt = torch.optim.SGD(param_groups(params), lr=0.05, momentum=0.9)
+    half = len(params) // 2  # two groups, as real scripts have: a scaler must unscale and check every group
+    opt = torch.optim.SGD([{"params": params[:half]}, {"params": params[half:], "lr": 0.02}], lr=0.05, momentum=0.9)
     rec = {"scale": [], "stepped": [], "clean_steps": [], "moved": []}
     for event, where in zip(case["script"], case["where"]):
         x, y = torch.randn(6, widths[0], generator=g), torch.randint(widths[-1], (6,), generator=g)
@@ -51,9 +43,7 @@ def scripted_run(case, scale, step, get_scale, counter) -> dict:
         rec["stepped"].append(scalar(step(opt)))
         rec["moved"].append(not torch.equal(flat(params), before))
         rec["clean_steps"].append(scalar(counter()))
-    rec["final_scale"] = scalar(get_scale())
-    rec["params"] = flat(params)
-    return rec
+    return {**rec, "final_scale": scalar(get_scale()), "params": flat(params)}
 
 
 def gradscaler_run(case, unscale=True) -> dict:
@@ -108,15 +98,7 @@ def _decisions(case, mistake=None) -> dict:
             elif mistake == "no_reset_growth" and count > case["growth_interval"]:
                 scale *= case["growth_factor"]
         rec["clean_steps"].append(count)
-    rec["final_scale"] = scale
-    return rec
-
-
-def _first_difference(got, want, script):
-    for t, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            return f"step {t + 1} (script {'/'.join(script[:t + 1])}): {a!r}, expected {b!r}"
-    return f"{len(got)} values, expected {len(want)}"
+    return {**rec, "final_scale": scale}
 
 
 class LossScalerCheck(Check):
@@ -164,13 +146,11 @@ class LossScalerCheck(Check):
         for t, (got, exp) in enumerate(zip(result["moved"], want["moved"])):
             if got != exp:
                 at = f"at step {t + 1} (script {'/'.join(script[:t + 1])})"
-                if exp:
-                    why = "a clean step was skipped: skip only when some gradient is inf or nan"
-                    raise CheckFailure(f"the weights did not change {at}, GradScaler stepped: {why}")
+                expect(not exp, f"the weights did not change {at}, GradScaler stepped: a clean step was skipped: "
+                       "skip only when some gradient is inf or nan")
                 scales = result["scale"] + [result["final_scale"]]
                 numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scales[t:t + 2])
-                backed_off = numbers and scales[t + 1] < scales[t]
-                if backed_off:  # the overflow was seen (the scale backed off), and the step ran anyway
+                if numbers and scales[t + 1] < scales[t]:  # the overflow was seen (the scale backed off), stepped on
                     why = [f"the optimizer stepped although a gradient was {script[t]}: skip optimizer.step() "
                            "on an overflow"]
                 else:           # not even seen
@@ -189,7 +169,9 @@ class LossScalerCheck(Check):
         for key, what in [("scale", "get_scale() before each step"), ("clean_steps", "clean_steps after each step")]:
             if result[key] != want[key]:
                 named = [name for name, rec in wrong.items() if rec[key] == result[key]]
-                raise CheckFailure(f"{what} differs from GradScaler's at {_first_difference(result[key], want[key], script)}"
+                t, a, b = next((t, a, b) for t, (a, b) in enumerate(zip(result[key], want[key])) if a != b)
+                raise CheckFailure(f"{what} differs from GradScaler's at step {t + 1} (script "
+                                   f"{'/'.join(script[:t + 1])}): {a!r}, expected {b!r}"
                                    + (f": {_matches(named)}" if named else ""))
         expect_equal(result["final_scale"], want["final_scale"], "get_scale() after the last step")
         expect_equal(len(result["stepped"]), len(want["stepped"]), "the number of steps recorded")
@@ -211,21 +193,16 @@ def _start(case):
     return model, master, make_optimizer(case["optimizer"], master, lr=case["lr"])
 
 
-def _batch(case):
-    g = torch.Generator().manual_seed(case["seed"] + 1)
-    return torch.randn(8, case["widths"][0], generator=g), torch.randint(case["widths"][-1], (8,), generator=g)
+def _batch8(case):
+    return make_batch(8, case["widths"][0], case["widths"][-1], case["seed"] + 1)
 
 
 def watch_steps(opt, params) -> list:
     """The fp32 gradients ``opt.step()`` is given, one flat tensor per call (an optimizer pre-hook): what
     the optimizer saw, compared bit for bit -- Adam's update hides a gradient's scale, this does not."""
-    seen: list = []
-    params = list(params)
-
-    def hook(optimizer, args, kwargs):
-        seen.append(None if any(p.grad is None for p in params) else flat(p.grad for p in params))
-
-    opt.register_step_pre_hook(hook)
+    seen, params = [], list(params)
+    opt.register_step_pre_hook(lambda *_: seen.append(None if any(p.grad is None for p in params)
+                                                      else flat(p.grad for p in params)))
     return seen
 
 
@@ -235,7 +212,7 @@ def library_step(case, mistake=None) -> dict:
     one: "clip first" (clip before unscale_), "no unscale" (scaled loss, plain step), "16-bit loss",
     "16-bit unscale" (the scaled gradients divided in their 16-bit type, then made fp32)."""
     model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]]).float()
-    opt, (x, y) = make_optimizer(case["optimizer"], model.parameters(), lr=case["lr"]), _batch(case)
+    opt, (x, y) = make_optimizer(case["optimizer"], model.parameters(), lr=case["lr"]), _batch8(case)
     seen = watch_steps(opt, model.parameters())
     with torch.autocast("cpu", dtype=DTYPES16[case["dtype"]]):
         logits = model(x)
@@ -262,7 +239,7 @@ def _unscale16_differs(case) -> bool:
     """Whether dividing this case's scaled 16-bit gradients in 16 bits loses bits (a value lands among
     the subnormals), i.e. whether the check can tell unscaling in 16 bits from unscaling in fp32."""
     model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]])
-    x, y = _batch(case)
+    x, y = _batch8(case)
     (F.cross_entropy(model(x.to(DTYPES16[case["dtype"]])).float(), y) * case["loss_scale"]).backward()
     return any(not torch.equal((p.grad / case["loss_scale"]).float(), p.grad.float() / case["loss_scale"])
                for p in model.parameters())
@@ -293,22 +270,14 @@ class MixedStepCheck(Check):
             out.append(case)
         return out
 
-    def hint(self, error):
-        if "must have the same dtype" in error or "expected scalar type" in error or "same dtype" in error:
-            return ("the model is 16-bit and x is fp32: cast the batch to the model's dtype first "
-                    "(dtype = next(model.parameters()).dtype; model(x.to(dtype)))")
-        if "leaf Variable that requires grad" in error and "in-place" in error:
-            return ("copying the master into the model's parameters is an in-place change of leaves that require "
-                    "grad: do it under torch.no_grad() (p.copy_(m))")
-        return ""
-
-    def describe(self, case):
-        return (f"{case['dtype']} model {case['widths']}, {case['optimizer']}, loss_scale={case['loss_scale']:g}, "
-                f"max_norm={case['max_norm']:.4g}")
+    hints = {"same dtype|expected scalar type": "the model is 16-bit and x is fp32: cast the batch to the model's "
+             "dtype first (dtype = next(model.parameters()).dtype; model(x.to(dtype)))",
+             "leaf Variable that requires grad.*in-place": "copying the master into the model's parameters is an "
+             "in-place change of leaves that require grad: do it under torch.no_grad() (p.copy_(m))"}
 
     def run(self, fn, case):
         model, master, opt = _start(case)
-        x, y = _batch(case)
+        x, y = _batch8(case)
         seen = watch_steps(opt, master)
         with MemoryTracker(model, opt) as mt:
             loss = fn(model, master, opt, x, y, case["loss_scale"], case["max_norm"])
@@ -343,10 +312,10 @@ class MixedStepCheck(Check):
                      atol=0, mistakes={names[m]: wrong[m]["step_grads"][0] for m in wrong},
                      hint="Hint: they must equal GradScaler's bit for bit: m.grad = p.grad.float() / loss_scale, "
                      "then torch.nn.utils.clip_grad_norm_(master, max_norm), then optimizer.step().")
-        common = {names[m]: wrong[m]["master"] for m in wrong}
-        expect_close(result["master"], want["master"], "the fp32 master weights after the step", rtol=0,
-                     atol=0, mistakes=common, hint="Hint: fp32 gradients = 16-bit gradients / loss_scale, "
-                     "then clip, then optimizer.step() (it updates the master).")
+        expect_close(result["master"], want["master"], "the fp32 master weights after the step", rtol=0, atol=0,
+                     mistakes={names[m]: wrong[m]["master"] for m in wrong},
+                     hint="Hint: fp32 gradients = 16-bit gradients / loss_scale, then clip, then optimizer.step() (it "
+                     "updates the master).")
         expect_equal(result["model_dtypes"], [str(DTYPES16[case["dtype"]])], "the model's parameter dtypes",
                      hint="Hint: copy the master into the 16-bit parameters in place (p.copy_(m)).")
         start = flat(_start(case)[0].parameters())
@@ -356,7 +325,7 @@ class MixedStepCheck(Check):
                          **{names[m]: wrong[m]["model"] for m in wrong}})
         from .references import measured_training_state
         row = measured_training_state(mlp(case["widths"], seed=case["seed"]), case["optimizer"], "mixed")
-        n4 = 4 * sum(p.numel() for p in mlp(case["widths"], seed=case["seed"]).parameters())
+        n4 = 2 * row["parameters"]  # fp32 copies of the 16-bit gradients
         expect_equal(result["bytes"], row, "the training state after the step, in bytes (notebook 01's mixed row)",
                      mistakes={"kept the fp32 gradient copies on the master: they are temporaries (set .grad = None)":
                                dict(row, gradients=row["gradients"] + n4),

@@ -1,21 +1,11 @@
-"""How exercises are checked.
+"""How exercises are checked: a check runs the learner's function on fresh random inputs, compares the result
+with PyTorch, a single-process baseline or a measurement, and prints ``Exercise 4.1 ✓ average_gradients: 3/3
+cases`` or raises :class:`CheckFailure` saying what differed and which known mistake it matches.
 
-A check runs the learner's function on fresh random inputs, compares what it returns against PyTorch
-itself, a single-process baseline or a measurement, and either prints one deterministic line::
-
-    Exercise 4.1 ✓ average_gradients: 3/3 cases
-
-or raises :class:`CheckFailure` (an ``AssertionError``) saying what differed, by how much, and -- when
-the wrong answer matches a known mistake -- which mistake it looks like.
-
-A check is split into three steps so that a grader can keep the verdict out of the learner's kernel:
-
-* ``cases(rng)``    -- the inputs, drawn from a seed (plain Python data: ints, floats, strings, lists);
-* ``run(fn, case)`` -- calls the learner's code on one case and returns plain data or CPU tensors;
-* ``judge(case, result)`` -- decides, raising :class:`CheckFailure`; never calls learner code.
-
-In a notebook all three run in the kernel (``check_4_1(average_gradients)``). The grader runs ``run`` in
-the learner's kernel on inputs it chooses and ``judge`` in a separate process that never runs learner code.
+Three steps, so that a grader keeps the verdict out of the learner's kernel: ``cases(rng)`` (plain data drawn
+from a seed), ``run(fn, case)`` (the learner's code on one case: plain data or CPU tensors) and
+``judge(case, result)`` (raises; never calls learner code). A notebook runs all three in the kernel
+(``check_4_1(average_gradients)``); the grader runs ``judge`` in a process that never runs learner code.
 What a learner sees (stubs, tracebacks, hints, timeouts): AUTHORING.md, "Checks".
 """
 from __future__ import annotations
@@ -24,10 +14,12 @@ import contextlib
 import copy
 import os
 import random
+import re
 import sys
 import traceback
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 from unittest import mock
 
@@ -51,35 +43,28 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-# Only the released stub's ``raise NotImplementedError("Exercise 4.1: ...")`` means "not started": torch
-# raises NotImplementedError too (an nn.ModuleList called like a module, an op with no kernel), and that one
-# is a bug in the learner's code whose traceback they need to see.
+# Only the stub's ``raise NotImplementedError("Exercise 4.1: ...")`` means "not started": torch's own (an
+# nn.ModuleList called like a module, an op with no kernel) is a bug whose traceback the learner needs.
 _PACKAGE = str(Path(__file__).resolve().parent)
 
 
 def is_stub(e: BaseException | str) -> bool:
     """Whether an exception (or its "Type: message" text, as the grader records it) is a stub's."""
-    if isinstance(e, BaseException):
-        return isinstance(e, NotImplementedError) and bool(STUB.match(str(e)))
-    return e.startswith("NotImplementedError: ") and bool(STUB.match(e[len("NotImplementedError: "):]))
+    text = f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else e
+    return text.startswith("NotImplementedError: ") and bool(STUB.match(text[len("NotImplementedError: "):]))
 
 
 class CheckFailure(AssertionError):
-    """A check did not pass; the message says what differed and, when it can, why. IPython shows it through
-    :meth:`_render_traceback_`: the message alone, after the learner's exception's traceback (if it raised)
-    without the course package's frames."""
+    """A check did not pass. IPython shows it through :meth:`_render_traceback_`: the message alone, after the
+    traceback of the learner's exception (if it raised) without the course package's frames."""
 
     def _render_traceback_(self) -> list[str]:
-        lines: list[str] = []
-        cause = self.__cause__
+        lines, cause = [], self.__cause__
         if cause is not None:
             frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(_PACKAGE)]
-            if frames:
-                lines += ["Traceback of the exception your code raised (most recent call last):"]
-                lines += [x.rstrip("\n") for x in traceback.format_list(frames)]
-            lines += [x.rstrip("\n") for x in traceback.format_exception_only(type(cause), cause)]
-            lines += [""]
-        return lines + [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+            head = ["Traceback of the exception your code raised (most recent call last):"] if frames else []
+            lines = head + traceback.format_list(frames) + traceback.format_exception_only(cause) + [""]
+        return [x.rstrip("\n") for x in lines] + [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
 class Check:
@@ -91,6 +76,7 @@ class Check:
     points: int = 1
     may_use: tuple = ()     # the parts of the package the learner's answer may name (delegation.py): none
     rank_fn = None          # a distributed check's rank, rank_fn(rank, world_size, fn, case): the default run's
+    hints: dict = {}        # a regular expression found in what the learner's code raised -> the hint for it
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -115,10 +101,8 @@ class Check:
 
     # --- driving ------------------------------------------------------------------------------------
     def make_cases(self, seed: int | None = None) -> list[dict]:
-        # Fresh inputs on every call unless a seed is given (the grader gives one). A seed's draw is always the
-        # same (the kernel's harvest and the judge rely on it), so it is drawn once per process and handed out
-        # as a copy: 6.2's and 11.1's draws search for their telling cases (0.1-0.4 s), and a mutant sweep asks
-        # for the same seeds once per planted mistake.
+        # Fresh inputs unless a seed is given (the grader's). A seed's draw never changes, so it is drawn once
+        # per process and handed out as a copy: 6.2's and 11.1's draws search for their telling cases.
         if seed is None:
             return self.cases(random.Random(int.from_bytes(os.urandom(4), "little")))
         drawn = self.__dict__.setdefault("_drawn", {})
@@ -128,7 +112,7 @@ class Check:
 
     def hint(self, error: str) -> str:
         """A hint for an exception the learner's code raised, given as "Type: message" ("" if none)."""
-        return ""
+        return next((h for pattern, h in self.hints.items() if re.search(pattern, error, re.DOTALL)), "")
 
     def _raised(self, error: str) -> str:
         hint = self.hint(error)
@@ -137,23 +121,16 @@ class Check:
                     "or send/recv must be on rank_device(). " + hint).strip()
         return f"Exercise {self.id} ✗ {self.function} raised {error}" + (f"\n  Hint: {hint}" if hint else "")
 
-    # A function whose run timed out (a hung rank) is not run again by the same check (by id: the grader's
-    # wrapper shares it) on the same function object: that would pay the timeout twice. Re-running its cell
-    # makes a new object, which runs again.
-    def _timeout_of(self, fn: Callable) -> str | None:
+    # A function whose run timed out (a hung rank) is not run again by the same check id on the same function
+    # object: that would pay the timeout twice. Re-running its cell makes a new object, which runs again.
+    def _timeouts(self, fn: Callable) -> dict:  # {check id: message}
         try:
-            return _TIMED_OUT.get(fn, {}).get(self.id)
+            return _TIMED_OUT.setdefault(fn, {})
         except TypeError:  # not weak-referenceable
-            return None
-
-    def _remember_timeout(self, fn: Callable, message: str) -> None:
-        try:
-            _TIMED_OUT.setdefault(fn, {})[self.id] = message
-        except TypeError:
-            pass
+            return {}
 
     def _call(self, fn: Callable, case: dict) -> Any:
-        before = self._timeout_of(fn)
+        before = self._timeouts(fn).get(self.id)
         if before is not None:
             raise CheckFailure(before + "\n  (this function timed out in an earlier run of this check and is not "
                                "run again; fix it and re-run its cell)")
@@ -166,18 +143,20 @@ class Check:
                 raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
             failure = CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}")
             if isinstance(e, TimeoutError):
-                self._remember_timeout(fn, str(failure))
+                self._timeouts(fn)[self.id] = str(failure)
             raise failure from e
 
     def judge_one(self, i: int, n: int, case: dict, result: Any) -> None:
         where = f"Exercise {self.id} ✗ {self.function}, case {i + 1} of {n} ({self.describe(case)}):\n  "
         try:
+            if self.rank_fn is not None:
+                expect(isinstance(result, list) and len(result) == case["world_size"],
+                       f"expected one result per rank ({case['world_size']})")
             self.judge(case, result)
         except CheckFailure as e:
             raise CheckFailure(where + str(e)) from None
         except Exception as e:
-            # The judge could not use what the learner's function returned (a wrong type or shape):
-            # say so, instead of a TypeError that reads as if the learner's code had raised.
+            # the judge could not use what the learner's function returned: not a TypeError "the learner raised"
             raise CheckFailure(
                 where + f"{self.function} returned {describe_value(result)}, which the check cannot use "
                 f"({type(e).__name__}: {e}); see the exercise text for what to return"
@@ -196,8 +175,7 @@ class Check:
         print(f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases")
 
     def passes(self, fn: Callable, seed: int | None = 0) -> bool:
-        """Whether ``fn`` passes this check, silently: for plots and tables that use a learner's function
-        and must say whether what they show was checked."""
+        """Whether ``fn`` passes this check, silently: for plots and tables that show a learner's function."""
         import io
         try:
             with contextlib.redirect_stdout(io.StringIO()):
@@ -206,9 +184,7 @@ class Check:
             return False
         return True
 
-    def passed(self, fn: Callable) -> bool:
-        """:meth:`passes`; a :class:`RemembersVerdict` check answers from its last verdict on ``fn``."""
-        return self.passes(fn)
+    passed = passes  # a RemembersVerdict check answers from its last verdict on the function
 
     # --- grading split: run in the learner's kernel, judge elsewhere -----------------------------------
     def run_all(self, fn: Callable, seed: int) -> list[dict]:
@@ -219,19 +195,17 @@ class Check:
         out = []
         with one_thread():
             for case in self.make_cases(seed):
-                before = self._timeout_of(fn)
+                before = self._timeouts(fn).get(self.id)
                 if before is not None:  # timed out already (in the check cell, or an earlier case): not again
                     out.append({"ok": False, "error": f"TimeoutError: {before}", "traceback": ""})
                     continue
                 try:
                     out.append({"ok": True, "result": self.run(fn, case)})
-                except BaseException as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
-                    if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                        raise
+                except Exception as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
                     out.append({"ok": False, "error": f"{type(e).__name__}: {e}",
                                 "traceback": "".join(traceback.format_exception(e))[-4000:]})
                     if isinstance(e, TimeoutError):
-                        self._remember_timeout(fn, f"{type(e).__name__}: {e}")
+                        self._timeouts(fn)[self.id] = f"{type(e).__name__}: {e}"
         return out
 
     def judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:
@@ -249,18 +223,15 @@ class Check:
                         return False, f"Exercise {self.id} ✗ {self.function}: not implemented yet"
                     return False, self._raised(err)
                 try:
-                    self.judge_one(i, len(cases), case, r["result"])
+                    self.judge_one(i, len(cases), case, r.get("result"))  # any exception: a CheckFailure
                 except CheckFailure as e:
                     return False, str(e)
-                except Exception as e:  # a malformed result must not crash the judge
-                    return False, f"Exercise {self.id} ✗ {self.function}: unusable result ({type(e).__name__}: {e})"
         return True, f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases"
 
 
 class RemembersVerdict(Check):
-    """A check whose ``passed(fn)`` returns the verdict of its last ``check(fn)`` on that very function object,
-    else runs quietly: cells after a slow exercise ask it without repeating its work (or its timeout). Only the
-    kernel's display uses it: grading decides outside the kernel."""
+    """A slow check whose ``passed(fn)`` returns its last verdict on that very function object, else runs
+    quietly: later cells ask it without repeating its work (or its timeout). Grading decides elsewhere."""
 
     def __call__(self, fn: Callable, seed: int | None = None) -> None:
         self._last = (fn, False)        # a failure, a timeout or an interrupt leaves "not passed"
@@ -317,11 +288,8 @@ def expect_close(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
         raise CheckFailure(f"{what}: expected a number or tensor, got {type(actual).__name__}. {hint}".rstrip()) from None
     if ta.shape != tb.shape:
         raise CheckFailure(f"{what}: shape {tuple(ta.shape)}, expected {tuple(tb.shape)}. {hint}".rstrip())
-    diff = (ta - tb).abs().max().item()
-    if ta.numel() == 1:
-        detail = f"got {ta.item():.6g}, expected {tb.item():.6g}"
-    else:
-        detail = f"max |difference| = {diff:.3g} (tolerance {atol:g} + {rtol:g}·|expected|)"
+    detail = (f"got {ta.item():.6g}, expected {tb.item():.6g}" if ta.numel() == 1 else
+              f"max |difference| = {(ta - tb).abs().max().item():.3g} (tolerance {atol:g} + {rtol:g}·|expected|)")
     raise CheckFailure(f"{what}: wrong, {detail}. {hint}".rstrip())
 
 
@@ -333,16 +301,14 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _matches(named: list[str]) -> str:
-    """Every named mistake that gives this value: when two mistakes coincide, the message lists both."""
     if len(named) == 1:
         return f"it matches a common mistake: {named[0]}"
     return "it matches each of these common mistakes (they give the same value here): " + "; ".join(named)
 
 
 def plain(x: Any, _depth: int = 0) -> Any:
-    """What a learner's function returned, as data a grader can ship (``torch.load(weights_only=True)``):
-    numbers, strings, None, detached CPU tensors, lists and dicts of them; anything else becomes
-    ``{"__type__": "a Foo"}``, which :func:`describe_value` reads back."""
+    """A returned value as data a grader can ship (``torch.load(weights_only=True)``): anything but numbers,
+    strings, None, CPU tensors, lists and dicts of them becomes ``{"__type__": "a Foo"}`` (:func:`describe_value`)."""
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, torch.Tensor):
@@ -355,8 +321,8 @@ def plain(x: Any, _depth: int = 0) -> Any:
 
 
 def scalar(x: Any) -> Any:
-    """A returned number as plain data: a 1-element tensor becomes a Python number; anything else but a number,
-    a string or None becomes its description ("a list"), for messages."""
+    """A returned number as plain data (a 1-element tensor's item); anything else but a string or None becomes
+    its description ("a list"), for messages."""
     if isinstance(x, torch.Tensor) and x.numel() == 1:
         return x.item()
     return x if x is None or isinstance(x, (bool, int, float, str)) else describe_value(x)
@@ -394,19 +360,13 @@ def expect_equal(actual: Any, expected: Any, what: str, *, mistakes: dict[str, A
     if _equal(actual, expected):
         return
     named = [name for name, wrong in (mistakes or {}).items() if _equal(actual, wrong)]
-    if named:
-        raise CheckFailure(f"{what}: got {actual!r}, expected {expected!r}; {_matches(named)}. {hint}".rstrip())
-    raise CheckFailure(f"{what}: got {actual!r}, expected {expected!r}. {hint}".rstrip())
+    said = f"; {_matches(named)}" if named else ""
+    raise CheckFailure(f"{what}: got {actual!r}, expected {expected!r}{said}. {hint}".rstrip())
 
 
 def expect(cond: bool, message: str) -> None:
     if not cond:
         raise CheckFailure(message)
-
-
-def expect_ranks(result: Any, world_size: int) -> None:
-    """A distributed check's ``run`` returns one result per rank."""
-    expect(isinstance(result, list) and len(result) == world_size, f"expected one result per rank ({world_size})")
 
 
 def flat(tensors) -> torch.Tensor:
@@ -416,34 +376,26 @@ def flat(tensors) -> torch.Tensor:
 
 # --- distributed checks: the ranks' collectives, matched as they happen -------------------------------
 
-_OPS = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+_OPS = ("all_reduce", "broadcast", "barrier")  # what a ledger watches (a comm hook admits all_reduce)
 
 
-class _Skipped:
-    """What a skipped ``async_op=True`` collective returns: a work that is already done."""
-
-    def wait(self, *args, **kwargs):
-        return True
-
-    def is_completed(self):
-        return True
+_SKIPPED = SimpleNamespace(wait=lambda *args, **kwargs: True, is_completed=lambda: True)  # a done async_op work
 
 
 class CollectiveLedger:
-    """Inside each rank of a distributed check: the learner's collectives, and a guard against ranks that
-    make different ones. Before each collective the ranks compare (operation, call number, bytes, tag) with
-    one small all_gather; once they differ, every rank stops issuing the learner's collectives (they return
-    at once), so the function runs to its end instead of hanging, and :meth:`finish` hands back every rank's
-    calls for :func:`collective_mismatch`. ``with ledger.watching(): fn(...)`` watches ``dist.<op>(...)``
-    calls; a comm hook calls :meth:`admit` itself. ``tag``: a number that must agree across ranks (a micro-step)."""
+    """Inside each rank of a distributed check: the learner's collectives, guarded against ranks that make
+    different ones. Before each, the ranks compare (operation, call number, bytes, tag) in one small all_gather;
+    once they differ, the learner's collectives return at once, so the function ends instead of hanging, and
+    :meth:`finish` hands every rank's calls to :func:`collective_mismatch`. ``with ledger.watching():`` watches
+    ``dist.<op>(...)``; a comm hook calls :meth:`admit`. ``tag``: a number the ranks must agree on (a micro-step)."""
 
-    def __init__(self, device=None):
+    def __init__(self):
         import torch.distributed as dist
 
         from ..runtime.launch import rank_device
         self.calls: list[list] = []
         self.diverged = self.finished = False
-        self.device = device or rank_device()  # its all_gather's tensors: NCCL takes no CPU tensor
+        self.device = rank_device()  # its all_gather's tensors: NCCL takes no CPU tensor
         self._dist, self._all_gather = dist, dist.all_gather
 
     def _agree(self, code: list[int]) -> bool:
@@ -458,7 +410,7 @@ class CollectiveLedger:
         if self.finished:
             return True
         if not self.diverged:
-            code = [_OPS.index(op) + 1 if op in _OPS else 99, len(self.calls), int(nbytes), int(tag)]
+            code = [_OPS.index(op) + 1, len(self.calls), int(nbytes), int(tag)]
             self.diverged = not self._agree(code)
         return not self.diverged
 
@@ -480,11 +432,10 @@ class CollectiveLedger:
                 t = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
                 if self.admit(op, 0 if t is None else t.numel() * t.element_size()):
                     return real(*args, **kwargs)
-                return _Skipped() if kwargs.get("async_op") else None
+                return _SKIPPED if kwargs.get("async_op") else None
             return collective
 
-        ops = ("all_reduce", "broadcast", "barrier")
-        return mock.patch.multiple(self._dist, **{op: wrap(op, getattr(self._dist, op)) for op in ops})
+        return mock.patch.multiple(self._dist, **{op: wrap(op, getattr(self._dist, op)) for op in _OPS})
 
 
 def collective_mismatch(per_rank: list[list], tag: str = "") -> str:

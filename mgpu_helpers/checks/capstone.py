@@ -58,12 +58,9 @@ class Check11_1(RemembersVerdict):
         right = {c: _summary(_cheapest(plans, lambda p: p.device_bytes <= c)) for c in points}
         wrong = {name: {c: _summary(_cheapest(plans, lambda p: rule(p, c))) != right[c] for c in points}
                  for name, rule in WRONG_FITS.items()}
-        out = []
-        for name in WRONG_FITS:
-            alone = [c for c in points if wrong[name][c] and not any(wrong[o][c] for o in WRONG_FITS if o != name)]
-            out.append({"capacity": rng.choice(alone or [c for c in points if wrong[name][c]]),
-                        "what": "telling: " + name.split(":")[0].split(" (")[0]})
-        return out
+        return [{"capacity": rng.choice([c for c in points if wrong[name][c] and not any(
+                     wrong[o][c] for o in WRONG_FITS if o != name)] or [c for c in points if wrong[name][c]]),
+                 "what": "telling: " + name.split(":")[0].split(" (")[0]} for name in WRONG_FITS]
 
     def describe(self, case):
         return f"capacity {case['capacity']:,} B ({case['what']})"

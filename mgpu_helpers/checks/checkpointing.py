@@ -1,5 +1,5 @@
-"""Check of notebook 07: 7.1 segments of k blocks under checkpointing; gradients against the plain step,
-the peak against ``predict_peak`` (exact, proven against the tracker), the recomputed blocks recorded."""
+"""Check of notebook 07: 7.1 segments of k blocks under checkpointing; gradients against the plain step, the peak
+against ``predict_peak`` (exact, proven against the tracker), the recomputed blocks recorded."""
 from __future__ import annotations
 
 import torch
@@ -31,13 +31,12 @@ def _mistake_plans(L, k):
              "no checkpointing at all": plan_for(L, None),
              "checkpointed only the blocks i with i % k == 0, each on its own: that saves L/k blocks' "
              "activations and keeps the rest, not the sqrt(L) trade-off": [(1, i % k == 0) for i in range(L)]}
+    if k > 1:
+        plans["segments of k - 1 blocks (off by one)"] = plan_for(L, k - 1)
     if k < L:
         plans["one segment for the whole stack (as if k = L): backward recomputes every block at once"] = \
             plan_for(L, L)
         plans["segments of k + 1 blocks (off by one)"] = plan_for(L, k + 1)
-    if k > 1:
-        plans["segments of k - 1 blocks (off by one)"] = plan_for(L, k - 1)
-    if k < L:
         plans["block 0 left out (segments started at block 1)"] = [(1, False)] + [
             (stop - start, True) for start, stop in segments(L - 1, min(k, L - 1))]
     return plans
@@ -78,10 +77,6 @@ class CheckpointEvery(Check):
         dropout = [dict(_case(rng, rng.randint(4, 8), 2), dropout=0.5), dict(_case(rng, 5, 5), dropout=0.3)]
         return cases + dropout + bad
 
-    def describe(self, case):
-        return (f"{case['layers']} blocks, k={case['k']}, batch {case['batch']}, d={case['d']}, h={case['h']}"
-                + (f", dropout {case['dropout']}" if case.get("dropout") else ""))
-
     def run(self, fn, case):
         model, x, y = _problem(case)
         if case.get("bad"):
@@ -90,9 +85,8 @@ class CheckpointEvery(Check):
             except Exception as e:  # noqa: BLE001 - the judge names what was raised instead
                 return {"raised": "ValueError" if isinstance(e, ValueError) else type(e).__name__, "message": str(e)}
             return {"raised": None}
-        # Which blocks backward re-runs, and whether each gets the input it had in forward (the same
-        # storage: checkpoint keeps the segment's input): names reading loop variables inside the
-        # checkpointed function. Storage addresses only -- nothing is allocated, the peak is untouched.
+        # Which blocks backward re-runs, and whether each gets its forward input (the same storage): names loop
+        # variables read inside the checkpointed function. Storage addresses only: the peak is untouched.
         phase, first_input, recomputed = ["forward"], {}, []
         def seen(i, args):  # returns None: a pre-hook's return value would replace the block's input
             if phase[0] == "forward":
@@ -127,11 +121,10 @@ class CheckpointEvery(Check):
             return
         expect("output" not in result, f"{self.function} returned {result.get('output')}; expected the output "
                "tensor of the last block (batch × d).")
-        if "checkpoint_error" in result:
-            expect(False, "backward raised torch's CheckpointError (the recomputation did not match the forward): "
-                   f"{result['checkpoint_error']}\n  " + (_stale(result.get("recomputed") or []) or
-                   "Hint: checkpoint(function, *its inputs, use_reentrant=False), with everything the function "
-                   "uses passed as an argument."))
+        expect("checkpoint_error" not in result, "backward raised torch's CheckpointError (the recomputation did "
+               f"not match the forward): {result.get('checkpoint_error')}\n  " + (_stale(result.get("recomputed") or [])
+               or "Hint: checkpoint(function, *its inputs, use_reentrant=False), with everything the function uses "
+               "passed as an argument."))
         model, x, y = _problem(case)
         torch.manual_seed(case["seed"])
         F.cross_entropy(model.head(no_checkpointing(model.blocks, x)), y).backward()
@@ -139,12 +132,11 @@ class CheckpointEvery(Check):
         grads = result["grads"]
         expect(len(grads) == len(names), f"got {len(grads)} gradients for {len(names)} parameters")
         missing = sorted({int(n.split(".")[1]) for n, g in zip(names, grads) if g is None and n.startswith("blocks")})
-        if missing == list(range(L)):
-            expect(False, "no block got a gradient (only the head did): the graph is cut between the head and the "
-                   "blocks. It matches a common mistake: use_reentrant=True with an input that does not require "
-                   "grad -- the reentrant variant then returns an output that needs no gradient, so backward never "
-                   "reaches the blocks; or a detach() of the segments' outputs. Hint: use_reentrant=False, and "
-                   "pass each segment's output on as it is.")
+        expect(missing != list(range(L)), "no block got a gradient (only the head did): the graph is cut between "
+               "the head and the blocks. It matches a common mistake: use_reentrant=True with an input that does not "
+               "require grad -- the reentrant variant then returns an output that needs no gradient, so backward "
+               "never reaches the blocks; or a detach() of the segments' outputs. Hint: use_reentrant=False, and "
+               "pass each segment's output on as it is.")
         if missing:
             tail = missing == list(range(missing[0], L))
             expect(False, f"blocks {missing} got no gradient" + (
@@ -157,8 +149,7 @@ class CheckpointEvery(Check):
             if case.get("dropout"):
                 off = _problem(case, dropout=False)[0]  # same weights
                 F.cross_entropy(off.head(no_checkpointing(off.blocks, x)), y).backward()
-                expect(not torch.allclose(got, flat(p.grad for p in off.parameters()),
-                                          rtol=1e-4, atol=1e-6),
+                expect(not torch.allclose(got, flat(p.grad for p in off.parameters()), rtol=1e-4, atol=1e-6),
                        "the gradients are those of the stack without dropout: it matches a common mistake: dropout "
                        "switched off (the blocks put in eval mode). Hint: leave the blocks' mode alone; "
                        "checkpoint's default preserve_rng_state=True replays the forward's dropout masks.")
@@ -167,14 +158,14 @@ class CheckpointEvery(Check):
                    "preserve_rng_state=False -- the recomputation draws new dropout masks, so backward "
                    "differentiates another function than the forward computed. Hint: leave checkpoint's "
                    "preserve_rng_state at its default, True.")
-        expect_close(got, ref, "the gradients (compared with the same step without checkpointing)", hint="Hint: pass each segment's blocks and input to checkpoint as arguments; "
-                     "non-reentrant checkpointing gives gradients equal to the plain step.", rtol=1e-4, atol=1e-6)
+        expect_close(got, ref, "the gradients (compared with the same step without checkpointing)", rtol=1e-4,
+                     atol=1e-6, hint="Hint: pass each segment's blocks and input to checkpoint as arguments; "
+                     "non-reentrant checkpointing gives gradients equal to the plain step.")
         if case.get("dropout"):
             return  # predict_peak models the stack without dropout (whose masks add to the peak)
         shape = (case["d"], case["h"], case["classes"], case["batch"])
-        expected = predict_peak(plan_for(L, k), *shape)
-        mistakes = {name: predict_peak(plan, *shape) for name, plan in _mistake_plans(L, k).items()}
-        expect_equal(result["peak"], expected, "the peak bytes of the step, measured with MemoryTracker",
-                     mistakes={n: v for n, v in mistakes.items() if v != expected},
+        expect_equal(result["peak"], predict_peak(plan_for(L, k), *shape), "the peak bytes of the step, measured "
+                     "with MemoryTracker", mistakes={name: predict_peak(plan, *shape)
+                                                     for name, plan in _mistake_plans(L, k).items()},
                      hint=f"(The expected value is predict_peak for segments of {k}.) Hint: segments are blocks "
                           f"0..{k - 1}, {k}..{2 * k - 1}, ... (the last may be shorter), each one checkpointed.")

@@ -1,13 +1,12 @@
-"""Did the learner's answer use the course's own code? (``course_code_used``) A submission that only calls into
-the package has not written the exercise; it would fail anyway (the package holds no answers), and this names
-the reason instead of a confusing difference. Static and cheap: it follows what the learner's function or class
-refers to by name (the notebook's own helpers included) and reports the first course object outside
-``Check.may_use``. A feedback line, not the defence: that is that no answer exists to call.
-"""
+"""Did the learner's answer use the course's own code? (``course_code_used``) Such a submission would fail anyway
+(the package holds no answers); this names the reason instead of a confusing difference. Static: it follows what
+the learner's function or class refers to by name (the notebook's own helpers too) and reports the first course
+object outside ``Check.may_use``."""
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import types
 
 from ..runtime.exercises import code_objects  # a function's code objects, nested ones too
@@ -54,22 +53,14 @@ def course_code_used(obj, may_use=(), _seen=None) -> str | None:
     if isinstance(obj, (types.MethodType, staticmethod, classmethod)):
         return course_code_used(obj.__func__, may_use, seen)
     if isinstance(obj, property):
-        for f in (obj.fget, obj.fset, obj.fdel):
-            found = f is not None and course_code_used(f, may_use, seen)
-            if found:
-                return found
-        return None
+        return next(filter(None, (course_code_used(f, may_use, seen) for f in (obj.fget, obj.fset, obj.fdel)
+                                  if f is not None)), None)
     if inspect.isclass(obj):
-        for base in obj.__mro__[1:]:
-            found = _name_of(base, may_use) or (_learners(base, obj) and course_code_used(base, may_use, seen))
-            if found:
-                return found
-        for member in vars(obj).values():
-            found = course_code_used(member, may_use, seen) if callable(member) or isinstance(
-                member, (staticmethod, classmethod, property)) else None
-            if found:
-                return found
-        return None
+        bases = (_name_of(b, may_use) or (_learners(b, obj) and course_code_used(b, may_use, seen))
+                 for b in obj.__mro__[1:])
+        members = (course_code_used(m, may_use, seen) for m in vars(obj).values()
+                   if callable(m) or isinstance(m, (staticmethod, classmethod, property)))
+        return next(filter(None, itertools.chain(bases, members)), None)
     if not isinstance(obj, types.FunctionType):
         return None
     values = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
@@ -81,15 +72,9 @@ def course_code_used(obj, may_use=(), _seen=None) -> str | None:
                 return module
             if name in obj.__globals__:
                 values.append(obj.__globals__[name])
-    for value in values:
-        found = _name_of(value, may_use)
-        if found:
-            return found
-        if _learners(value, obj):   # a helper of the learner's own (same notebook): follow it
-            found = course_code_used(value, may_use, seen)
-            if found:
-                return found
-    return None
+    # a value that is course code, or a helper of the learner's own (same notebook) to follow
+    found = (_name_of(v, may_use) or (_learners(v, obj) and course_code_used(v, may_use, seen)) for v in values)
+    return next(filter(None, found), None)
 
 
 def _learners(value, obj) -> bool:

@@ -1,7 +1,6 @@
-"""Notebook 12 -- the checks of exercises 12.1 (``fully_shard`` the notebook's model with a reshard and
-prefetch policy that meets a memory and a communication budget, measured as each of 4 ranks, the forward's
-issue order against FSDP2's own) and 12.2 (a resumable sharded checkpoint: saved on N ranks, loaded on M,
-against one process training on the whole batch; the checkpoint's DCP metadata read)."""
+"""Notebook 12 -- the checks of 12.1 (a ``fully_shard`` policy meeting a memory and a communication budget,
+measured as each of 4 ranks; the forward's issue order against FSDP2's own) and 12.2 (a sharded checkpoint saved
+on N ranks, loaded on M, against one process training on the whole batch; its DCP metadata read)."""
 from __future__ import annotations
 
 import shutil
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn import functional as F
 
-from .base import Check, expect, expect_close, expect_ranks, flat, run_learner_ranks
+from .base import Check, expect, expect_close, flat, run_learner_ranks
 from ..fsdp_practice import MODEL, blocks, budgets, knob_sweep, make_model, measure, shard
 from ..runtime.launch import rank_device
 from ..runtime.fake_world import fake_world
@@ -32,42 +31,34 @@ def _rank_12_1(rank, world, fn, case):
 
 class ShardForBudgetCheck(Check):
     id, function, points = "12.1", "shard_for_budget", 3
+    rank_fn = staticmethod(_rank_12_1)  # run as each rank in turn (run below)
 
     def cases(self, rng):
-        # The budgets are the notebook's (``fsdp_practice.budgets`` of the measured table, deterministic);
-        # the draw is the model's and the batch's seed. The learner's policy is applied as each of 4 ranks.
+        # The budgets are the notebook's (``fsdp_practice.budgets``, deterministic); the draw is the seed only.
         b = budgets(knob_sweep(4, MODEL["blocks"]))
         return [{"world_size": 4, "seed": rng.randrange(2**31), "budget": b["memory"],
                  "comm_budget": b["communication"]}]
 
-    def describe(self, case):
-        return (f"{case['world_size']} ranks, the notebook's model (seed {case['seed']}), at most {case['budget']:,} "
-                f"bytes per rank and {case['comm_budget']:,} bytes all-gathered per rank per step")
-
     def run(self, fn, case):
-        # Every rank of 4, each in turn in this process under torch's fake process group: the allocations are
-        # real, the collectives move no data, so the bytes are the same on every run (gloo's worker threads
-        # free their buffers on their own schedule, which moved a rank's profiled peak between runs).
+        # Each rank in turn in this process under torch's fake process group: real allocations, collectives that
+        # move no data, so the same bytes on every run (gloo's worker threads moved a rank's profiled peak).
         out = []
         for rank in range(case["world_size"]):
             with fake_world(case["world_size"], rank):
-                out.append(_rank_12_1(rank, case["world_size"], fn, case))
+                out.append(self.rank_fn(rank, case["world_size"], fn, case))
         return out
 
-    def hint(self, error):
-        if "all_gather_copy_in_stream" in error:  # FSDP2's lazy init found no root state
-            return ("the root is not a fully_shard unit: after the blocks, call fully_shard(model, mesh=mesh); "
-                    "the root's forward is what sets every unit up")
-        if "has no attribute 'set_modules_to_" in error:
-            return ("set_modules_to_forward_prefetch is a method of FSDPModule: fully_shard each block first, "
-                    "then give each block the list of blocks to prefetch")
-        if "reshard_after_forward as an int" in error:  # torch: "... it should be a factor of N"
-            return ("an int reshard_after_forward is a world size to reshard to after forward: a divisor of "
-                    "the mesh's size other than 1 and the size itself")
-        return ""
+    hints = {"all_gather_copy_in_stream":  # FSDP2's lazy init found no root state
+             "the root is not a fully_shard unit: after the blocks, call fully_shard(model, mesh=mesh); the root's "
+             "forward is what sets every unit up",
+             "has no attribute 'set_modules_to_":
+             "set_modules_to_forward_prefetch is a method of FSDPModule: fully_shard each block first, then give "
+             "each block the list of blocks to prefetch",
+             "reshard_after_forward as an int":  # torch: "... it should be a factor of N"
+             "an int reshard_after_forward is a world size to reshard to after forward: a divisor of the mesh's "
+             "size other than 1 and the size itself"}
 
     def judge(self, case, result):
-        expect_ranks(result, case["world_size"])
         r0 = result[0]
         expect(r0["root"], "the root is not a fully_shard unit: after the blocks, fully_shard(model, mesh=mesh) "
                "shards what is left (the first and last Linear) and drives each step's all-gathers")
@@ -132,8 +123,7 @@ def _train(model, opt, case, steps, first):
     world, rank = (dist.get_world_size(), dist.get_rank()) if isinstance(model, FSDPModule) else (1, 0)  # 1: the judge
     for s in range(first, first + steps):
         x, y = (t.tensor_split(world)[rank].to(rank_device()) for t in _batch(case, s))
-        x = x.to(DTYPE)
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x.to(DTYPE)), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -226,11 +216,6 @@ class ShardedCheckpointCheck(Check):
                 {"save_on": 3, "load_on": 2, "before": rng.randint(1, 2), "after": 2, "seed": rng.randrange(2**31),
                  "lr": lr(), "reorder": True}]
 
-    def describe(self, case):
-        return (f"{case['before']} steps on {case['save_on']} ranks, lr set to {case['lr']}, saved; loaded on "
-                f"{case['load_on']} ranks" + (" by an optimizer listing the parameters in reverse order"
-                                              if case.get("reorder") else "") + f", {case['after']} more steps")
-
     def run(self, cls, case):
         path = tempfile.mkdtemp(prefix="mgpu-ckpt-")
         try:
@@ -244,16 +229,13 @@ class ShardedCheckpointCheck(Check):
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
-    def hint(self, error):
-        import re
-        if re.search(r"Size mismatch between saved .* for \w+\.state\.\d+\.", error):
-            return ("the optimizer's state was keyed by position (optimizer.state_dict(): parameter 0, 1, ...): "
-                    "an optimizer that lists its parameters in another order loaded one parameter's moments into "
-                    "another. get_state_dict(model, optimizer) keys the optimizer's state by parameter name")
-        if "Timeout" in error and "dcp" in error and ("barrier" in error or "all_gather" in error):
-            return ("dcp.save and dcp.load are collective: every rank calls them (each writes or reads its own "
-                    "shards), never only rank 0 -- the ranks that did not call it waited for it")
-        return ""
+    hints = {r"Size mismatch between saved .* for \w+\.state\.\d+\.":
+             "the optimizer's state was keyed by position (optimizer.state_dict(): parameter 0, 1, ...): an "
+             "optimizer that lists its parameters in another order loaded one parameter's moments into another. "
+             "get_state_dict(model, optimizer) keys the optimizer's state by parameter name",
+             r"^(?=.*Timeout)(?=.*dcp)(?=.*(barrier|all_gather))":
+             "dcp.save and dcp.load are collective: every rank calls them (each writes or reads its own shards), "
+             "never only rank 0 -- the ranks that did not call it waited for it"}
 
     def judge(self, case, result):
         expect(isinstance(result, dict) and "saved" in result, "expected what was saved and loaded")
@@ -284,9 +266,7 @@ class ShardedCheckpointCheck(Check):
                "-- each rank reads its own shards -- and put it back with set_state_dict")
         at_load, final = _baseline(case)
         fresh, fresh_final = _baseline(case, load_nothing=True)
-        _, restarted = _baseline(case, optimizer="fresh")
-        _, initialised = _baseline(case, optimizer="initialised")
-        _, lr_lost = _baseline(case, optimizer="lr lost")
+        restarted, initialised, lr_lost = (_baseline(case, optimizer=o)[1] for o in ("fresh", "initialised", "lr lost"))
         expect_close(flat(result["loaded"]), flat(at_load), f"the parameters just after the load on "
                      f"{case['load_on']} ranks", rtol=1e-5, atol=1e-6, mistakes={
                          "nothing was loaded: these are the new model's own initial parameters": flat(fresh)},

@@ -1,5 +1,4 @@
-"""Checks of notebook 01: 1.1 training-state bytes (against one real step, measured), 1.2 activation
-bytes (against the tracker)."""
+"""Checks of notebook 01: 1.1 training-state bytes (against one real step, measured), 1.2 activation bytes."""
 from __future__ import annotations
 
 import random
@@ -34,7 +33,6 @@ class TrainingStateBytes(Check):
         from .references import measured_training_state
         expected = measured_training_state(mlp(case["widths"], seed=case["seed"]), case["optimizer"], case["precision"])
         n = sum(p.numel() for p in mlp(case["widths"], seed=case["seed"]).parameters())
-        w = 4 if case["precision"] == "fp32" else 2
         states = {"sgd": 0, "momentum": 1, "adam": 2}[case["optimizer"]]
         mistakes = {
             "counted elements, not bytes (multiply by bytes per element)":
@@ -54,7 +52,7 @@ class TrainingStateBytes(Check):
             mistakes.pop("Adam keeps TWO states per parameter (exp_avg and exp_avg_sq)")
         if case["precision"] != "mixed":
             mistakes = {k: v for k, v in mistakes.items() if "master" not in k}
-        if w == 4:
+        if case["precision"] == "fp32":
             mistakes.pop("used fp32 (4 bytes) for the 16-bit weights and gradients")
         split = " (the total is right: the split between categories is not)" if (
             result != expected and sum(result.values()) == sum(expected.values())) else ""

@@ -2,6 +2,8 @@
 clock recorded), 9.2 the tensor-parallel MLP (against the dense MLP, all_reduces counted); and the script."""
 from __future__ import annotations
 
+from itertools import combinations
+
 import torch
 import torch.distributed as dist
 
@@ -10,8 +12,8 @@ from ..model_sharding import (StepRecorder, Stuck, make_mlp, make_model, param_b
                               single_process_step, stage_bounds)
 from ..runtime.comm_log import CommLog
 from ..runtime.launch import rank_device
-from .base import (CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_ranks,
-                   expect_type, plain, scalar)  # plain: a rank hands back CPU tensors
+from .base import (REGISTRY, CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_type, plain,
+                   scalar)  # plain: a rank hands back CPU tensors
 
 
 # --- check 9.1: the pipeline step --------------------------------------------------------------------
@@ -47,10 +49,9 @@ def _expect_stages(owned, case):
     want = [list(range(a, b)) for a, b in stage_bounds(n, p)]
     if owned == want:
         return
-    if p > 1 and owned[-1] == want[-1] and not any(owned[:-1]):
-        raise CheckFailure(f"only the last stage's parameters have a .grad; ranks 0..{p - 2} have .grad None: "
-                           "the gradient was never sent back (each stage must backward its saved outputs with "
-                           "the gradient it receives from the next rank, then send its input's gradient on)")
+    expect(p == 1 or owned[-1] != want[-1] or any(owned[:-1]), f"only the last stage's parameters have a .grad; "
+           f"ranks 0..{p - 2} have .grad None: the gradient was never sent back (each stage must backward its saved "
+           "outputs with the gradient it receives from the next rank, then send its input's gradient on)")
     named = [name for name, split in _other_splits(n, p).items() if split == owned]
     seen = "; ".join(f"rank {r}: {o}" for r, o in enumerate(owned))
     raise CheckFailure(f"the layers with a gradient on each rank are {seen}; expected {want} (contiguous, the "
@@ -83,13 +84,8 @@ class PipelineStep(RemembersVerdict):
                 case(1, rng.randint(1, 4), rng.randint(2, 4)),             # world size 1: no send/recv at all
                 case(rng.choice([2, 3]), 3, 1)]                            # one micro-batch: the naive pipeline
 
-    def describe(self, case):
-        return (f"{case['world_size']} rank(s), {case['n_layers']} layers, batch {case['batch']}, "
-                f"n_micro={case['n_micro']}")
-
     def judge(self, case, result):
         p, n, m, b = case["world_size"], case["n_layers"], case["n_micro"], case["batch"]
-        expect_ranks(result, p)
         raised = [r.get("raised") for r in result]
         if b % m:
             expect(all(raised), f"n_micro={m} does not divide the batch of {b}: every rank must raise ValueError "
@@ -108,18 +104,16 @@ class PipelineStep(RemembersVerdict):
             res = result[r]
             got = torch.cat([res["grads"][k].flatten() for i in owned[r] for k in (2 * i, 2 * i + 1)])
             want = torch.cat([ref[k].flatten() for i in owned[r] for k in (2 * i, 2 * i + 1)])
-            if r == p - 1:
-                expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]}, the last stage)", rtol=1e-4,
-                             atol=1e-6, mistakes={"loss not divided by n_micro: the micro-batch losses add up to "
-                                                  "n_micro × the batch's mean": m * want},
-                             hint="Hint: the last stage backwards cross_entropy(out, y) / n_micro for each micro-batch.")
-            else:
-                expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]})", rtol=1e-4, atol=1e-6,
-                             hint=f"The later stages' gradients are right, so what reached rank {r}'s backward is "
-                             "off: each saved output must be backwarded with the gradient of *that* micro-batch's "
-                             f"output, received from rank {r + 1} -- both ranks must run the micro-batches' backwards "
-                             "in the same order -- and the gradient sent back must be x.grad of the same "
-                             "micro-batch's input.")
+            last = r == p - 1
+            expect_close(got, want, f"rank {r}'s gradients (layers {owned[r]}{', the last stage' * last})", rtol=1e-4,
+                         atol=1e-6, mistakes={"loss not divided by n_micro: the micro-batch losses add up to "
+                                              "n_micro × the batch's mean": m * want} if last else None,
+                         hint="Hint: the last stage backwards cross_entropy(out, y) / n_micro for each micro-batch."
+                         if last else f"The later stages' gradients are right, so what reached rank {r}'s backward "
+                         "is off: each saved output must be backwarded with the gradient of *that* micro-batch's "
+                         f"output, received from rank {r + 1} -- both ranks must run the micro-batches' backwards "
+                         "in the same order -- and the gradient sent back must be x.grad of the same micro-batch's "
+                         "input.")
         last = result[-1]["loss"]
         expect_type(last, (float, int), "the last rank", "the batch's mean loss (a float)")
         expect_close(last, loss, "the loss returned by the last rank", rtol=1e-4, mistakes={
@@ -137,23 +131,7 @@ class PipelineStep(RemembersVerdict):
                 2 * m * p})
 
 
-
-
 # --- check 9.2: the tensor-parallel MLP --------------------------------------------------------------
-
-# torch's words for the two places learners stick, and what to do (added to the error the rank raised)
-_HINTS = {"a leaf Variable that requires grad is being used in an in-place operation":
-          "copying the shards into the new module's parameters (param.copy_(...)) is an in-place op on a leaf "
-          "that requires grad: do it under `with torch.no_grad():`",
-          "modified by an inplace operation":
-          "dist.all_reduce works in place: inside the autograd.Function, all-reduce a clone (total = "
-          "partial.clone(); dist.all_reduce(total)), never a tensor autograd saved"}
-
-
-def _hinted(e: Exception) -> str:
-    text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return text + "".join(f" -- Hint: {h}" for k, h in _HINTS.items() if k in str(e))
-
 
 def _tp_rank(rank, world, fn, case):
     dense = make_mlp(case["d"], case["h"], case["seed"])
@@ -161,10 +139,6 @@ def _tp_rank(rank, world, fn, case):
         mod = fn(dense, rank, world)
     except ValueError as e:
         return {"raised": f"ValueError: {e}"}
-    except RuntimeError as e:
-        if any(k in str(e) for k in _HINTS):
-            raise RuntimeError(_hinted(e).split(": ", 1)[1]) from e
-        raise
     del dense  # what the rank's module keeps alive is what it costs
     shapes = {name: tuple(q.shape) for name, q in mod.named_parameters()}
     out = {"shapes": shapes, "param_bytes": param_bytes(mod)}
@@ -177,7 +151,7 @@ def _tp_rank(rank, world, fn, case):
         with CommLog() as backward:
             (y * gy).sum().backward()
     except RuntimeError as e:
-        return {**out, "error": _hinted(e)}
+        return {**out, "error": f"RuntimeError: {str(e).splitlines()[0] if str(e) else ''}"}
     return {**out, "y": plain(y), "x_grad": plain(x.grad), "forward_calls": forward.counts.get("all_reduce", 0),
             "backward_calls": backward.counts.get("all_reduce", 0),
             "grads": {name: plain(q.grad) for name, q in mod.named_parameters()}}
@@ -186,8 +160,8 @@ def _tp_rank(rank, world, fn, case):
 def _dense_reference(case):
     dense = make_mlp(case["d"], case["h"], case["seed"])
     g = torch.Generator().manual_seed(case["seed"] + 1)
-    x = torch.randn(case["batch"], case["d"], generator=g).requires_grad_()
-    gy = torch.randn(case["batch"], case["d"], generator=g)
+    x = torch.randn(case["batch"], case["d"], generator=g).to(rank_device()).requires_grad_()  # as _tp_rank's
+    gy = torch.randn(case["batch"], case["d"], generator=g).to(rank_device())
     y = dense(x)
     (y * gy).sum().backward()
     return dense, x, gy, y.detach()
@@ -207,6 +181,11 @@ def _partial(dense, x, gy, rank, world):
 class ParallelMLPCheck(RemembersVerdict):
     id, function, points = "9.2", "parallel_mlp", 3
     rank_fn = staticmethod(_tp_rank)
+    hints = {"a leaf Variable that requires grad is being used in an in-place operation":  # torch's words
+             "copying the shards into the new module's parameters (param.copy_(...)) is an in-place op on a leaf "
+             "that requires grad: do it under `with torch.no_grad():`",
+             "modified by an inplace operation": "dist.all_reduce works in place: inside the autograd.Function, "
+             "all-reduce a clone (total = partial.clone(); dist.all_reduce(total)), never a tensor autograd saved"}
 
     def cases(self, rng):
         def case(n, bad=False):
@@ -215,12 +194,8 @@ class ParallelMLPCheck(RemembersVerdict):
             return {"world_size": n, "d": d, "h": h, "batch": rng.randint(2, 6), "seed": rng.randrange(2**31)}
         return [case(3, bad=True), case(2), case(4), case(1), case(3)]  # the first: h not divisible by 3
 
-    def describe(self, case):
-        return f"{case['world_size']} rank(s), d={case['d']}, h={case['h']}, batch {case['batch']}"
-
     def judge(self, case, result):
         n, d, h = case["world_size"], case["d"], case["h"]
-        expect_ranks(result, n)
         raised = [r.get("raised") for r in result]
         if h % n:
             expect(all(raised), f"h={h} is not divisible by world_size={n}: every rank must raise ValueError "
@@ -242,12 +217,13 @@ class ParallelMLPCheck(RemembersVerdict):
             for name, shape in want.items():
                 expect_equal(res["shapes"][name], shape, f"rank {r}: {name}'s shape", mistakes=wrong[name])
         for r, res in enumerate(result):
-            expect("error" not in res, f"rank {r}'s forward or backward raised {res.get('error')}")
+            expect("error" not in res, f"rank {r}'s forward or backward raised {res.get('error')}"
+                   + (f" -- Hint: {self.hint(res['error'])}" if "error" in res and self.hint(res["error"]) else ""))
         dense, x, gy, y = _dense_reference(case)
         full, formula = parameter_bytes_formula(d, h, 1), parameter_bytes_formula(d, h, n)
         shard = {"W1": 4 * d * part, "b1": 4 * part, "W2": 4 * d * part}  # a view costs its whole tensor: N×
-        views = {formula + sum((n - 1) * shard[k] for k in ks) for ks in
-                 (("W1",), ("b1",), ("W2",), ("W1", "b1"), ("W1", "W2"), ("b1", "W2"), ("W1", "b1", "W2"))} - {formula}
+        views = {formula + sum((n - 1) * shard[k] for k in ks) for i in (1, 2, 3) for ks in combinations(shard, i)}
+        views -= {formula}
         fwd, bwd = [res["forward_calls"] for res in result], [res["backward_calls"] for res in result]
         for calls, when in ((fwd, "forward"), (bwd, "backward")):
             if sum(fwd + bwd) and len(set(calls)) > 1:  # seen only when the learner calls dist.all_reduce
@@ -279,38 +255,21 @@ class ParallelMLPCheck(RemembersVerdict):
             expect_equal(bwd[0], 1, "all_reduce calls per rank in backward (f)")
 
 
-
-
 # --- the script ---------------------------------------------------------------------------------------
 
 def script(rank, world):
-    """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding``: the references against one process."""
+    """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding``: the references, judged by 9.1 and 9.2
+    on every rank (a wrong result raises)."""
     from .references import TensorParallelMLP, gpipe_step
-    dev = rank_device()
-    n_layers, n_micro, width, batch, d, h = world + 1, 4, 32, 16, 32, 240
-    model = make_model(n_layers, width).to(dev)
-    x, y = (t.to(dev) for t in make_batch(batch, width, width))
-    loss = gpipe_step(model, x, y, n_micro)
-    base = make_model(n_layers, width).to(dev)
-    base_loss = single_process_step(base, x, y)
-    a, b = stage_bounds(n_layers, world)[rank]
-    pipe_ok = all(torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
-                  for p, q in zip(model[a:b].parameters(), base[a:b].parameters()))
-    pipe_ok &= loss is None or abs(loss - base_loss) < 1e-5 * max(1.0, abs(base_loss))
-    dense = make_mlp(d, h).to(dev)
-    tp = TensorParallelMLP(dense, rank, world)
-    xin = torch.randn(8, d, generator=torch.Generator().manual_seed(2)).to(dev)
-    xt, xd = xin.clone().requires_grad_(), xin.clone().requires_grad_()
-    yt, yd = tp(xt), dense(xd)
-    yt.sum().backward()
-    yd.sum().backward()
-    rows = slice(rank * h // world, (rank + 1) * h // world)
-    tp_ok = (torch.allclose(yt, yd, rtol=1e-4, atol=1e-5) and torch.allclose(xt.grad, xd.grad, rtol=1e-4, atol=1e-5)
-             and torch.allclose(tp.fc1.weight.grad, dense.fc1.weight.grad[rows], rtol=1e-4, atol=1e-5))
-    flags = torch.tensor([float(pipe_ok), float(tp_ok)], device=dev)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # true only where it holds on every rank
-    return (f"world size {world} ({dist.get_backend()}): GPipe, {n_layers} layers in {world} stages "
-            f"{[e - s for s, e in stage_bounds(n_layers, world)]}, {n_micro} micro-batches: gradients and loss equal "
-            f"one process: {bool(flags[0])}; tensor-parallel MLP d={d} h={h}: output and gradients equal the dense "
-            f"MLP: {bool(flags[1])}; parameter bytes per rank {param_bytes(tp)} "
-            f"(formula {parameter_bytes_formula(d, h, world)}, dense {parameter_bytes_formula(d, h, 1)})")
+    pipe = {"world_size": world, "n_layers": world + 1, "n_micro": 4, "batch": 16, "width": 32, "seed": 0}
+    tp = {"world_size": world, "d": 32, "h": 240, "batch": 8, "seed": 0}
+    for check, rank_fn, fn, case in ((REGISTRY["9.1"], _pipe_rank, gpipe_step, pipe),
+                                     (REGISTRY["9.2"], _tp_rank, TensorParallelMLP, tp)):
+        results = [None] * world
+        dist.all_gather_object(results, rank_fn(rank, world, fn, case))
+        check.judge(case, results)
+    return (f"world size {world} ({dist.get_backend()}): GPipe, {pipe['n_layers']} layers in {world} stages "
+            f"{[e - s for s, e in stage_bounds(pipe['n_layers'], world)]}, 4 micro-batches: gradients and loss equal "
+            f"one process: True; tensor-parallel MLP d=32 h=240: output and gradients equal the dense MLP: True; "
+            f"parameter bytes per rank {results[rank]['param_bytes']} (formula "
+            f"{parameter_bytes_formula(32, 240, world)}, dense {parameter_bytes_formula(32, 240, 1)})")

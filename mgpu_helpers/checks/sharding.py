@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from ..memory import make_batch, mlp
 from ..runtime.comm_log import CommLog
 from ..sharding.zero import Zero2, ceil_div, all_gather_flat, linears, unique
-from .base import RemembersVerdict, expect, expect_close, expect_equal, expect_ranks, expect_type, flat
+from .base import CheckFailure, RemembersVerdict, expect, expect_close, expect_equal, expect_type, flat
 
 OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 
@@ -29,49 +29,37 @@ def _groups(model, case):
     return [{"params": [p for m in body for p in m.parameters()]}]  # a tie appears twice in this one group
 
 
-def _extra_group(model, case):
-    return {"params": list(linears(model)[-1].parameters()), "lr": case["kwargs"]["lr"] * 2}
-
-
 def _train(case, make_opt, model, hparams=True, schedule=True, grad_scale=1.0):
     """``steps`` steps on the full batch (every rank computes the same gradient, as after DDP's all-reduce).
     ``grad_scale``: a baseline's gradients multiplied before each step (a mistake's value, never the learner's)."""
-    groups = _groups(model, case)
+    groups = _groups(model, case) + [{"params": list(linears(model)[-1].parameters()),  # the added group
+                                      "lr": case["kwargs"]["lr"] * 2}]
     if not hparams:
         groups = [{"params": g["params"]} for g in groups]
-    opt = make_opt(groups)
+    opt = make_opt(groups[:-1])
     if case["add_group"]:
-        opt.add_param_group(_extra_group(model, case) if hparams else {"params": _extra_group(model, case)["params"]})
+        opt.add_param_group(groups[-1])
     x, y = make_batch(case["batch"], case["widths"][0], case["widths"][-1], case["seed"] + 1)
-    opt.after_first = None
     for step in range(case["steps"]):
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         if step == 1 and schedule:  # what an lr scheduler does: write the new lr into param_groups
             for g in opt.param_groups:
                 g["lr"] *= 0.5
-        if grad_scale != 1.0:
-            for p in unique(model.parameters()):
-                if p.grad is not None:
-                    p.grad.mul_(grad_scale)
+        for p in unique(model.parameters()):
+            if p.grad is not None:
+                p.grad.mul_(grad_scale)
         opt.step()
         if step == 0:  # a rank that never receives the others' updates is plainest after one step
             opt.after_first = [p.detach().clone() for p in unique(model.parameters())]
     return opt
 
 
-def _dedupe(groups):
-    seen, out = set(), []
-    for g in groups:
-        out.append({**g, "params": [p for p in g["params"] if id(p) not in seen and not seen.add(id(p))]})
-    return out
-
-
 def _baseline(case, dedupe=True, **variant):
     model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
     cls = OPTIMIZERS[case["optimizer"]]
 
-    class Plain(cls):  # the unsharded optimizer, given the same (deduplicated) groups
+    class Plain(cls):  # the unsharded optimizer, given the same groups, deduplicated (its __init__ adds them here)
         def add_param_group(self, g):
             ids = {id(p) for grp in self.param_groups for p in grp["params"]}
             kept = unique(g["params"]) if dedupe else list(g["params"])
@@ -79,19 +67,14 @@ def _baseline(case, dedupe=True, **variant):
 
     with warnings.catch_warnings():  # dedupe=False: torch warns of the duplicate in a group
         warnings.simplefilter("ignore")
-        opt = _train(case, lambda groups: Plain(_dedupe(groups) if dedupe else groups, **case["kwargs"]), model,
-                     **variant)
+        opt = _train(case, lambda groups: Plain(groups, **case["kwargs"]), model, **variant)
     return opt.after_first, [p.detach().clone() for p in unique(model.parameters())]
 
 
 def _all_states(opt):
     """Every optimizer state reachable from ``opt``: its own, and that of optimizers it holds."""
-    found = [opt.state]
-    for v in vars(opt).values():
-        for o in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(o, torch.optim.Optimizer) and o is not opt:
-                found.append(o.state)
-    return found
+    held = (o for v in vars(opt).values() for o in (v if isinstance(v, (list, tuple)) else [v]))
+    return [opt.state] + [o.state for o in held if isinstance(o, torch.optim.Optimizer) and o is not opt]
 
 
 def _rank_81(rank, world, cls, case):
@@ -101,26 +84,29 @@ def _rank_81(rank, world, cls, case):
     params = unique(model.parameters())
     first = [p.detach().clone() for p in params]
     opt = _train(case, lambda groups: cls(groups, OPTIMIZERS[case["optimizer"]], **case["kwargs"]), model)
-    index, owned = {id(p): i for i, p in enumerate(params)}, {}
+    index, owned = {id(p): i for i, p in enumerate(params)}, set()
     for state in _all_states(opt):
-        for p, s in state.items():
-            if id(p) in index and any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in s.values()):
-                owned[index[id(p)]] = True
+        owned |= {index[id(p)] for p, s in state.items()
+                  if id(p) in index and any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in s.values())}
     return {"params": [p.detach().clone() for p in params], "first": first, "owned": sorted(owned),
             "after_first": getattr(opt, "after_first", None),
             "is_optimizer": isinstance(opt, torch.optim.Optimizer), "groups": len(opt.param_groups)}
 
 
+# Bad input: (what ShardedOptimizer is given, the exception it must raise, a word its message must say, the call).
+_BAD = [("an optimizer instance", "TypeError", "optimizer_cls",
+         lambda cls, p: cls(p, torch.optim.SGD(p, lr=0.1), lr=0.1)),
+        ("an lr scheduler class", "TypeError", "optimizer_cls",
+         lambda cls, p: cls(p, torch.optim.lr_scheduler.StepLR, lr=0.1)),
+        ("a parameter on another device", "ValueError", "device",
+         lambda cls, p: cls(p + [torch.nn.Parameter(torch.empty(2, device="meta"))], torch.optim.SGD, lr=0.1))]
+
+
 def _bad_input(cls):
-    p = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
-    probes = {"an optimizer instance": lambda: cls(p, torch.optim.SGD(p, lr=0.1), lr=0.1),
-              "an lr scheduler class": lambda: cls(p, torch.optim.lr_scheduler.StepLR, lr=0.1),
-              "a parameter on another device": lambda: cls(p + [torch.nn.Parameter(torch.empty(2, device="meta"))],
-                                                           torch.optim.SGD, lr=0.1)}
-    out = {}
-    for name, make in probes.items():
+    p, out = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))], {}
+    for name, _, _, make in _BAD:
         try:
-            make()
+            make(cls, p)
             out[name] = ("no error", "")
         except NotImplementedError:
             raise  # the stub: "not implemented yet", not a wrong exception
@@ -133,11 +119,10 @@ def _train_case(rng, world, optimizer, **over):
     kw = {"Adam": {"lr": 0.01}, "AdamW": {"lr": 0.01, "weight_decay": 0.1},
           "SGD": {"lr": 0.1, "momentum": 0.9}}[optimizer]
     h = rng.randint(3, 8)
-    case = {"kind": "train", "world_size": world, "optimizer": optimizer, "kwargs": kw,
+    return {"kind": "train", "world_size": world, "optimizer": optimizer, "kwargs": kw,
             "widths": [rng.randint(2, 9), h, h, h, rng.randint(2, 5)], "tie": (1, 2), "freeze": [0],
             "groups": "split", "lr_factor": 0.3, "add_group": True, "steps": 3, "batch": 6,
-            "seed": rng.randrange(2**31)}
-    return {**case, **over}
+            "seed": rng.randrange(2**31), **over}
 
 
 class ShardedOptimizerCheck(RemembersVerdict):
@@ -155,23 +140,17 @@ class ShardedOptimizerCheck(RemembersVerdict):
                 _train_case(rng, 3, rng.choice(["Adam", "AdamW", "SGD"]), tie=None,  # uneven sizes
                             widths=[rng.randint(2, 30) for _ in range(4)])]
 
-    def describe(self, case):
-        if case["kind"] == "bad input":
-            return "bad input"
-        return (f"{case['world_size']} rank(s), {case['optimizer']}{case['kwargs']}, widths={case['widths']}, "
-                f"tie={case['tie']}, frozen={case['freeze']}, groups={case['groups']}, add_param_group="
-                f"{case['add_group']}")
-
-    def hint(self, error):
-        if "more than one parameter group" in error:
-            return ("a tied tensor (one parameter reached from two modules) must be kept once: drop the parameters "
-                    "already seen before adding a group")
-        return ""
+    hints = {"more than one parameter group": "a tied tensor (one parameter reached from two modules) must be kept "
+             "once: drop the parameters already seen before adding a group"}
 
     def judge(self, case, result):
-        expect_ranks(result, case["world_size"])
         if case["kind"] == "bad input":
-            return self._judge_bad(result[0])
+            for probe, want, word, _ in _BAD:
+                kind, msg = result[0][probe]
+                expect_equal(kind, want, f"ShardedOptimizer given {probe}: the exception", hint=f"Raise {want}.")
+                expect(word in msg, f"ShardedOptimizer given {probe} raised {kind}({msg!r}), which does not "
+                       f"mention {word!r}: say what is wrong with which argument")
+            return
         world, (base1, base) = case["world_size"], _baseline(case)
         model = mlp(case["widths"], seed=case["seed"], tie=case["tie"], freeze=case["freeze"])
         trainable = [i for i, p in enumerate(unique(model.parameters())) if p.requires_grad]
@@ -182,10 +161,10 @@ class ShardedOptimizerCheck(RemembersVerdict):
             expect(res["is_optimizer"], "ShardedOptimizer must subclass torch.optim.Optimizer")
             expect_equal(res["groups"], len(_groups(model, case)) + case["add_group"], f"rank {r}: len(param_groups)",
                          hint="param_groups holds every group, with ALL its parameters (lr schedulers use it).")
+        expect(world == 1 or any(len(v) < world for v in owners.values()), "every rank keeps optimizer state for "
+               "every parameter: nothing is sharded. ZeRO-1 gives each parameter to one rank, which alone keeps its "
+               "state and steps it.")
         for i, rs in owners.items():
-            if world > 1 and len(rs) == world and all(len(v) == world for v in owners.values()):
-                expect(False, "every rank keeps optimizer state for every parameter: nothing is sharded. ZeRO-1 "
-                       "gives each parameter to one rank, which alone keeps its state and steps it.")
             expect(len(rs) <= 1, f"parameter {i} has optimizer state on ranks {rs}: each parameter belongs to "
                    "exactly one rank's share" + (" (it is the tied tensor: keep it once)" if i in tied else ""))
             expect(len(rs) == 1, f"parameter {i} (trainable) has optimizer state on no rank: nobody stepped it"
@@ -203,9 +182,7 @@ class ShardedOptimizerCheck(RemembersVerdict):
                         grad_scale=1 / world),
                     f"the gradients were summed over the {world} ranks before the step: every rank already holds "
                     "the averaged gradient (as after DDP's all-reduce), so the update grew": dict(grad_scale=world)}
-        if world == 1:  # the scaled variants equal the right answer at one rank
-            variants = {k: v for k, v in variants.items() if "grad_scale" not in v}
-        variants = {k: _baseline(case, **v) for k, v in variants.items()}
+        variants = {k: _baseline(case, **v) for k, v in variants.items()}  # (at one rank, scaling by 1 is right)
         hint = "Expected: exactly what the wrapped optimizer gives in one process."
         for r, res in enumerate(result):
             stale = [b if owners.get(i) == [r] else f for i, (b, f) in enumerate(zip(base1, res["first"]))]
@@ -238,21 +215,8 @@ class ShardedOptimizerCheck(RemembersVerdict):
                f"ZeroRedundancyOptimizer does) gives at most {max(greedy)} per rank. The heaviest rank's "
                "optimizer state sets the memory ZeRO-1 saves")
 
-    def _judge_bad(self, got):
-        for probe, want, word in [("an optimizer instance", "TypeError", "optimizer_cls"),
-                                  ("an lr scheduler class", "TypeError", "optimizer_cls"),
-                                  ("a parameter on another device", "ValueError", "device")]:
-            kind, msg = got[probe]
-            expect_equal(kind, want, f"ShardedOptimizer given {probe}: the exception", hint=f"Raise {want}.")
-            expect(word in msg, f"ShardedOptimizer given {probe} raised {kind}({msg!r}), which does not "
-                   f"mention {word!r}: say what is wrong with which argument")
-
 
 # --- 8.2: ZeRO-2 ----------------------------------------------------------------------------------------
-
-class _ShardSizes(Exception):
-    """The ranks called a reduce-scatter or all-gather with sizes that cannot pair up (raised on every rank)."""
-
 
 _SIZED = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_gather_single",
           "all_gather_into_tensor")
@@ -260,7 +224,7 @@ _SIZED = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "a
 
 def _same_sizes():
     """Before each sized collective the learner makes, the ranks exchange (output, input) element counts and
-    all raise :class:`_ShardSizes` naming them when they cannot pair up -- else gloo fails with "Connection
+    all raise a :class:`CheckFailure` naming them when they cannot pair up -- else gloo fails with "Connection
     reset by peer" (or waits) and nothing says why."""
     from torch.utils._python_dispatch import _disable_current_modes
     gather = dist.all_gather
@@ -277,7 +241,7 @@ def _same_sizes():
             scatter = name.startswith("reduce_scatter")
             pairs = len(set(sizes)) == 1 and (sizes[0][1] == n * sizes[0][0] if scatter else sizes[0][0] == n * sizes[0][1])
             if not pairs:
-                raise _ShardSizes(f"dist.{name} was called with sizes that do not pair up: " + "; ".join(
+                raise CheckFailure(f"dist.{name} was called with sizes that do not pair up: " + "; ".join(
                     f"rank {r}: output {o} element(s), input {i}" for r, (o, i) in enumerate(sizes)) + ". A "
                     + ("reduce-scatter needs the same sizes on every rank and an input of N × the output: "
                        if scatter else "an all-gather needs the same sizes on every rank and an output of N × the "
@@ -300,7 +264,7 @@ def _rank_82(rank, world, fn, case):
         try:
             with CommLog() as count, _same_sizes():
                 shard = fn(zero.params)
-        except _ShardSizes as e:
+        except CheckFailure as e:  # the sizes cannot pair up: raised on every rank
             return {"sizes": str(e)}
         out["local"].append(local)
         out["shards"].append(shard.detach().clone() if isinstance(shard, torch.Tensor) else repr(shard)[:80])
@@ -345,8 +309,8 @@ class ReduceScatterCheck(RemembersVerdict):
             while True:  # redraw until the flat size does (or does not) divide by the world size
                 widths = [rng.randint(2, 12) for _ in range(rng.randint(3, 4))]
                 freeze = [rng.randrange(len(widths) - 1)] if rng.random() < 0.5 else []
-                n = sum((a + 1) * b for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))) - sum(
-                    widths[i] * widths[i + 1] for i in freeze)
+                n = sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:])) - sum(widths[i] * widths[i + 1]
+                                                                               for i in freeze)
                 if (n % world == 0) == divides:
                     opt = rng.choice(["SGD", "Adam"])
                     return {"world_size": world, "widths": widths, "freeze": freeze, "optimizer": opt,
@@ -354,16 +318,11 @@ class ReduceScatterCheck(RemembersVerdict):
                             "steps": 2, "per_rank": rng.randint(2, 4), "seed": rng.randrange(2**31), "n": n}
         return [case(3, False), case(2, True), case(4, False), case(1, True)]
 
-    def describe(self, case):
-        return (f"{case['world_size']} rank(s), widths={case['widths']} ({case['n']} trainable elements), "
-                f"frozen={case['freeze']}, {case['optimizer']}")
-
     def judge(self, case, result):
         world, n = case["world_size"], case["n"]
         L = ceil_div(n, world)
         grads, final = _baseline_82(case)
         pad = lambda g: F.pad(g, (0, L * world - n))  # noqa: E731
-        expect_ranks(result, world)
         sizes = next((res["sizes"] for res in result if "sizes" in res), None)
         expect(sizes is None, f"{sizes} ({n} gradient elements, {world} ranks: L = {L}).")
         for r, res in enumerate(result):

@@ -21,12 +21,9 @@ from ...runtime.tracker import MemoryTracker
 from ...sharding.zero import ceil_div
 
 
-# --- 1.1: the training state one real step leaves behind ----------------------------------------------------
-
 def measured_training_state(model: nn.Module, optimizer: str, precision: str, batch: int = 4) -> dict[str, int]:
-    """The bytes one real training step leaves behind, by category. "mixed": a bf16 model for forward/backward
-    and an fp32 master copy the optimizer updates. The optimizer's 0-d ``step`` counter stays on the CPU even
-    when training on a GPU, so like ``torch.cuda.memory_allocated`` we do not count it."""
+    """1.1: the bytes one real training step leaves behind, by category. "mixed": a bf16 model and an fp32 master
+    copy the optimizer updates. Adam's 0-d ``step`` counter stays on the CPU even on a GPU: not counted."""
     work = model.to(torch.bfloat16 if precision in ("bf16", "mixed") else torch.float32)
     master = [p.detach().float().clone() for p in work.parameters()] if precision == "mixed" else None
     opt = make_optimizer(optimizer, master if master is not None else work.parameters())
@@ -46,8 +43,6 @@ def measured_training_state(model: nn.Module, optimizer: str, precision: str, ba
             "optimizer_state": nbytes(state) + (nbytes(master) if master else 0)}
 
 
-# --- 2.1 and 2.2: the step's peaks, measured ----------------------------------------------------------------
-
 def peak_figures(case: dict) -> dict:
     """Before the step, the earlier peak, the step's own peak and what it left: 2.1's scenario, measured."""
     with scenario(case) as (step, t):
@@ -66,10 +61,8 @@ def phase_peaks(case: dict) -> tuple[dict, dict]:
     return t.phase_peaks(), {phase: total for phase, total, _ in t.timeline}
 
 
-# --- 5.1/5.2 and the accumulation script: the accumulation loop ---------------------------------------------
-
 def accumulate(model, loss_fn, inputs, targets, k, skip=no_sync_context) -> float:
-    """Forward/backward ``k`` equal micro-batches with loss/k; the first k-1 inside ``skip(model)``
+    """5.1/5.2: forward/backward ``k`` equal micro-batches with loss/k; the first k-1 inside ``skip(model)``
     (``skip=None`` for a model with nothing to sync). Returns the accumulated loss (the big batch's)."""
     if len(inputs) % k:
         raise ValueError(f"k={k} does not divide the batch of {len(inputs)}")
@@ -83,11 +76,8 @@ def accumulate(model, loss_fn, inputs, targets, k, skip=no_sync_context) -> floa
     return total
 
 
-# --- 7.1, for the tests and benches: a plan runner, and segments of k blocks under checkpointing ------------
-
 def run_plan(blocks, x, plan, context_fn=None):
-    """Run a plan of :func:`plan_for`'s form: [(blocks in the segment, checkpointed?), ...], non-reentrant;
-    ``context_fn``: e.g. :func:`selective_context` for selective checkpointing."""
+    """7.1: run a plan of :func:`plan_for`'s form, non-reentrant; ``context_fn``: e.g. :func:`selective_context`."""
     start, extra = 0, {} if context_fn is None else {"context_fn": context_fn}
     for n, ck in plan:
         seg = blocks[start:start + n]  # passed as an argument, with its input: what checkpoint recomputes from
@@ -101,11 +91,9 @@ def checkpoint_every(blocks, x, k: int, context_fn=None):
     return run_plan(blocks, x, plan_for(len(blocks), k), context_fn)
 
 
-# --- 8.2's contract, for the tests and the GPU bench: a ZeRO-2 gradient reduce-scatter ----------------------
-
 def reference_reduce_scatter(params):
-    """Padded flat gradient, reduce-scattered and averaged; every p.grad freed."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    """8.2: the padded flat gradient, reduce-scattered and averaged; every p.grad freed."""
+    world = dist.get_world_size()
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     n = ceil_div(flat.numel(), world)
     flat = F.pad(flat, (0, n * world - flat.numel()))
@@ -116,12 +104,9 @@ def reference_reduce_scatter(params):
     return shard / world
 
 
-# --- 9.1's contract, for the tests, the GPU benches and the script: a GPipe step ----------------------------
-
 def gpipe_step(model: nn.Sequential, inputs, targets, n_micro: int):
-    """GPipe forward + backward of ``model`` split over the ranks (every rank passes the same model
-    and batch; each uses its own stage). Leaves each stage's gradients in its parameters; returns the batch's
-    mean loss on the last rank, None elsewhere."""
+    """9.1: GPipe forward + backward of ``model`` split over the ranks (each uses its own stage of the same model
+    and batch). Leaves each stage's gradients in its parameters; returns the mean loss on the last rank, else None."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(inputs) % n_micro:
         raise ValueError(f"n_micro={n_micro} does not divide the batch of {len(inputs)} samples")
@@ -150,10 +135,8 @@ def gpipe_step(model: nn.Sequential, inputs, targets, n_micro: int):
     return loss if last else None
 
 
-# --- 9.2's contract, for the tests, the GPU bench and the script: Megatron's f and g, the tensor-parallel MLP
-
 class CopyToParallel(torch.autograd.Function):
-    """Megatron's f: forward passes x through; backward sums the partial gradients of x over the ranks."""
+    """9.2, Megatron's f: forward passes x through; backward sums the partial gradients of x over the ranks."""
 
     @staticmethod
     def forward(ctx, x):
@@ -167,8 +150,7 @@ class CopyToParallel(torch.autograd.Function):
 
 
 class ReduceFromParallel(torch.autograd.Function):
-    """Megatron's g: forward sums the partial outputs over the ranks; backward passes the gradient through
-    (each rank's partial output contributed with weight 1 to the sum)."""
+    """9.2, Megatron's g: forward sums the partial outputs over the ranks; backward passes the gradient on."""
 
     @staticmethod
     def forward(ctx, partial):
@@ -207,8 +189,6 @@ class TensorParallelMLP(nn.Module):
         return ReduceFromParallel.apply(partial) + self.fc2.bias   # bias once, after the sum
 
 
-# --- 10.1: DistributedSampler, and its rule written out with one part left wrong at a time (naming mistakes)
-
 def sampler_shard(n, world_size, rank, shuffle, seed, epoch, drop_last) -> list[int]:
     """What torch's DistributedSampler yields for ``rank`` in ``epoch`` (the ground truth of check 10.1)."""
     s = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
@@ -218,6 +198,7 @@ def sampler_shard(n, world_size, rank, shuffle, seed, epoch, drop_last) -> list[
 
 
 def sampler_variant(n, world, shuffle, seed, epoch, drop_last, *, pad=True, strided=True, use_epoch=True):
+    """10.1: DistributedSampler's rule written out for every rank, with one part left wrong (naming mistakes)."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch * use_epoch)).tolist() \
         if shuffle else list(range(n))
     per = ceil_div(n - world, world) if drop_last and n % world else ceil_div(n, world)
