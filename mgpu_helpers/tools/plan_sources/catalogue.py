@@ -44,14 +44,14 @@ _KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_g
              "num_key_value_groups_heads", "linear_num_key_heads", "linear_num_value_heads")
 
 
-def _shrink(d: dict, top: bool) -> dict:
+def _shrink(d: dict) -> dict:
     heads = next((d[k] for k in ("num_attention_heads", "n_head", "num_heads") if isinstance(d.get(k), int)), None)
     out = {}
     for k, v in d.items():
         if k == "per_layer_config" and isinstance(v, dict):  # overrides of layers beyond the tiny depth: gone
             out[k] = {i: c for i, c in v.items() if int(i) < LAYERS}
         elif isinstance(v, dict) and k not in ("rope_parameters", "rope_scaling", "id2label", "label2id"):
-            out[k] = _shrink(v, False)
+            out[k] = _shrink(v)
         elif v is None and k in _UNSET:  # the released checkpoints set it; the bare default leaves it None
             out[k] = _UNSET[k]
         elif k == "is_decoder":  # a causal LM is a decoder (BERT-like and Reformer families ask for it)
@@ -93,12 +93,6 @@ def _mamba_heads(d: dict) -> None:
                 d["mamba_d_ssm"] = d[heads] * d[size]
 
 
-def _layer_pattern(types: list, n: int) -> list:
-    """``n`` layers that keep each kind of layer of the family's pattern, in the family's order."""
-    kinds = list(dict.fromkeys(types))
-    return (kinds * n)[:max(n, len(kinds))]
-
-
 def tiny_config(model_type: str):
     """The family's default config, shrunk: a model of a few hundred thousand parameters."""
     from transformers import CONFIG_MAPPING
@@ -106,12 +100,16 @@ def tiny_config(model_type: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         full = cls().to_dict()
-        d = _shrink(full, True)
-        layers = _hybrid_layers(d)
-        for sub in (d, *[v for v in d.values() if isinstance(v, dict)]):
+        d = _shrink(full)
+        subs = [d, *[v for v in d.values() if isinstance(v, dict)]]
+        # hybrids (attention every k-th layer, Mamba between): enough layers for one of each kind, in order
+        layers = max(LAYERS, len({str(t) for sub in subs for k in ("layer_types", "layers_block_type", "block_types")
+                                  if isinstance(sub.get(k), list) for t in sub[k]}))
+        for sub in subs:
             for k in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
                 if isinstance(sub.get(k), list) and sub[k]:
-                    sub[k] = _layer_pattern(sub[k], layers)
+                    kinds = list(dict.fromkeys(sub[k]))
+                    sub[k] = (kinds * layers)[:max(layers, len(kinds))]
                     for n in ("num_hidden_layers", "num_layers", "n_layer"):
                         if n in sub:
                             sub[n] = len(sub[k])
@@ -130,23 +128,13 @@ def _changed(new: dict, old: dict) -> dict:
     return out
 
 
-def _hybrid_layers(d) -> int:
-    """Hybrids (attention every k-th layer, Mamba between) need enough layers for each kind."""
-    kinds = set()
-    for sub in (d, *[v for v in d.values() if isinstance(v, dict)]):
-        for k in ("layer_types", "layers_block_type", "block_types"):
-            if isinstance(sub.get(k), list):
-                kinds |= {str(t) for t in sub[k]}
-    return max(LAYERS, len(kinds))
-
-
 def trains(cfg, seq: int = 32, checkpointing: bool = False) -> str | None:
     """transformers' own step on the CPU (real tensors), with its own ``gradient_checkpointing_enable()`` if
     ``checkpointing``: None if it trains, else why not (one line)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .hf import text_config
+    from .base import first_line
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -154,7 +142,7 @@ def trains(cfg, seq: int = 32, checkpointing: bool = False) -> str | None:
             model.train()
             if checkpointing:
                 model.gradient_checkpointing_enable()
-            vocab = int(getattr(text_config(cfg), "vocab_size", VOCAB) or VOCAB)
+            vocab = int(getattr(cfg.get_text_config(), "vocab_size", VOCAB) or VOCAB)
             x = torch.randint(0, min(VOCAB, vocab) - 8, (2, seq))
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
@@ -162,8 +150,7 @@ def trains(cfg, seq: int = 32, checkpointing: bool = False) -> str | None:
             return f"no finite loss ({loss})"
         return None
     except Exception as e:  # noqa: BLE001 - what transformers raises is the reason the family is skipped
-        text = str(e).strip().splitlines()
-        return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+        return f"{type(e).__name__}: {first_line(e)}"
 
 
 def causal_lm_types() -> list:
@@ -235,19 +222,10 @@ def failure_class(message: str) -> str:
 
 
 def plan_catalogue(types=None, workers: int = 2) -> list:
-    """Every family planned, ``workers`` processes at once (spawned: each imports transformers once), each with
-    its share of the cores' torch threads: with one per core each, their parallel ops waited for one another's
-    cores, spin-waiting (60 families on 2 cores: 73 CPU-s, 46 with one thread each)."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    import torch
-
-    from mgpu_helpers.runtime.launch import _cores
-    types = list(types or causal_lm_types())
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
-                             initargs=(max(1, _cores() // workers),)) as pool:
-        return list(pool.map(plan_family, types, chunksize=4))
+    """Every family planned, ``workers`` processes at once (``plan_cli.process_pool``)."""
+    from mgpu_helpers.tools.plan_cli import process_pool
+    with process_pool(workers) as pool:
+        return list(pool.map(plan_family, list(types or causal_lm_types()), chunksize=4))
 
 
 def counts(results) -> dict:
