@@ -12,6 +12,7 @@ import difflib
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -24,25 +25,15 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_at
 _FLASH = ("flash_attention_2", "flash_attention_3")
 
 
-def text_config(cfg):
-    """The language model's config (a multimodal config nests it)."""
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def _transformers():
+def read_config(path: Path):
+    """``(transformers, config)``: the config as ``AutoConfig.from_pretrained`` reads it (special floats such
+    as ``Infinity`` decoded, sub-configs built), with one line naming what to fix when it cannot."""
     try:
         import transformers
     except ImportError:
         raise PlanInputError("a Hugging Face config needs transformers: pip install \"mgpu-helpers[hf]\" "
                              "(or pip install transformers)") from None
     transformers.logging.set_verbosity_error()  # its advice on loading weights is not the plan's output
-    return transformers
-
-
-def read_config(path: Path):
-    """The config as ``AutoConfig.from_pretrained`` reads it (special floats such as ``Infinity`` decoded,
-    sub-configs built), with one line naming what to fix when it cannot."""
-    transformers = _transformers()
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise PlanInputError(f"{path}: no config.json in this directory")
@@ -100,20 +91,16 @@ def _one_sequence_per_row():
     fake tensor lacks, so the trace would build a (batch, 1, seq, seq) mask the real step never passes, and
     attention would then expand grouped key/value heads and skip ``is_causal``."""
     masking = sys.modules.get("transformers.masking_utils")
-    names = ("find_packed_sequence_indices", "fast_all", "is_tracing")  # older transformers lack some
-    originals = {k: getattr(masking, k) for k in names if hasattr(masking, k)}
-    is_tracing = originals.get("is_tracing")
+    is_tracing = getattr(masking, "is_tracing", None)
     patches = {"find_packed_sequence_indices": lambda *args, **kwargs: None,
                "fast_all": lambda tensor: True,  # every padding mask of the planned batch is all ones
                # compiling, exporting or capturing still count; a fake tensor alone does not
                "is_tracing": lambda tensor=None: is_tracing(None)}
-    for k in originals:
-        setattr(masking, k, patches[k])
-    try:
+    with contextlib.ExitStack() as stack:
+        for k, v in patches.items():
+            if hasattr(masking, k):  # older transformers lack some
+                stack.enter_context(mock.patch.object(masking, k, v))
         yield
-    finally:
-        for k, v in originals.items():
-            setattr(masking, k, v)
 
 
 UNPADDED = ("every row of the batch is one sequence of --seq tokens (no padding, no packed sequences): "
@@ -122,7 +109,7 @@ UNPADDED = ("every row of the batch is one sequence of --seq tokens (no padding,
 
 def _experts(cfg):
     """(experts, experts per token) of a mixture-of-experts config, else None."""
-    text = text_config(cfg)
+    text = cfg.get_text_config()
     for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_num_experts"):
         v = getattr(text, k, None)
         if isinstance(v, int) and v > 1:
@@ -145,7 +132,7 @@ def _default_attention(cfg) -> str:
 
 def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
     transformers, cfg = read_config(path)
-    vocab = int(getattr(text_config(cfg), "vocab_size", 0) or 0)
+    vocab = int(getattr(cfg.get_text_config(), "vocab_size", 0) or 0)
     if attn is not None and attn not in ATTENTION:
         raise PlanInputError(f"--attn {attn!r}: one of {', '.join(ATTENTION)}")
     build_attn = "sdpa" if attn in _FLASH else attn  # planned as SDPA's flash kernel (planner.cuda)
