@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mgpu_helpers.planner.models import SIZES, Decoder
+from mgpu_helpers.planner.models import SIZES, decoder
 
 from .base import PlanInputError, Source, first_line as _first_line, quiet
 from .hf import ATTENTION, hf_source
 
 __all__ = ["PlanInputError", "Source", "resolve", "make_batch", "output_loss", "hf_source", "function_source",
-           "builtin_source", "ATTENTION", "quiet"]
+           "ATTENTION", "quiet"]
 
 
 def output_loss(out, targets):
@@ -54,8 +54,6 @@ def function_source(spec: str) -> Source:
     def model_fn():
         try:
             model = fn()
-        except PlanInputError:
-            raise
         except Exception as e:
             raise PlanInputError(f"{spec} raised {type(e).__name__}: {_first_line(e)}") from None
         if not isinstance(model, nn.Module):
@@ -63,13 +61,6 @@ def function_source(spec: str) -> Source:
         return model
     model_fn.__name__ = fn_name
     return Source(spec, "function", model_fn, "tensor")
-
-
-def builtin_source(name: str) -> Source:
-    def model_fn():
-        return Decoder(*SIZES[name])
-    model_fn.__name__ = f"decoder_{name}"
-    return Source(f"{name} (built-in Llama-shaped decoder)", "built-in", model_fn, "tokens", SIZES[name][0])
 
 
 def resolve(spec: str, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
@@ -81,7 +72,7 @@ def resolve(spec: str, attn: str | None = None, moe_imbalance: float = 1.0) -> S
     if attn is not None:
         raise PlanInputError(f"--attn chooses a Hugging Face model's attention; {spec!r} is not a config")
     if spec in SIZES:
-        return builtin_source(spec)
+        return Source(f"{spec} (built-in Llama-shaped decoder)", "built-in", decoder(spec), "tokens", SIZES[spec][0])
     if ":" in spec and all(spec.partition(":")[::2]):
         return function_source(spec)
     if spec.endswith(".json") or os.sep in spec:
