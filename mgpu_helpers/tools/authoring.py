@@ -60,15 +60,17 @@ def validate(nb, name: str = "notebook") -> list[str]:
         m = mgpu(c)
         tags = c.get("metadata", {}).get("tags", [])
         src = c.source if isinstance(c.source, str) else "".join(c.source)
+        for kind, seen in (("exercise", seen_ex), ("check", seen_check)):
+            if kind in m:
+                if m[kind] in seen:
+                    problems.append(f"{name} cell {i}: duplicate {kind} {m[kind]}")
+                seen.add(m[kind])
+                if kind not in tags:
+                    problems.append(f"{name} cell {i}: {kind} {m[kind]} lacks the '{kind}' tag")
         if "exercise" in m:
             ex = m["exercise"]
             if not EXERCISE_ID.match(str(ex)):
                 problems.append(f"{name} cell {i}: bad exercise id {ex!r}")
-            if ex in seen_ex:
-                problems.append(f"{name} cell {i}: duplicate exercise {ex}")
-            seen_ex.add(ex)
-            if "exercise" not in tags:
-                problems.append(f"{name} cell {i}: exercise {ex} lacks the 'exercise' tag")
             if src.count(BEGIN) != 1 or src.count(END) != 1:
                 problems.append(f"{name} cell {i}: exercise {ex} needs exactly one solution block")
             if not m.get("function") or not m.get("task"):
@@ -81,20 +83,12 @@ def validate(nb, name: str = "notebook") -> list[str]:
                                 "(put the reason on the next line)")
         if "check" in m:
             ck = m["check"]
-            if ck in seen_check:
-                problems.append(f"{name} cell {i}: duplicate check {ck}")
-            seen_check.add(ck)
-            if "check" not in tags:
-                problems.append(f"{name} cell {i}: check {ck} lacks the 'check' tag")
             if not isinstance(m.get("points"), int) or m["points"] <= 0:
                 problems.append(f"{name} cell {i}: check {ck} needs positive integer 'points'")
             if "NBVAL_SKIP" in src or "NBVAL_IGNORE_OUTPUT" in src or "NBVAL_RAISES_EXCEPTION" in src:
                 problems.append(f"{name} cell {i}: check {ck} must be compared by nbval (no NBVAL_ markers)")
-    for ex in seen_ex - seen_check:
-        problems.append(f"{name}: exercise {ex} has no check cell")
-    for ck in seen_check - seen_ex:
-        problems.append(f"{name}: check {ck} has no exercise cell")
-    return problems
+    return (problems + [f"{name}: exercise {ex} has no check cell" for ex in seen_ex - seen_check]
+            + [f"{name}: check {ck} has no exercise cell" for ck in seen_check - seen_ex])
 
 
 def release_notebook(nb):
@@ -153,28 +147,25 @@ def verdict(check: Callable, fn: Callable, seed: int | None = None) -> tuple[boo
     return True, buf.getvalue().strip()
 
 
-def _check(exercise: str):
-    from ..checks import REGISTRY
-    return REGISTRY[exercise]
-
-
 def solution_verdict(nb_path, exercise: str, function: str, seed: int | None = None) -> tuple[bool, str]:
     """The check's verdict on the solution notebook's exercise cell, as written."""
-    return verdict(_check(exercise), exec_cell(exercise_source(nb_path, exercise))[function], seed)
+    return mutant_verdict(nb_path, exercise, function, [], seed)
 
 
 def stub_verdict(nb_path, exercise: str, function: str) -> tuple[bool, str]:
     """The check's verdict on the released stub of that cell."""
+    from ..checks import REGISTRY
     stub = strip_solution(exercise_source(nb_path, exercise), f"Exercise {exercise}: stub")
-    return verdict(_check(exercise), exec_cell(stub)[function])
+    return verdict(REGISTRY[exercise], exec_cell(stub)[function])
 
 
 def mutant_verdict(nb_path, exercise: str, function: str, edits, seed: int | None = 7) -> tuple[bool, str]:
     """The check's verdict on the solution with textual ``edits`` [(old, new), ...] planted in it."""
+    from ..checks import REGISTRY
     src = exercise_source(nb_path, exercise)
     for old, new in edits:
         src = mutate(src, old, new)
-    return verdict(_check(exercise), exec_cell(src)[function], seed)
+    return verdict(REGISTRY[exercise], exec_cell(src)[function], seed)
 
 
 def sweep_seeds() -> range:
