@@ -59,7 +59,6 @@ def function_source(spec: str) -> Source:
         if not isinstance(model, nn.Module):
             raise PlanInputError(f"{spec} returned {type(model).__name__}; it must return an nn.Module")
         return model
-    model_fn.__name__ = fn_name
     return Source(spec, "function", model_fn, "tensor")
 
 
@@ -72,7 +71,7 @@ def resolve(spec: str, attn: str | None = None, moe_imbalance: float = 1.0) -> S
     if attn is not None:
         raise PlanInputError(f"--attn chooses a Hugging Face model's attention; {spec!r} is not a config")
     if spec in SIZES:
-        return Source(f"{spec} (built-in Llama-shaped decoder)", "built-in", decoder(spec), "tokens", SIZES[spec][0])
+        return Source(f"{spec} (built-in Llama-shaped decoder)", "built-in", decoder(spec), "tokens")
     if ":" in spec and all(spec.partition(":")[::2]):
         return function_source(spec)
     if spec.endswith(".json") or os.sep in spec:

@@ -210,15 +210,11 @@ def _plan_dir(model_type, directory, checkpointing):
 
 def failure_class(message: str) -> str:
     """The kinds of failure the catalogue counts (before/after a planner change, as a table)."""
-    for needle, kind in (("BF16 type", "MoE grouped matmul"), ("grouped_mm", "MoE grouped matmul"),
-                         ("DataDependent", "data-dependent"), ("DynamicOutputShape", "data-dependent"),
-                         ("attn_implementation", "attention implementation"), ("sdpa", "attention implementation"),
-                         ("scaled_dot_product_attention", "attention implementation"),
-                         ("checkpointing True", "checkpointing"),
-                         ("gradient_checkpointing_enable", "checkpointing")):
-        if needle in message:
-            return f"failed: {kind}"
-    return "failed: other"
+    kinds = {"MoE grouped matmul": ("BF16 type", "grouped_mm"),
+             "data-dependent": ("DataDependent", "DynamicOutputShape"),
+             "attention implementation": ("attn_implementation", "sdpa", "scaled_dot_product_attention"),
+             "checkpointing": ("checkpointing True", "gradient_checkpointing_enable")}
+    return next((f"failed: {k}" for k, needles in kinds.items() if any(n in message for n in needles)), "failed: other")
 
 
 def plan_catalogue(types=None, workers: int = 2) -> list:

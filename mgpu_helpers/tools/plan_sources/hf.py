@@ -132,9 +132,6 @@ def _default_attention(cfg) -> str:
 
 def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
     transformers, cfg = read_config(path)
-    vocab = int(getattr(cfg.get_text_config(), "vocab_size", 0) or 0)
-    if attn is not None and attn not in ATTENTION:
-        raise PlanInputError(f"--attn {attn!r}: one of {', '.join(ATTENTION)}")
     build_attn = "sdpa" if attn in _FLASH else attn  # planned as SDPA's flash kernel (planner.cuda)
 
     def model_fn():
@@ -146,10 +143,7 @@ def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -
                 raise PlanInputError(f"--attn {attn}: {cfg.model_type} cannot use it: {first_line(e)}") from None
             raise PlanInputError(f"{path}: {type(e).__name__}: {first_line(e)}") from None
         model.train()  # a training step: dropout on, checkpointing active (transformers' models check it)
-        step = UserStep(model)
-        step.attn = getattr(model.config, "_attn_implementation", None) or "eager"
-        return step
-    model_fn.__name__ = f"hf_{getattr(cfg, 'model_type', 'model')}"
+        return UserStep(model)
     model_fn.flash = attn in _FLASH
     picked = attn or f"{_default_attention(cfg)} (transformers' default for {cfg.model_type})"
     step = (f"the model's own loss, model(input_ids=x, labels=x).loss; its own gradient_checkpointing_enable(); "
@@ -163,5 +157,5 @@ def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -
             + ("spread evenly over the experts" if moe_imbalance == 1 else
                f"routed {moe_imbalance:g}x the even share to the busiest expert, the others sharing the rest "
                "(--moe-imbalance)"))
-    return Source(f"{path} ({cfg.model_type})", "hugging face", model_fn, "tokens", vocab, step=step,
+    return Source(f"{path} ({cfg.model_type})", "hugging face", model_fn, "tokens", step=step,
                   optimizer="adamw", assumptions=assumptions)
