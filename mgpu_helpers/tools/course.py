@@ -24,14 +24,6 @@ def _problems(sol: Path) -> list[str]:
     return [pr for p in course_notebooks(sol) for pr in validate(nbformat.read(str(p), as_version=4), p.name)]
 
 
-def cmd_validate(sol: Path) -> int:
-    problems = _problems(sol)
-    for line in problems:
-        print(line)
-    print(f"{len(course_notebooks(sol))} notebooks, {len(problems)} problems")
-    return 1 if problems else 0
-
-
 def cmd_release(sol: Path, out: Path, check: bool) -> int:
     problems = _problems(sol)
     if problems:  # never release a notebook whose schema is broken
@@ -39,10 +31,9 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
         return 1
     expected = {p.name: dumps(release_notebook(nbformat.read(str(p), as_version=4))) for p in course_notebooks(sol)}
     if check:
-        present = {p.name for p in out.glob("*.ipynb")}
         drift = sorted(n for n, text in expected.items()
                        if not (out / n).exists() or (out / n).read_text(encoding="utf-8") != text)
-        extra = sorted(present - set(expected))
+        extra = sorted({p.name for p in out.glob("*.ipynb")} - set(expected))
         for n in drift:
             print(f"drift: {out.name}/{n} differs from the release of {sol.name}/{n}")
         for n in extra:
@@ -73,15 +64,6 @@ def cmd_execute(paths: list[Path], timeout: int) -> int:
                        resources={"metadata": {"path": str(p.parent)}}).execute()
         p.write_text(dumps(nb), encoding="utf-8")
         print(f"executed {p}")
-    return 0
-
-
-def cmd_autograder(a) -> int:
-    from .grading.gradescope import build
-    limits = {k: getattr(a, k) for k in ("jobs", "timeout", "notebook_timeout", "memory")}
-    build(a.out, a.solutions, a.hidden, a.import_path, a.key, limits)
-    print(f"wrote {a.out}: {len(course_notebooks(a.solutions))} notebooks" + (f", hidden checks from {a.hidden}"
-          if a.hidden else "") + "; the solutions and the grading key are inside: keep the zip private")
     return 0
 
 
@@ -137,11 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.cmd == "release":
         return cmd_release(a.solutions, a.out, a.check)
-    if a.cmd == "autograder":
-        return cmd_autograder(a)
     if a.cmd == "execute":
         return cmd_execute(a.notebooks or course_notebooks(a.solutions), a.timeout)
-    return cmd_validate(a.solutions)
+    if a.cmd == "validate":
+        problems = _problems(a.solutions)
+        print("\n".join(problems + [f"{len(course_notebooks(a.solutions))} notebooks, {len(problems)} problems"]))
+        return 1 if problems else 0
+    from .grading.gradescope import build
+    build(a.out, a.solutions, a.hidden, a.import_path, a.key,
+          {k: getattr(a, k) for k in ("jobs", "timeout", "notebook_timeout", "memory")})
+    print(f"wrote {a.out}: {len(course_notebooks(a.solutions))} notebooks" + (f", hidden checks from {a.hidden}"
+          if a.hidden else "") + "; the solutions and the grading key are inside: keep the zip private")
+    return 0
 
 
 if __name__ == "__main__":
