@@ -7,7 +7,14 @@ transformers' own CPU step (:func:`trains`) is skipped and counted, not blamed o
 """
 from __future__ import annotations
 
-import warnings
+import contextlib
+import io
+import tempfile
+from collections import Counter
+
+import torch
+
+from .base import first_line, quiet
 
 WIDTH, LAYERS, HEADS, FFN, EXPERT_FFN, EXPERTS, TOP_K, VOCAB, HEAD_DIM = 64, 2, 4, 128, 32, 4, 2, 1024, 16
 
@@ -97,23 +104,21 @@ def tiny_config(model_type: str):
     """The family's default config, shrunk: a model of a few hundred thousand parameters."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        full = cls().to_dict()
-        d = _shrink(full)
-        subs = [d, *[v for v in d.values() if isinstance(v, dict)]]
-        # hybrids (attention every k-th layer, Mamba between): enough layers for one of each kind, in order
-        layers = max(LAYERS, len({str(t) for sub in subs for k in ("layer_types", "layers_block_type", "block_types")
-                                  if isinstance(sub.get(k), list) for t in sub[k]}))
-        for sub in subs:
-            for k in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
-                if isinstance(sub.get(k), list) and sub[k]:
-                    kinds = list(dict.fromkeys(sub[k]))
-                    sub[k] = (kinds * layers)[:max(layers, len(kinds))]
-                    for n in ("num_hidden_layers", "num_layers", "n_layer"):
-                        if n in sub:
-                            sub[n] = len(sub[k])
-        return cls(**_changed(d, full))  # only what shrinking changed: the family's __init__ derives the rest
+    full = cls().to_dict()
+    d = _shrink(full)
+    subs = [d, *[v for v in d.values() if isinstance(v, dict)]]
+    # hybrids (attention every k-th layer, Mamba between): enough layers for one of each kind, in order
+    layers = max(LAYERS, len({str(t) for sub in subs for k in ("layer_types", "layers_block_type", "block_types")
+                              if isinstance(sub.get(k), list) for t in sub[k]}))
+    for sub in subs:
+        for k in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
+            if isinstance(sub.get(k), list) and sub[k]:
+                kinds = list(dict.fromkeys(sub[k]))
+                sub[k] = (kinds * layers)[:max(layers, len(kinds))]
+                for n in ("num_hidden_layers", "num_layers", "n_layer"):
+                    if n in sub:
+                        sub[n] = len(sub[k])
+    return cls(**_changed(d, full))  # only what shrinking changed: the family's __init__ derives the rest
 
 
 def _changed(new: dict, old: dict) -> dict:
@@ -128,27 +133,20 @@ def _changed(new: dict, old: dict) -> dict:
     return out
 
 
-def trains(cfg, seq: int = 32, checkpointing: bool = False) -> str | None:
+def trains(cfg, checkpointing: bool = False) -> str | None:
     """transformers' own step on the CPU (real tensors), with its own ``gradient_checkpointing_enable()`` if
     ``checkpointing``: None if it trains, else why not (one line)."""
-    import torch
     from transformers import AutoModelForCausalLM
-
-    from .base import first_line
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-            model.train()
-            if checkpointing:
-                model.gradient_checkpointing_enable()
-            vocab = int(getattr(cfg.get_text_config(), "vocab_size", VOCAB) or VOCAB)
-            x = torch.randint(0, min(VOCAB, vocab) - 8, (2, seq))
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-        if loss is None or not torch.isfinite(loss):
-            return f"no finite loss ({loss})"
-        return None
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        vocab = int(getattr(cfg.get_text_config(), "vocab_size", VOCAB) or VOCAB)
+        x = torch.randint(0, min(VOCAB, vocab) - 8, (2, 32))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        return None if torch.isfinite(loss) else f"no finite loss ({loss})"
     except Exception as e:  # noqa: BLE001 - what transformers raises is the reason the family is skipped
         return f"{type(e).__name__}: {first_line(e)}"
 
@@ -158,9 +156,8 @@ def causal_lm_types() -> list:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-# --- the catalogue, planned ---------------------------------------------------------------------------
-# Each family ends in one class: planned, skipped (transformers' own CPU step fails on the tiny config, or
-# no tiny config could be made from the family's defaults), or a planner failure by kind.
+# --- the catalogue, planned: each family ends as planned, skipped (no tiny config, or transformers' own CPU
+# step fails on it) or a planner failure by kind (failure_class) ------------------------------------------
 PLAN_ARGS = ["--batch", "1", "--seq", "32", "--micro-batches", "1", "--precision", "bf16-autocast",
              "--zero", "0", "--gpus", "1", "--gpu", "H200", "--jobs", "1", "--json"]
 
@@ -169,9 +166,6 @@ def plan_family(model_type: str, checkpointing: str = "on") -> dict:
     """``mgpu-plan`` on the family's tiny config, as a user would run it: its class, its one stderr line.
     Checkpointing on by default (one trace: the forward, the recomputation and the backward); a family whose
     own ``gradient_checkpointing_enable()`` fails in transformers' CPU step is planned without it."""
-    import tempfile
-
-    from .base import quiet
     try:
         with quiet():  # transformers' notes on a tiny config (special tokens, unused fields) are not the plan's
             cfg = tiny_config(model_type)
@@ -196,9 +190,6 @@ def plan_family(model_type: str, checkpointing: str = "on") -> dict:
 
 
 def _plan_dir(model_type, directory, checkpointing):
-    import contextlib
-    import io
-
     from mgpu_helpers.tools.plan_cli import main
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
@@ -225,5 +216,4 @@ def plan_catalogue(types=None, workers: int = 2) -> list:
 
 
 def counts(results) -> dict:
-    from collections import Counter
     return dict(Counter(r["result"] for r in results).most_common())
