@@ -4,7 +4,9 @@ and the mutant harness. Release replaces each solution block by ``raise NotImple
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
 import re
 from pathlib import Path
@@ -94,14 +96,10 @@ def validate(nb, name: str = "notebook") -> list[str]:
 def release_notebook(nb):
     """The student copy of a solution notebook."""
     nb = copy.deepcopy(nb)
-    for c in nb.cells:
-        if c.cell_type != "code":
-            continue
-        m = mgpu(c)
-        if "exercise" in m:
-            c.source = strip_solution(c.source, f"Exercise {m['exercise']}: {m['task']}")
-        c.outputs = []
-        c.execution_count = None
+    for c in [c for c in nb.cells if c.cell_type == "code"]:
+        if "exercise" in mgpu(c):
+            c.source = strip_solution(c.source, f"Exercise {mgpu(c)['exercise']}: {mgpu(c)['task']}")
+        c.outputs, c.execution_count = [], None
     return nb
 
 
@@ -135,9 +133,6 @@ def mutate(source: str, old: str, new: str) -> str:
 
 def verdict(check: Callable, fn: Callable, seed: int | None = None) -> tuple[bool, str]:
     """(passed, message) of ``check(fn)``; the message is the printed line or the failure text."""
-    import contextlib
-    import io
-
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf):
