@@ -33,18 +33,15 @@ OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false
 
 
 def has_display() -> bool:
-    if sys.platform in ("darwin", "win32"):
-        return True
-    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    return sys.platform in ("darwin", "win32") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
 def install_overrides(prefix: str = sys.prefix) -> Path:
     """Write (or merge into) ``<prefix>/share/jupyter/lab/settings/overrides.json``."""
     path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
-    try:
-        current = json.loads(path.read_text()) if path.exists() else {}
-    except ValueError:
-        current = {}
+    current = {}
+    with contextlib.suppress(OSError, ValueError):  # none yet, or not JSON: ours replaces it
+        current = json.loads(path.read_text())
     merged = {**current, **{k: {**current.get(k, {}), **v} for k, v in OVERRIDES.items()}}
     if merged != current:
         try:
