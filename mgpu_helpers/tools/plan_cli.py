@@ -30,7 +30,7 @@ from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batc
 from mgpu_helpers.tools.plan_sources.base import first_line
 from mgpu_helpers.planner import OPTIMIZERS, TRACED_LAYOUTS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
 from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
-from mgpu_helpers.runtime.plots import fmt_bytes
+from mgpu_helpers.runtime.plots import fmt_bytes, unit_for
 
 COST = ("cost: the course's relative step time (1.00 = one GPU, no checkpointing, one micro-batch): +0.33 "
         "checkpointing (the forward again), +0.10 per extra micro-batch, +0.02 per ZeRO stage and +0.50 for "
@@ -203,15 +203,6 @@ def _plans_of(a, s, prec, ck, k):
     return trace.n_params, plans
 
 
-def _parameters(source) -> int:
-    """The model's parameter count, built on the meta device (0 if it cannot be built so)."""
-    try:
-        with torch.device("meta"):
-            return sum(p.numel() for p in source.model_fn().parameters())
-    except Exception:  # noqa: BLE001 - the trace reports a model that cannot be built
-        return 0
-
-
 def run(a):
     # bad input fails before any worker starts: the model first (the error to see, even when --gpu is missing
     # too), then the counts before a batch is built of them (a negative one would reach torch as a traceback)
@@ -225,8 +216,15 @@ def run(a):
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
     from tqdm.auto import tqdm
     jobs = [(a, s, p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]
-    # processes pay ~3 s of imports each: worth it when a trace takes tens of seconds (>= 1B parameters)
-    workers = min(len(jobs), a.jobs or ((os.cpu_count() or 1) if _parameters(source) >= 1e9 else 1))
+    workers = a.jobs
+    if not workers:  # processes pay ~3 s of imports each: worth it when traces take tens of s (>= 1B parameters)
+        try:
+            with torch.device("meta"):
+                big = sum(p.numel() for p in source.model_fn().parameters()) >= 1e9
+        except Exception:  # noqa: BLE001 - the trace reports a model that cannot be built
+            big = False
+        workers = (os.cpu_count() or 1) if big else 1
+    workers = min(len(jobs), workers)
     bar = dict(total=len(jobs), desc="tracing", unit="trace", file=sys.stderr, disable=None, leave=False)
     if workers > 1:  # one trace per process: they are independent and CPU-bound
         with process_pool(workers) as pool:
@@ -247,7 +245,7 @@ def run(a):
 
 def render_text(r):
     cap = r["gpu"]["capacity_bytes"]
-    G, unit = (db.GiB, "GiB") if max(p["device_total"] for p in r["plans"]) >= 2 * db.GiB else (db.MiB, "MiB")
+    G, unit = unit_for(max(p["device_total"] for p in r["plans"]))  # MiB or GiB: a CUDA context alone is 768 MiB
     width = max(len("precision"), *(len(p["precision"]) for p in r["plans"]))
     out = [f"model: {r['model']['name']}: {r['model']['parameters']:,} trainable parameters; "
            f"optimizer {r['optimizer']}",
@@ -272,11 +270,9 @@ def render_text(r):
     best = r["plans"][r["cheapest"]] if r["cheapest"] is not None else min(r["plans"], key=lambda p: p["device_total"])
     what = (f"{best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, checkpointing "
             f"{'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es)")
-    if r["cheapest"] is None:
-        out.append(f"nothing fits {fmt_bytes(cap)} per GPU; the smallest plan needs {fmt_bytes(best['device_total'])} "
-                   f"({what}):")
-    else:
-        out.append(f"cheapest plan that fits: {what} (fewest GPUs, then the lowest cost). Per GPU:")
+    fits = f"cheapest plan that fits: {what} (fewest GPUs, then the lowest cost). Per GPU:"
+    out.append(fits if r["cheapest"] is not None else f"nothing fits {fmt_bytes(cap)} per GPU; the smallest plan "
+               f"needs {fmt_bytes(best['device_total'])} ({what}):")
     buckets = (f"of which DDP's gradient buckets {fmt_bytes(best['ddp_buckets'])}: a flat copy of every gradient "
                f"(ZeRO-{best['zero_stage']} on {best['gpus']} GPUs, gradient_as_bucket_view=False)")
     for ln in best["lines"]:

@@ -18,37 +18,33 @@ from .base import first_line, quiet
 
 WIDTH, LAYERS, HEADS, FFN, EXPERT_FFN, EXPERTS, TOP_K, VOCAB, HEAD_DIM = 64, 2, 4, 128, 32, 4, 2, 1024, 16
 
-# field name -> tiny value (a function of the default value where the default shapes the family)
+# field name -> tiny value: the names the installed transformers' causal-LM families use
 _SIZES = {
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
-                     "embedding_size", "hidden_dim", "text_hidden_size", "emb_dim"), WIDTH),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "word_embed_proj_dim", "embedding_size",
+                     "emb_dim"), WIDTH),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
                      "num_decoder_layers", "num_encoder_layers"), LAYERS),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
-                     "encoder_attention_heads", "n_attention_heads"), HEADS),
-    **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels", "head_size", "v_head_dim", "d_head",
-                     "mamba_d_head", "linear_key_head_dim", "linear_value_head_dim", "swa_head_dim"), HEAD_DIM),
+                     "encoder_attention_heads"), HEADS),
+    **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels", "v_head_dim", "d_head", "mamba_d_head",
+                     "linear_key_head_dim", "linear_value_head_dim", "swa_head_dim"), HEAD_DIM),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim",
-                     "ffn_hidden_size", "intermediate_dim", "d_ff", "dense_intermediate_size"), FFN),
-    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-                     "moe_ffn_hidden_size", "shared_intermediate_size", "moe_shared_expert_intermediate_size",
-                     "expert_dim", "ffn_dim_expert"), EXPERT_FFN),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_num_experts",
-                     "num_experts_per_layer", "moe_num_expert"), EXPERTS),
+                     "ffn_hidden_size", "d_ff", "dense_intermediate_size"), FFN),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
+                     "moe_shared_expert_intermediate_size"), EXPERT_FFN),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), EXPERTS),
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 32),
     **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), HEAD_DIM),  # DeepSeek's head_dim is the rope part
     # hybrids: an attention layer among the first few (Jamba's every 8th from the 4th; Bamba's by index)
     "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
-    "attn_layer_indices": [1],
-    **dict.fromkeys(("vocab_size", "n_vocab", "text_vocab_size"), VOCAB),
+    "attn_layer_indices": [1], "vocab_size": VOCAB,
 }
-_AT_MOST = {**dict.fromkeys(("num_experts_per_tok", "top_k", "moe_topk", "moe_k", "num_experts_per_token",
-                             "n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), TOP_K),
+_AT_MOST = {**dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "n_shared_experts",
+                             "num_shared_experts", "moe_num_shared_experts"), TOP_K),
             **dict.fromkeys(("n_group", "topk_group"), 1),
-            **dict.fromkeys(("sliding_window", "attention_window", "window_size", "local_window_size"), 16),
+            **dict.fromkeys(("sliding_window", "window_size"), 16),
             **dict.fromkeys(("first_k_dense_replace", "num_dense_layers", "max_window_layers"), 1)}
-_KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv",
-             "num_key_value_groups_heads", "linear_num_key_heads", "linear_num_value_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "linear_num_key_heads", "linear_num_value_heads")
 
 
 def _shrink(d: dict) -> dict:
