@@ -114,8 +114,7 @@ def dumps(nb) -> str:
 def exercise_source(nb_path: str | Path, exercise: str) -> str:
     import nbformat
 
-    nb = nbformat.read(str(nb_path), as_version=4)
-    return exercise_cells(nb)[exercise].source
+    return exercise_cells(nbformat.read(str(nb_path), as_version=4))[exercise].source
 
 
 def exec_cell(source: str) -> dict:
@@ -169,9 +168,8 @@ def sweep_seeds() -> range:
 
 
 def mutant_fails_every_seed(nb_path, exercise: str, function: str, edits, named: str, seeds=None) -> None:
-    """Assert that the planted mistake fails the check, naming ``named``, under every seed (default:
-    :func:`sweep_seeds`): a check whose verdict depends on the draw lets a learner pass in the notebook and
-    fail at grading."""
+    """The planted mistake fails the check, naming ``named``, under every seed (default: :func:`sweep_seeds`):
+    a check whose verdict depends on the draw lets a learner pass in the notebook and fail at grading."""
     for seed in sweep_seeds() if seeds is None else seeds:
         ok, msg = mutant_verdict(nb_path, exercise, function, edits, seed=seed)
         assert not ok, f"mutant {edits!r} passed the check with seed {seed}"

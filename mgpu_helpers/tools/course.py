@@ -55,18 +55,6 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
     return 0
 
 
-def cmd_execute(paths: list[Path], timeout: int) -> int:
-    from nbclient import NotebookClient
-
-    for p in paths:
-        nb = nbformat.read(str(p), as_version=4)
-        NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(p.parent)}}).execute()
-        p.write_text(dumps(nb), encoding="utf-8")
-        print(f"executed {p}")
-    return 0
-
-
 def input_problem(a) -> str | None:
     """What is wrong with the command line, in one line (None: nothing)."""
     if a.cmd != "execute" or not a.notebooks:
@@ -120,7 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "release":
         return cmd_release(a.solutions, a.out, a.check)
     if a.cmd == "execute":
-        return cmd_execute(a.notebooks or course_notebooks(a.solutions), a.timeout)
+        from nbclient import NotebookClient
+        for p in a.notebooks or course_notebooks(a.solutions):
+            nb = nbformat.read(str(p), as_version=4)
+            NotebookClient(nb, timeout=a.timeout, kernel_name="python3",
+                           resources={"metadata": {"path": str(p.parent)}}).execute()
+            p.write_text(dumps(nb), encoding="utf-8")
+            print(f"executed {p}")
+        return 0
     if a.cmd == "validate":
         problems = _problems(a.solutions)
         print("\n".join(problems + [f"{len(course_notebooks(a.solutions))} notebooks, {len(problems)} problems"]))

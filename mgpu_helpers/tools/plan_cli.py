@@ -73,14 +73,12 @@ def parse_args(argv):
                     help="(default: adamw for a Hugging Face model, as its users train; adam otherwise)")
     ap.add_argument("--attn", choices=ATTENTION, help="a Hugging Face model's attention implementation "
                     "(default: the one transformers picks, as on a GPU)")
-    ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
-                    help="mixture of experts that loop over experts: the busiest expert gets F x the even share "
-                         "of tokens (1: balanced routing; experts / top-k: every token chooses it)")
+    ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F", help="mixture of experts that loop over "
+                    "experts: the busiest gets F x the even share of tokens (1: balanced; experts / top-k: all)")
     ap.add_argument("--allocator", default="default", choices=("default", "expandable"),
                     help="expandable = PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-    ap.add_argument("--jobs", type=int, default=0,
-                    help="processes tracing at once (default: one per CPU core for models of >= 1B parameters, "
-                         "at most one per trace; 1: trace in this process)")
+    ap.add_argument("--jobs", type=int, default=0, help="processes tracing at once (default: one per CPU core, at "
+                    "most one per trace, for models of >= 1B parameters; 1: trace in this process)")
     lay = ap.add_argument_group("layouts (tools/plan_layouts.py: any of these searches TP x PP x HSDP layouts "
                                 "of a Llama-shaped CONFIG at a fixed --global-batch)")
     for flag, what in (("--tp", "tensor-parallel degrees"), ("--pp", "pipeline stages"),
@@ -142,9 +140,8 @@ def process_pool(workers):
 
 
 def _plans_of(a, s, prec, ck, k):
-    """Trace one (precision, checkpointing, micro-batches) and derive its plans for every GPU count and
-    ZeRO stage: a job of its own (``run`` may hand it to a worker process). None: a model without blocks
-    asked for checkpointing "both" (the row is dropped)."""
+    """Trace one (precision, checkpointing, micro-batches), derive its plans for every GPU count and ZeRO stage
+    (a job ``run`` may hand to a worker). None: a model without blocks under checkpointing "both"."""
     source = resolve(a.model, a.attn, a.moe_imbalance)
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
@@ -189,8 +186,7 @@ def _plans_of(a, s, prec, ck, k):
                           conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes),
                           activation_bytes=p.breakdown.get("activations", 0) + p.breakdown.get("other", 0))
             cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
-            # DDP (stages 0-1 on several GPUs) keeps a flat copy of every gradient in its buckets, counted
-            # in "gradients": named on its own line (gradient_as_bucket_view=False, DDP's default)
+            # DDP (stages 0-1 on several GPUs, gradient_as_bucket_view=False) keeps a flat copy of every gradient
             buckets = p.model_state["gradients"] - plan_from_trace(trace, st, 1).model_state["gradients"] \
                 if st in (0, 1) and n > 1 else 0
             plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,

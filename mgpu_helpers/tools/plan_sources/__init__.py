@@ -1,8 +1,6 @@
-"""Where ``mgpu-plan`` gets a model: a built-in name, a Hugging Face config, or ``module:function``.
-
-Each gives a :class:`Source`: a ``model_fn`` the planner calls under ``FakeTensorMode`` (nothing real is
-allocated), the batch it takes (shapes and dtypes only) and a loss. A failure to resolve or build one is a
-:class:`PlanInputError` whose one line says what to fix; ``mgpu-plan`` prints it and exits 2.
+"""Where ``mgpu-plan`` gets a model: a built-in name, a Hugging Face config, or ``module:function``, each a
+:class:`Source` whose ``model_fn`` the planner calls under ``FakeTensorMode``, with the batch it takes (shapes
+and dtypes only) and a loss. Bad input is a :class:`PlanInputError`: one line saying what to fix (exit 2).
 """
 from __future__ import annotations
 
@@ -85,9 +83,8 @@ def make_batch(source: Source, batch: int, seq: int | None, input_shape: str | N
     if source.inputs == "tokens" or (input_shape is None and seq is not None):
         if input_shape is not None:
             raise PlanInputError(f"{source.name} takes tokens: give --seq, not --input-shape")
-        t = seq or 1024
-        return (torch.empty(batch, t, dtype=torch.long, device="meta"),
-                torch.empty(batch, t, dtype=torch.long, device="meta"))
+        tokens = torch.empty(batch, seq or 1024, dtype=torch.long, device="meta")
+        return tokens, tokens  # inputs and their next-token targets: one shape
     if input_shape is None:
         raise PlanInputError(f"{source.name}: give the input shape of one sample, e.g. --input-shape 3,224,224 "
                              "(or --seq T for a model that takes tokens)")

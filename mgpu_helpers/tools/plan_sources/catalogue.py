@@ -1,9 +1,7 @@
 """Every causal-LM family the installed transformers offers, as a tiny config: what ``mgpu-plan`` is held
-against (tests/test_plan_catalogue.py).
-
-:func:`tiny_config` shrinks the family's own defaults field by field name, keeping what makes the family
-(grouped heads, sliding windows, layer patterns, shared experts); nothing is downloaded. A family that fails
-transformers' own CPU step (:func:`trains`) is skipped and counted, not blamed on the planner.
+against (tests/test_plan_catalogue.py). :func:`tiny_config` shrinks the family's own defaults field by field
+name, keeping what makes the family (grouped heads, sliding windows, layer patterns, shared experts); nothing is
+downloaded. A family that fails transformers' own CPU step (:func:`trains`) is skipped, not blamed on the planner.
 """
 from __future__ import annotations
 
@@ -111,9 +109,7 @@ def tiny_config(model_type: str):
             if isinstance(sub.get(k), list) and sub[k]:
                 kinds = list(dict.fromkeys(sub[k]))
                 sub[k] = (kinds * layers)[:max(layers, len(kinds))]
-                for n in ("num_hidden_layers", "num_layers", "n_layer"):
-                    if n in sub:
-                        sub[n] = len(sub[k])
+                sub.update({n: len(sub[k]) for n in ("num_hidden_layers", "num_layers", "n_layer") if n in sub})
     return cls(**_changed(d, full))  # only what shrinking changed: the family's __init__ derives the rest
 
 
@@ -179,9 +175,9 @@ def plan_family(model_type: str, checkpointing: str = "on") -> dict:
                 own = "not offered" if "does not support" in r["message"] else trains(cfg, checkpointing=True)
             if own:  # transformers' own checkpointing fails too: the family is planned without it
                 r = _plan_dir(model_type, tmp, "off")
-                r["note"] = ("checkpointing not planned: " + ("transformers offers none for this family"
-                                                             if own == "not offered" else
-                                                             f"transformers' own fails on a CPU ({own})"))
+                r["note"] = "checkpointing not planned: " + (
+                    "transformers offers none for this family" if own == "not offered" else
+                    f"transformers' own fails on a CPU ({own})")
     return r
 
 

@@ -2,8 +2,6 @@
 
 :class:`UserStep` is ``model(input_ids=x, labels=x).loss`` (the model's own loss, which upcasts the logits to
 fp32), with the model's own ``gradient_checkpointing_enable()``, AdamW and the attention transformers picks.
-Mixture-of-experts layers: transformers' grouped matmul holds every (token, expert) row whatever the routing;
-families that loop over the experts are traced with the routing ``planner.dynamic`` states (``--moe-imbalance``).
 """
 from __future__ import annotations
 
@@ -120,8 +118,7 @@ def _experts(cfg):
 
 
 def _default_attention(cfg) -> str:
-    """What ``from_config`` picks without ``attn_implementation``: sdpa where the family supports it, else
-    eager (flash-attention only when asked for); attention-free families answer eager too."""
+    """What ``from_config`` picks without ``attn_implementation``: sdpa where the family supports it, else eager."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
