@@ -12,11 +12,10 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-# nbformat is imported where a notebook file is read or written: the notebooks import ``verdict`` from
-# here, and machines that run them without Jupyter's packages (bench/run_notebooks.py on a GPU box) lack it.
+# nbformat is imported where a notebook is read or written: notebooks import ``verdict`` from here on machines
+# without Jupyter's packages (bench/run_notebooks.py on a GPU box).
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-EXERCISE_ID = re.compile(r"^\d{1,2}\.\d{1,2}$")
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"  # a course notebook's name: 04_ddp.ipynb
 
 
@@ -71,7 +70,7 @@ def validate(nb, name: str = "notebook") -> list[str]:
                     problems.append(f"{name} cell {i}: {kind} {m[kind]} lacks the '{kind}' tag")
         if "exercise" in m:
             ex = m["exercise"]
-            if not EXERCISE_ID.match(str(ex)):
+            if not re.fullmatch(r"\d{1,2}\.\d{1,2}", str(ex)):
                 problems.append(f"{name} cell {i}: bad exercise id {ex!r}")
             if src.count(BEGIN) != 1 or src.count(END) != 1:
                 problems.append(f"{name} cell {i}: exercise {ex} needs exactly one solution block")

@@ -1,11 +1,5 @@
-"""`mgpu-course`: the authoring command line.
-
-    mgpu-course release            write notebooks/ (student copies) from solutions/
-    mgpu-course release --check    exit 1 if notebooks/ differs from what release would write
-    mgpu-course execute [NB ...]   re-run solution notebooks in place, storing the outputs nbval compares
-    mgpu-course validate           check the metadata schema of every solution notebook
-    mgpu-course autograder --out autograder.zip [--hidden DIR] [--key KEY]
-                                   the Gradescope autograder (GRADING.md says how to upload it)
+"""`mgpu-course`: the authoring command line: ``mgpu-course release [--check]``, ``execute [NB ...]``,
+``validate``, ``autograder --out autograder.zip [--hidden DIR] [--key KEY]`` (``mgpu-course COMMAND --help``).
 """
 from __future__ import annotations
 
@@ -72,11 +66,8 @@ def input_problem(a) -> str | None:
             return f"--out {a.out}: the name of the zip to write, e.g. autograder.zip"
         if not all(v > 0 for v in (a.jobs, a.timeout, a.notebook_timeout, a.memory)):
             return "--jobs, --timeout, --notebook-timeout and --memory must be > 0"
-    if a.cmd == "execute":
-        missing = [str(p) for p in a.notebooks if not p.is_file()]
-        if missing:
-            return f"no such notebook: {', '.join(missing)}"
-    return None
+    missing = [str(p) for p in a.notebooks if not p.is_file()] if a.cmd == "execute" else []
+    return f"no such notebook: {', '.join(missing)}" if missing else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,14 +75,14 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--solutions", type=Path, default=ROOT / "solutions")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("release", help="write student notebooks from solutions/")
+    r = sub.add_parser("release", help="write notebooks/ (student copies) from solutions/")
     r.add_argument("--out", type=Path, default=ROOT / "notebooks")
-    r.add_argument("--check", action="store_true", help="only check that notebooks/ is up to date")
-    e = sub.add_parser("execute", help="re-run solution notebooks in place")
+    r.add_argument("--check", action="store_true", help="exit 1 if notebooks/ differs from what release would write")
+    e = sub.add_parser("execute", help="re-run solution notebooks in place, storing the outputs nbval compares")
     e.add_argument("notebooks", nargs="*", type=Path)
     e.add_argument("--timeout", type=int, default=600)
-    sub.add_parser("validate", help="check the metadata schema")
-    g = sub.add_parser("autograder", help="write the Gradescope autograder zip (GRADING.md)")
+    sub.add_parser("validate", help="check the metadata schema of every solution notebook")
+    g = sub.add_parser("autograder", help="write the Gradescope autograder zip (GRADING.md says how to upload it)")
     g.add_argument("--out", type=Path, default=Path("autograder.zip"))
     g.add_argument("--hidden", type=Path, default=None, help="directory of hidden checks (*.py)")
     g.add_argument("--import-path", type=Path, action="append", default=[], help="extra course module folder")

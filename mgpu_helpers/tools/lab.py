@@ -4,9 +4,8 @@
 
 Unlike plain ``jupyter lab``, it runs as root (containers, cloud GPU boxes); it opens the system browser only
 where there is a display, never a text browser in the terminal; it prints one URL, token included, on the port
-Jupyter bound (a busy port moves it); Ctrl-C, a closed terminal or the launcher's death stops JupyterLab and its
-kernels (the server has its own session, so Ctrl-C does not ask "Shutdown this Jupyter server?"; on Linux
-PR_SET_PDEATHSIG); and an ``overrides.json`` keeps Jupyter's news pop-up off the notebook.
+Jupyter bound; Ctrl-C, a closed terminal or the launcher's death stops JupyterLab and its kernels (its own session:
+Ctrl-C does not ask "Shutdown this Jupyter server?"); an ``overrides.json`` keeps Jupyter's news pop-up away.
 """
 from __future__ import annotations
 
@@ -72,11 +71,9 @@ def start(root: Path, port: int = 8888, extra: list[str] = (), env: dict | None 
     config.touch(mode=0o600)
     config.write_text(json.dumps({"IdentityProvider": {"token": token}}))
     install_overrides()
-    out = open(log, "ab") if log else None  # None: JupyterLab's log goes to this terminal
-    proc = subprocess.Popen(lab_command(root, port, config, extra), env=env, stdout=out, stderr=out,
-                            start_new_session=True, preexec_fn=die_with_parent())
-    if out:
-        out.close()  # the child holds its own copy
+    with open(log, "ab") if log else contextlib.nullcontext() as out:  # None: its log goes to this terminal
+        proc = subprocess.Popen(lab_command(root, port, config, extra), env=env, stdout=out, stderr=out,
+                                start_new_session=True, preexec_fn=die_with_parent())
     deadline = time.monotonic() + 120
     try:  # the server's own record of itself (the port it bound, its URL)
         while True:

@@ -47,14 +47,12 @@ def _ints(text, what):
     return vals
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not the usage block: bad input reads like every other error
-        self.exit(2, f"mgpu-plan: error: {message} (mgpu-plan --help)\n")
-
-
 def parse_args(argv):
-    ap = _Parser(prog="mgpu-plan", description=__doc__.split("\n\n")[0],
-                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    head, epilog = __doc__.split("\n\n", 1)
+    ap = argparse.ArgumentParser(prog="mgpu-plan", description=head, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    # one line, not the usage block: bad input reads like every other error
+    ap.error = lambda message: ap.exit(2, f"mgpu-plan: error: {message} (mgpu-plan --help)\n")
     ap.add_argument("model", help="built-in name, Hugging Face config.json or model directory, or module:function")
     ap.add_argument("--batch", type=int, default=1, help="samples per GPU per step, split into micro-batches (1)")
     ap.add_argument("--seq", type=int, help="tokens per sample, for models that take tokens (1024)")
@@ -96,7 +94,11 @@ def parse_args(argv):
 
 
 def settings(a):
-    """Validated settings, before anything is traced: bad input fails here, fast (the counts: run)."""
+    """Validated settings, before anything is traced or a batch is built of the counts: bad input fails here, fast."""
+    if a.batch < 1 or (a.seq is not None and a.seq < 1):
+        raise PlanInputError("--batch and --seq must be >= 1")
+    if a.jobs < 0:
+        raise PlanInputError(f"--jobs {a.jobs}: a process count >= 1 (0 or left out: chosen by model size)")
     if a.gpu is None and a.gpu_memory is None:
         raise PlanInputError("give the GPU: --gpu NAME (" + ", ".join(db.GPUS) + ") or --gpu-memory SIZE (80GB, 80GiB)")
     if a.gpu:
@@ -129,8 +131,7 @@ def settings(a):
 
 
 def process_pool(workers):
-    """Spawned worker processes, each with its share of the cores' torch threads: with one per core each,
-    their parallel ops spin-wait for one another's cores."""
+    """Spawned workers, each with its share of the cores' torch threads (with one per core each, they spin-wait)."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
@@ -174,7 +175,6 @@ def _plans_of(a, s, prec, ck, k):
     except Exception as e:
         raise PlanInputError(f"tracing {source.name} ({prec}, checkpointing {ck}, {k} micro-batches) failed: "
                              f"{type(e).__name__}: {first_line(e)}") from None
-    conv = max(convs, default=0)
     rep = db.replayed(trace, [t.numel() * t.element_size() for t in batch], arch=s["arch"], allocator=a.allocator)
     plans = []
     for n in s["gpus"]:
@@ -182,7 +182,7 @@ def _plans_of(a, s, prec, ck, k):
             with quiet():  # ZeRO-3 traces the step again under FSDP2 (the libraries' warnings are not the plan)
                 p = plan_from_trace(trace, st, n)
             b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"], gpu=s["gpu_key"],
-                          conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
+                          conv_activation_bytes=max(convs, default=0), allocator=a.allocator, replay=rep,
                           conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes),
                           activation_bytes=p.breakdown.get("activations", 0) + p.breakdown.get("other", 0))
             cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
@@ -200,15 +200,9 @@ def _plans_of(a, s, prec, ck, k):
 
 
 def run(a):
-    # bad input fails before any worker starts: the model first (the error to see, even when --gpu is missing
-    # too), then the counts before a batch is built of them (a negative one would reach torch as a traceback)
-    source = resolve(a.model, a.attn, a.moe_imbalance)
-    if a.batch < 1 or (a.seq is not None and a.seq < 1):
-        raise PlanInputError("--batch and --seq must be >= 1")
-    if a.jobs < 0:
-        raise PlanInputError(f"--jobs {a.jobs}: a process count >= 1 (0 or left out: chosen by model size)")
+    source = resolve(a.model, a.attn, a.moe_imbalance)  # first: a wrong model is the error to see, even without --gpu
+    s = settings(a)  # then the rest, before any worker starts
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
-    s = settings(a)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
     from tqdm.auto import tqdm
     jobs = [(a, s, p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]

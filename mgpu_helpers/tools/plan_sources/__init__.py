@@ -26,14 +26,12 @@ def output_loss(out, targets):
     """Cross-entropy of a model's logits: [B, C] with [B] or [B, T, V] with [B, T] (lm_loss's ops).
     Takes ``.logits`` or the first element when the model returns an object or a tuple; a 0-d tensor is a
     loss the model computed itself (a Hugging Face model given ``labels=``, ``hf.UserStep``)."""
-    if isinstance(out, torch.Tensor) and out.dim() == 0:
-        return out
     if not isinstance(out, torch.Tensor):
-        out = getattr(out, "logits", None) if not isinstance(out, (tuple, list)) else out[0]
+        out = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", None)
     if not isinstance(out, torch.Tensor):
         raise PlanInputError("the model's output is not a tensor of logits (nor has .logits): give a "
                              "model_fn whose module returns logits")
-    return F.cross_entropy(out.flatten(0, -2), targets.flatten())
+    return out if out.dim() == 0 else F.cross_entropy(out.flatten(0, -2), targets.flatten())
 
 
 def function_source(spec: str) -> Source:

@@ -41,9 +41,8 @@ def read_config(path: Path):
         raise PlanInputError(f"{file}: not a readable JSON config ({e})") from None
     if not isinstance(d, dict) or "model_type" not in d:
         raise PlanInputError(f"{file}: a Hugging Face config.json has a \"model_type\" (e.g. \"llama\")")
-    from transformers import CONFIG_MAPPING
-    if d["model_type"] not in CONFIG_MAPPING:
-        close = difflib.get_close_matches(str(d["model_type"]), list(CONFIG_MAPPING), n=3, cutoff=0.6)
+    if d["model_type"] not in transformers.CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(d["model_type"]), list(transformers.CONFIG_MAPPING), n=3, cutoff=0.6)
         raise PlanInputError(f"{file}: model_type {d['model_type']!r} is not one transformers "
                              f"{transformers.__version__} knows" + (f" (closest: {', '.join(close)})" if close else
                                                                     "; upgrade transformers if it is newer"))
@@ -72,8 +71,7 @@ class UserStep(nn.Module):
             return self.model(input_ids=input_ids, labels=input_ids).loss
 
     def gradient_checkpointing_enable(self):
-        """transformers' own checkpointing, as a user enables it; the recomputation in backward runs
-        under the GPU's kernels again when the forward did (``planner.cuda.recompute_contexts``)."""
+        """transformers' own checkpointing, recomputing under the forward's kernels (``planner.cuda``)."""
         from mgpu_helpers.planner.cuda import recompute_contexts
         if not getattr(self.model, "supports_gradient_checkpointing", False):
             raise ValueError(f"checkpointing: {type(self.model).__name__} does not support "
@@ -120,11 +118,8 @@ def _experts(cfg):
 def _default_attention(cfg) -> str:
     """What ``from_config`` picks without ``attn_implementation``: sdpa where the family supports it, else eager."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
-    except KeyError:
-        return "the one it picks"
-    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    return "the one it picks" if cls is None else "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
