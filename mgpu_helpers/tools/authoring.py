@@ -4,17 +4,18 @@ and the mutant harness. Release replaces each solution block by ``raise NotImple
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
 import re
 from pathlib import Path
 from typing import Any, Callable
 
-# nbformat is imported where a notebook file is read or written: the notebooks import ``verdict`` from
-# here, and machines that run them without Jupyter's packages (bench/run_notebooks.py on a GPU box) lack it.
+# nbformat is imported where a notebook is read or written: notebooks import ``verdict`` from here on machines
+# without Jupyter's packages (bench/run_notebooks.py on a GPU box).
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-EXERCISE_ID = re.compile(r"^\d{1,2}\.\d{1,2}$")
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"  # a course notebook's name: 04_ddp.ipynb
 
 
@@ -60,15 +61,17 @@ def validate(nb, name: str = "notebook") -> list[str]:
         m = mgpu(c)
         tags = c.get("metadata", {}).get("tags", [])
         src = c.source if isinstance(c.source, str) else "".join(c.source)
+        for kind, seen in (("exercise", seen_ex), ("check", seen_check)):
+            if kind in m:
+                if m[kind] in seen:
+                    problems.append(f"{name} cell {i}: duplicate {kind} {m[kind]}")
+                seen.add(m[kind])
+                if kind not in tags:
+                    problems.append(f"{name} cell {i}: {kind} {m[kind]} lacks the '{kind}' tag")
         if "exercise" in m:
             ex = m["exercise"]
-            if not EXERCISE_ID.match(str(ex)):
+            if not re.fullmatch(r"\d{1,2}\.\d{1,2}", str(ex)):
                 problems.append(f"{name} cell {i}: bad exercise id {ex!r}")
-            if ex in seen_ex:
-                problems.append(f"{name} cell {i}: duplicate exercise {ex}")
-            seen_ex.add(ex)
-            if "exercise" not in tags:
-                problems.append(f"{name} cell {i}: exercise {ex} lacks the 'exercise' tag")
             if src.count(BEGIN) != 1 or src.count(END) != 1:
                 problems.append(f"{name} cell {i}: exercise {ex} needs exactly one solution block")
             if not m.get("function") or not m.get("task"):
@@ -81,33 +84,21 @@ def validate(nb, name: str = "notebook") -> list[str]:
                                 "(put the reason on the next line)")
         if "check" in m:
             ck = m["check"]
-            if ck in seen_check:
-                problems.append(f"{name} cell {i}: duplicate check {ck}")
-            seen_check.add(ck)
-            if "check" not in tags:
-                problems.append(f"{name} cell {i}: check {ck} lacks the 'check' tag")
             if not isinstance(m.get("points"), int) or m["points"] <= 0:
                 problems.append(f"{name} cell {i}: check {ck} needs positive integer 'points'")
             if "NBVAL_SKIP" in src or "NBVAL_IGNORE_OUTPUT" in src or "NBVAL_RAISES_EXCEPTION" in src:
                 problems.append(f"{name} cell {i}: check {ck} must be compared by nbval (no NBVAL_ markers)")
-    for ex in seen_ex - seen_check:
-        problems.append(f"{name}: exercise {ex} has no check cell")
-    for ck in seen_check - seen_ex:
-        problems.append(f"{name}: check {ck} has no exercise cell")
-    return problems
+    return (problems + [f"{name}: exercise {ex} has no check cell" for ex in seen_ex - seen_check]
+            + [f"{name}: check {ck} has no exercise cell" for ck in seen_check - seen_ex])
 
 
 def release_notebook(nb):
     """The student copy of a solution notebook."""
     nb = copy.deepcopy(nb)
-    for c in nb.cells:
-        if c.cell_type != "code":
-            continue
-        m = mgpu(c)
-        if "exercise" in m:
-            c.source = strip_solution(c.source, f"Exercise {m['exercise']}: {m['task']}")
-        c.outputs = []
-        c.execution_count = None
+    for c in [c for c in nb.cells if c.cell_type == "code"]:
+        if "exercise" in mgpu(c):
+            c.source = strip_solution(c.source, f"Exercise {mgpu(c)['exercise']}: {mgpu(c)['task']}")
+        c.outputs, c.execution_count = [], None
     return nb
 
 
@@ -122,8 +113,7 @@ def dumps(nb) -> str:
 def exercise_source(nb_path: str | Path, exercise: str) -> str:
     import nbformat
 
-    nb = nbformat.read(str(nb_path), as_version=4)
-    return exercise_cells(nb)[exercise].source
+    return exercise_cells(nbformat.read(str(nb_path), as_version=4))[exercise].source
 
 
 def exec_cell(source: str) -> dict:
@@ -141,9 +131,6 @@ def mutate(source: str, old: str, new: str) -> str:
 
 def verdict(check: Callable, fn: Callable, seed: int | None = None) -> tuple[bool, str]:
     """(passed, message) of ``check(fn)``; the message is the printed line or the failure text."""
-    import contextlib
-    import io
-
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf):
@@ -153,28 +140,25 @@ def verdict(check: Callable, fn: Callable, seed: int | None = None) -> tuple[boo
     return True, buf.getvalue().strip()
 
 
-def _check(exercise: str):
-    from ..checks import REGISTRY
-    return REGISTRY[exercise]
-
-
 def solution_verdict(nb_path, exercise: str, function: str, seed: int | None = None) -> tuple[bool, str]:
     """The check's verdict on the solution notebook's exercise cell, as written."""
-    return verdict(_check(exercise), exec_cell(exercise_source(nb_path, exercise))[function], seed)
+    return mutant_verdict(nb_path, exercise, function, [], seed)
 
 
 def stub_verdict(nb_path, exercise: str, function: str) -> tuple[bool, str]:
     """The check's verdict on the released stub of that cell."""
+    from ..checks import REGISTRY
     stub = strip_solution(exercise_source(nb_path, exercise), f"Exercise {exercise}: stub")
-    return verdict(_check(exercise), exec_cell(stub)[function])
+    return verdict(REGISTRY[exercise], exec_cell(stub)[function])
 
 
 def mutant_verdict(nb_path, exercise: str, function: str, edits, seed: int | None = 7) -> tuple[bool, str]:
     """The check's verdict on the solution with textual ``edits`` [(old, new), ...] planted in it."""
+    from ..checks import REGISTRY
     src = exercise_source(nb_path, exercise)
     for old, new in edits:
         src = mutate(src, old, new)
-    return verdict(_check(exercise), exec_cell(src)[function], seed)
+    return verdict(REGISTRY[exercise], exec_cell(src)[function], seed)
 
 
 def sweep_seeds() -> range:
@@ -183,9 +167,8 @@ def sweep_seeds() -> range:
 
 
 def mutant_fails_every_seed(nb_path, exercise: str, function: str, edits, named: str, seeds=None) -> None:
-    """Assert that the planted mistake fails the check, naming ``named``, under every seed (default:
-    :func:`sweep_seeds`): a check whose verdict depends on the draw lets a learner pass in the notebook and
-    fail at grading."""
+    """The planted mistake fails the check, naming ``named``, under every seed (default: :func:`sweep_seeds`):
+    a check whose verdict depends on the draw lets a learner pass in the notebook and fail at grading."""
     for seed in sweep_seeds() if seeds is None else seeds:
         ok, msg = mutant_verdict(nb_path, exercise, function, edits, seed=seed)
         assert not ok, f"mutant {edits!r} passed the check with seed {seed}"

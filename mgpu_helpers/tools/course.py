@@ -1,11 +1,5 @@
-"""`mgpu-course`: the authoring command line.
-
-    mgpu-course release            write notebooks/ (student copies) from solutions/
-    mgpu-course release --check    exit 1 if notebooks/ differs from what release would write
-    mgpu-course execute [NB ...]   re-run solution notebooks in place, storing the outputs nbval compares
-    mgpu-course validate           check the metadata schema of every solution notebook
-    mgpu-course autograder --out autograder.zip [--hidden DIR] [--key KEY]
-                                   the Gradescope autograder (GRADING.md says how to upload it)
+"""`mgpu-course`: the authoring command line: ``mgpu-course release [--check]``, ``execute [NB ...]``,
+``validate``, ``autograder --out autograder.zip [--hidden DIR] [--key KEY]`` (``mgpu-course COMMAND --help``).
 """
 from __future__ import annotations
 
@@ -24,14 +18,6 @@ def _problems(sol: Path) -> list[str]:
     return [pr for p in course_notebooks(sol) for pr in validate(nbformat.read(str(p), as_version=4), p.name)]
 
 
-def cmd_validate(sol: Path) -> int:
-    problems = _problems(sol)
-    for line in problems:
-        print(line)
-    print(f"{len(course_notebooks(sol))} notebooks, {len(problems)} problems")
-    return 1 if problems else 0
-
-
 def cmd_release(sol: Path, out: Path, check: bool) -> int:
     problems = _problems(sol)
     if problems:  # never release a notebook whose schema is broken
@@ -39,10 +25,9 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
         return 1
     expected = {p.name: dumps(release_notebook(nbformat.read(str(p), as_version=4))) for p in course_notebooks(sol)}
     if check:
-        present = {p.name for p in out.glob("*.ipynb")}
         drift = sorted(n for n, text in expected.items()
                        if not (out / n).exists() or (out / n).read_text(encoding="utf-8") != text)
-        extra = sorted(present - set(expected))
+        extra = sorted({p.name for p in out.glob("*.ipynb")} - set(expected))
         for n in drift:
             print(f"drift: {out.name}/{n} differs from the release of {sol.name}/{n}")
         for n in extra:
@@ -64,27 +49,6 @@ def cmd_release(sol: Path, out: Path, check: bool) -> int:
     return 0
 
 
-def cmd_execute(paths: list[Path], timeout: int) -> int:
-    from nbclient import NotebookClient
-
-    for p in paths:
-        nb = nbformat.read(str(p), as_version=4)
-        NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(p.parent)}}).execute()
-        p.write_text(dumps(nb), encoding="utf-8")
-        print(f"executed {p}")
-    return 0
-
-
-def cmd_autograder(a) -> int:
-    from .grading.gradescope import build
-    limits = {k: getattr(a, k) for k in ("jobs", "timeout", "notebook_timeout", "memory")}
-    build(a.out, a.solutions, a.hidden, a.import_path, a.key, limits)
-    print(f"wrote {a.out}: {len(course_notebooks(a.solutions))} notebooks" + (f", hidden checks from {a.hidden}"
-          if a.hidden else "") + "; the solutions and the grading key are inside: keep the zip private")
-    return 0
-
-
 def input_problem(a) -> str | None:
     """What is wrong with the command line, in one line (None: nothing)."""
     if a.cmd != "execute" or not a.notebooks:
@@ -102,11 +66,8 @@ def input_problem(a) -> str | None:
             return f"--out {a.out}: the name of the zip to write, e.g. autograder.zip"
         if not all(v > 0 for v in (a.jobs, a.timeout, a.notebook_timeout, a.memory)):
             return "--jobs, --timeout, --notebook-timeout and --memory must be > 0"
-    if a.cmd == "execute":
-        missing = [str(p) for p in a.notebooks if not p.is_file()]
-        if missing:
-            return f"no such notebook: {', '.join(missing)}"
-    return None
+    missing = [str(p) for p in a.notebooks if not p.is_file()] if a.cmd == "execute" else []
+    return f"no such notebook: {', '.join(missing)}" if missing else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,14 +75,14 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--solutions", type=Path, default=ROOT / "solutions")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("release", help="write student notebooks from solutions/")
+    r = sub.add_parser("release", help="write notebooks/ (student copies) from solutions/")
     r.add_argument("--out", type=Path, default=ROOT / "notebooks")
-    r.add_argument("--check", action="store_true", help="only check that notebooks/ is up to date")
-    e = sub.add_parser("execute", help="re-run solution notebooks in place")
+    r.add_argument("--check", action="store_true", help="exit 1 if notebooks/ differs from what release would write")
+    e = sub.add_parser("execute", help="re-run solution notebooks in place, storing the outputs nbval compares")
     e.add_argument("notebooks", nargs="*", type=Path)
     e.add_argument("--timeout", type=int, default=600)
-    sub.add_parser("validate", help="check the metadata schema")
-    g = sub.add_parser("autograder", help="write the Gradescope autograder zip (GRADING.md)")
+    sub.add_parser("validate", help="check the metadata schema of every solution notebook")
+    g = sub.add_parser("autograder", help="write the Gradescope autograder zip (GRADING.md says how to upload it)")
     g.add_argument("--out", type=Path, default=Path("autograder.zip"))
     g.add_argument("--hidden", type=Path, default=None, help="directory of hidden checks (*.py)")
     g.add_argument("--import-path", type=Path, action="append", default=[], help="extra course module folder")
@@ -137,11 +98,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.cmd == "release":
         return cmd_release(a.solutions, a.out, a.check)
-    if a.cmd == "autograder":
-        return cmd_autograder(a)
     if a.cmd == "execute":
-        return cmd_execute(a.notebooks or course_notebooks(a.solutions), a.timeout)
-    return cmd_validate(a.solutions)
+        from nbclient import NotebookClient
+        for p in a.notebooks or course_notebooks(a.solutions):
+            nb = nbformat.read(str(p), as_version=4)
+            NotebookClient(nb, timeout=a.timeout, kernel_name="python3",
+                           resources={"metadata": {"path": str(p.parent)}}).execute()
+            p.write_text(dumps(nb), encoding="utf-8")
+            print(f"executed {p}")
+        return 0
+    if a.cmd == "validate":
+        problems = _problems(a.solutions)
+        print("\n".join(problems + [f"{len(course_notebooks(a.solutions))} notebooks, {len(problems)} problems"]))
+        return 1 if problems else 0
+    from .grading.gradescope import build
+    build(a.out, a.solutions, a.hidden, a.import_path, a.key,
+          {k: getattr(a, k) for k in ("jobs", "timeout", "notebook_timeout", "memory")})
+    print(f"wrote {a.out}: {len(course_notebooks(a.solutions))} notebooks" + (f", hidden checks from {a.hidden}"
+          if a.hidden else "") + "; the solutions and the grading key are inside: keep the zip private")
+    return 0
 
 
 if __name__ == "__main__":

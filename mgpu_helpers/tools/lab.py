@@ -2,19 +2,15 @@
 
     python -m mgpu_helpers.tools.lab [--port 8888] [--root notebooks] [--open 00_setup.ipynb] [--no-browser]
 
-Unlike plain ``jupyter lab``, it runs as root (``--allow-root`` there: containers, cloud GPU boxes); it opens
-the system browser only where there is a display, never a text browser in the terminal; it prints one URL
-to open, token included, on the port Jupyter actually bound (read from its runtime file, a busy port moves
-it); Ctrl-C, a closed terminal or any death of this launcher stops JupyterLab and its kernels (the server
-runs in its own session so Ctrl-C does not ask "Shutdown this Jupyter server?"; SIGTERM, then SIGKILL; on
-Linux PR_SET_PDEATHSIG); and an ``overrides.json`` keeps Jupyter's news pop-up off the notebook.
-
-On a remote GPU box: ``ssh -L 8888:localhost:8888 user@gpu-box`` on your laptop, then open the
-printed URL (use the port it printed on both sides of ``-L``).
+Unlike plain ``jupyter lab``, it runs as root (containers, cloud GPU boxes); it opens the system browser only
+where there is a display, never a text browser in the terminal; it prints one URL, token included, on the port
+Jupyter bound; Ctrl-C, a closed terminal or the launcher's death stops JupyterLab and its kernels (its own session:
+Ctrl-C does not ask "Shutdown this Jupyter server?"); an ``overrides.json`` keeps Jupyter's news pop-up away.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -36,18 +32,15 @@ OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false
 
 
 def has_display() -> bool:
-    if sys.platform in ("darwin", "win32"):
-        return True
-    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    return sys.platform in ("darwin", "win32") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
 def install_overrides(prefix: str = sys.prefix) -> Path:
     """Write (or merge into) ``<prefix>/share/jupyter/lab/settings/overrides.json``."""
     path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
-    try:
-        current = json.loads(path.read_text()) if path.exists() else {}
-    except ValueError:
-        current = {}
+    current = {}
+    with contextlib.suppress(OSError, ValueError):  # none yet, or not JSON: ours replaces it
+        current = json.loads(path.read_text())
     merged = {**current, **{k: {**current.get(k, {}), **v} for k, v in OVERRIDES.items()}}
     if merged != current:
         try:
@@ -69,37 +62,29 @@ def lab_command(root: Path, port: int, config: Path, extra: list[str] = ()) -> l
     return cmd + list(extra)
 
 
-def server_info(runtime_dir: Path, pid: int, timeout: float = 120.0, proc=None) -> dict:
-    """The running server's own record of itself (port actually bound, URL): ``jpserver-<pid>.json``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return json.loads((runtime_dir / f"jpserver-{pid}.json").read_text())
-        except (OSError, ValueError):
-            pass  # not written yet, or being written
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"JupyterLab exited with status {proc.returncode} before it was ready")
-        time.sleep(0.2)
-    raise TimeoutError(f"JupyterLab did not start within {timeout:.0f} s")
-
-
-def start(root: Path, port: int = 8888, token: str | None = None, extra: list[str] = (),
-          env: dict | None = None, runtime_dir: Path | None = None, log: Path | None = None):
+def start(root: Path, port: int = 8888, extra: list[str] = (), env: dict | None = None, log: Path | None = None):
     """Start JupyterLab in the background: (process, token, info). Used by ``main`` and the browser test."""
-    token = token or secrets.token_hex(24)
-    runtime_dir = Path(runtime_dir or tempfile.mkdtemp(prefix="mgpu-lab-"))
+    token = secrets.token_hex(24)
+    runtime_dir = Path(tempfile.mkdtemp(prefix="mgpu-lab-"))
     env = dict(os.environ if env is None else env, JUPYTER_RUNTIME_DIR=str(runtime_dir))
     config = runtime_dir / "mgpu_lab_config.json"
     config.touch(mode=0o600)
     config.write_text(json.dumps({"IdentityProvider": {"token": token}}))
     install_overrides()
-    out = open(log, "ab") if log else None  # None: JupyterLab's log goes to this terminal
-    proc = subprocess.Popen(lab_command(root, port, config, extra), env=env, stdout=out, stderr=out,
-                            start_new_session=True, preexec_fn=die_with_parent())
-    if out:
-        out.close()  # the child holds its own copy
-    try:
-        info = server_info(runtime_dir, proc.pid, proc=proc)
+    with open(log, "ab") if log else contextlib.nullcontext() as out:  # None: its log goes to this terminal
+        proc = subprocess.Popen(lab_command(root, port, config, extra), env=env, stdout=out, stderr=out,
+                                start_new_session=True, preexec_fn=die_with_parent())
+    deadline = time.monotonic() + 120
+    try:  # the server's own record of itself (the port it bound, its URL)
+        while True:
+            with contextlib.suppress(OSError, ValueError):  # not written yet, or being written
+                info = json.loads((runtime_dir / f"jpserver-{proc.pid}.json").read_text())
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited with status {proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError("JupyterLab did not start within 120 s")
+            time.sleep(0.2)
     except BaseException:
         stop(proc)
         shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -168,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def stop(proc, timeout: float = 5.0) -> None:
-    """SIGTERM to JupyterLab's process group (it shuts its kernels down), SIGKILL if it lingers: Ctrl-C stops
-    the lab within seconds on a loaded machine (its kernels exit on their own once the server is gone)."""
+    """SIGTERM to JupyterLab's process group (it shuts its kernels down), SIGKILL if it lingers."""
     if proc.poll() is not None:
         return
     try:

@@ -5,13 +5,11 @@
     mgpu-plan mymodels:resnet --input-shape 3,224,224 --batch 64 --gpus 1 --gpu L4 --plot plan.png
     mgpu-plan llama3-70b --gpus 8,16,64 --tp 1,2,4,8 --pp 1,2,4 --global-batch 64 --seq 8192 --gpu H100-80GB
 
-The last form searches parallel layouts (TP, PP with a schedule, HSDP, CP, EP) of a Llama-shaped model at a
-fixed global batch: ``tools/plan_layouts.py``. The others trace the step once per (precision layout,
-checkpointing, micro-batches) under fake tensors (``planner.trace_step``) and derive every ZeRO stage and GPU
-count from that trace (``planner.plan_from_trace``). "Fits" compares the *device total* with the GPU's
-capacity: the planned peak plus the batch, kernel workspaces, the caching allocator's reserve, the CUDA
-context and NCCL's buffers, each its own line with its source (``planner.budget``). The cheapest plan that
-fits follows the course's rule (notebook 11): fewest GPUs, then the lowest ``step_cost``.
+The last form searches parallel layouts (TP, PP, HSDP, CP, EP) of a Llama-shaped model at a fixed global
+batch (``tools/plan_layouts.py``). The others trace the step once per (precision, checkpointing, micro-batches)
+under fake tensors (``planner.trace_step``), derive every ZeRO stage and GPU count from that trace and compare
+the *device total* (``planner.budget``: the peak plus batch, workspaces, allocator reserve, CUDA context, NCCL
+buffers) with the GPU's capacity. The cheapest plan that fits: fewest GPUs, then the lowest ``step_cost``.
 
 Exit status: 0 a plan fits, 1 nothing fits, 2 bad input (one line on stderr; MGPU_PLAN_DEBUG=1 shows the
 traceback).
@@ -25,13 +23,14 @@ import sys
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 
 from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
 from mgpu_helpers.tools.plan_sources.base import first_line
 from mgpu_helpers.planner import OPTIMIZERS, TRACED_LAYOUTS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
 from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
-from mgpu_helpers.runtime.plots import fmt_bytes
+from mgpu_helpers.runtime.plots import fmt_bytes, unit_for
 
 COST = ("cost: the course's relative step time (1.00 = one GPU, no checkpointing, one micro-batch): +0.33 "
         "checkpointing (the forward again), +0.10 per extra micro-batch, +0.02 per ZeRO stage and +0.50 for "
@@ -48,14 +47,12 @@ def _ints(text, what):
     return vals
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not the usage block: bad input reads like every other error
-        self.exit(2, f"mgpu-plan: error: {message} (mgpu-plan --help)\n")
-
-
 def parse_args(argv):
-    ap = _Parser(prog="mgpu-plan", description=__doc__.split("\n\n")[0],
-                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    head, epilog = __doc__.split("\n\n", 1)
+    ap = argparse.ArgumentParser(prog="mgpu-plan", description=head, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    # one line, not the usage block: bad input reads like every other error
+    ap.error = lambda message: ap.exit(2, f"mgpu-plan: error: {message} (mgpu-plan --help)\n")
     ap.add_argument("model", help="built-in name, Hugging Face config.json or model directory, or module:function")
     ap.add_argument("--batch", type=int, default=1, help="samples per GPU per step, split into micro-batches (1)")
     ap.add_argument("--seq", type=int, help="tokens per sample, for models that take tokens (1024)")
@@ -74,14 +71,12 @@ def parse_args(argv):
                     help="(default: adamw for a Hugging Face model, as its users train; adam otherwise)")
     ap.add_argument("--attn", choices=ATTENTION, help="a Hugging Face model's attention implementation "
                     "(default: the one transformers picks, as on a GPU)")
-    ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
-                    help="mixture of experts that loop over experts: the busiest expert gets F x the even share "
-                         "of tokens (1: balanced routing; experts / top-k: every token chooses it)")
+    ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F", help="mixture of experts that loop over "
+                    "experts: the busiest gets F x the even share of tokens (1: balanced; experts / top-k: all)")
     ap.add_argument("--allocator", default="default", choices=("default", "expandable"),
                     help="expandable = PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-    ap.add_argument("--jobs", type=int, default=0,
-                    help="processes tracing at once (default: one per CPU core for models of >= 1B parameters, "
-                         "at most one per trace; 1: trace in this process)")
+    ap.add_argument("--jobs", type=int, default=0, help="processes tracing at once (default: one per CPU core, at "
+                    "most one per trace, for models of >= 1B parameters; 1: trace in this process)")
     lay = ap.add_argument_group("layouts (tools/plan_layouts.py: any of these searches TP x PP x HSDP layouts "
                                 "of a Llama-shaped CONFIG at a fixed --global-batch)")
     for flag, what in (("--tp", "tensor-parallel degrees"), ("--pp", "pipeline stages"),
@@ -99,7 +94,11 @@ def parse_args(argv):
 
 
 def settings(a):
-    """Validated settings, before anything is traced: bad input fails here, fast (the counts: run)."""
+    """Validated settings, before anything is traced or a batch is built of the counts: bad input fails here, fast."""
+    if a.batch < 1 or (a.seq is not None and a.seq < 1):
+        raise PlanInputError("--batch and --seq must be >= 1")
+    if a.jobs < 0:
+        raise PlanInputError(f"--jobs {a.jobs}: a process count >= 1 (0 or left out: chosen by model size)")
     if a.gpu is None and a.gpu_memory is None:
         raise PlanInputError("give the GPU: --gpu NAME (" + ", ".join(db.GPUS) + ") or --gpu-memory SIZE (80GB, 80GiB)")
     if a.gpu:
@@ -131,41 +130,40 @@ def settings(a):
                 ckpt={"both": [False, True], "on": [True], "off": [False]}[a.checkpointing])
 
 
-def watch_convs(model_fn, seen):
-    """``model_fn`` with forward hooks recording each convolution's largest activation (bytes, in the
-    dtype it ran in): cuDNN's workspace scales with it and no tensor holds it (planner.budget)."""
-    def wrapped():
-        model = model_fn()
-        if isinstance(model, nn.Module):
-            for m in model.modules():
-                if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-                    m.register_forward_hook(lambda mod, inp, out: seen.append(max(
-                        t.numel() * t.element_size() for t in (*inp, out) if isinstance(t, torch.Tensor))))
-        return model
-    wrapped.__name__ = getattr(model_fn, "__name__", "model_fn")
-    return wrapped
+def process_pool(workers):
+    """Spawned workers, each with its share of the cores' torch threads (with one per core each, they spin-wait)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    from mgpu_helpers.runtime.launch import _cores
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
+                               initargs=(max(1, _cores() // workers),))
 
 
 def _plans_of(a, s, prec, ck, k):
-    """Trace one (precision, checkpointing, micro-batches) and derive its plans for every GPU count and
-    ZeRO stage: a job of its own (``run`` may hand it to a worker process). None: a model without blocks
-    asked for checkpointing "both" (the row is dropped)."""
+    """Trace one (precision, checkpointing, micro-batches), derive its plans for every GPU count and ZeRO stage
+    (a job ``run`` may hand to a worker). None: a model without blocks under checkpointing "both"."""
     source = resolve(a.model, a.attn, a.moe_imbalance)
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
-    convs = []
     if getattr(source.model_fn, "flash", False) and prec == "fp32":
         raise PlanInputError(f"--attn {a.attn} runs in fp16/bf16 only: --precision bf16-autocast (or bf16)")
+    convs = []  # each convolution's largest activation: cuDNN's workspace scales with it (planner.budget)
+
+    def watch(mod, inp, out):
+        if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            convs.append(max(t.numel() * t.element_size() for t in (*inp, out) if isinstance(t, torch.Tensor)))
+
+    def traced():  # a GPU's plan, the same on any host (planner.cuda)
+        convs.clear()
+        return trace_step(source.model_fn, batch, loss_fn=output_loss, precision=prec, micro_batches=k,
+                          checkpointing=ck, optimizer=a.optimizer or source.optimizer, round_to=512, device="cpu",
+                          kernels="cuda")
     try:
-        def traced():  # a GPU's plan, the same on any host (planner.cuda)
-            return trace_step(watch_convs(source.model_fn, convs), batch, loss_fn=output_loss, precision=prec,
-                              micro_batches=k, checkpointing=ck, optimizer=a.optimizer or source.optimizer,
-                              round_to=512, device="cpu", kernels="cuda")
-        with quiet():
+        with quiet(), register_module_forward_hook(watch):
             try:
                 trace = traced()
             except DATA_DEPENDENT:  # values decide a size: again with representative ones (planner.dynamic)
-                convs.clear()
                 with dynamic_sizes(a.moe_imbalance):
                     trace = traced()
     except PlanInputError:
@@ -177,7 +175,6 @@ def _plans_of(a, s, prec, ck, k):
     except Exception as e:
         raise PlanInputError(f"tracing {source.name} ({prec}, checkpointing {ck}, {k} micro-batches) failed: "
                              f"{type(e).__name__}: {first_line(e)}") from None
-    conv = max(convs, default=0)
     rep = db.replayed(trace, [t.numel() * t.element_size() for t in batch], arch=s["arch"], allocator=a.allocator)
     plans = []
     for n in s["gpus"]:
@@ -185,12 +182,11 @@ def _plans_of(a, s, prec, ck, k):
             with quiet():  # ZeRO-3 traces the step again under FSDP2 (the libraries' warnings are not the plan)
                 p = plan_from_trace(trace, st, n)
             b = db.budget(p.peak_bytes, batch_bytes=batch_bytes, world_size=n, arch=s["arch"], gpu=s["gpu_key"],
-                          conv_activation_bytes=conv, allocator=a.allocator, replay=rep,
+                          conv_activation_bytes=max(convs, default=0), allocator=a.allocator, replay=rep,
                           conv_workspace_bytes=min(trace.workspace_at_peak, p.peak_bytes),
                           activation_bytes=p.breakdown.get("activations", 0) + p.breakdown.get("other", 0))
             cat, cb = max(p.breakdown.items(), key=lambda kv: kv[1])
-            # DDP (stages 0-1 on several GPUs) keeps a flat copy of every gradient in its buckets, counted
-            # in "gradients": named on its own line (gradient_as_bucket_view=False, DDP's default)
+            # DDP (stages 0-1 on several GPUs, gradient_as_bucket_view=False) keeps a flat copy of every gradient
             buckets = p.model_state["gradients"] - plan_from_trace(trace, st, 1).model_state["gradients"] \
                 if st in (0, 1) and n > 1 else 0
             plans.append(dict(precision=prec, zero_stage=st, checkpointing=ck, micro_batches=k, gpus=n,
@@ -203,39 +199,25 @@ def _plans_of(a, s, prec, ck, k):
     return trace.n_params, plans
 
 
-def _parameters(source) -> int:
-    """The model's parameter count, built on the meta device (no memory; 0 if it cannot be built so)."""
-    try:
-        with torch.device("meta"):
-            return sum(p.numel() for p in source.model_fn().parameters())
-    except Exception:  # noqa: BLE001 - the trace reports a model that cannot be built
-        return 0
-
-
 def run(a):
-    source = resolve(a.model, a.attn, a.moe_imbalance)  # bad input fails here, before any worker starts,
-    # the model first (a wrong model is the error to see, even when --gpu is missing too), then the counts
-    # before a batch is built of them (a negative one would reach torch as a traceback)
-    if a.batch < 1 or (a.seq is not None and a.seq < 1):
-        raise PlanInputError("--batch and --seq must be >= 1")
-    if a.jobs < 0:
-        raise PlanInputError(f"--jobs {a.jobs}: a process count >= 1 (0 or left out: chosen by model size)")
+    source = resolve(a.model, a.attn, a.moe_imbalance)  # first: a wrong model is the error to see, even without --gpu
+    s = settings(a)  # then the rest, before any worker starts
     batch = make_batch(source, a.batch, a.seq, a.input_shape, a.input_dtype)
-    s = settings(a)
     batch_bytes = sum(t.numel() * t.element_size() for t in batch)
     from tqdm.auto import tqdm
     jobs = [(a, s, p, c, k) for p in s["precisions"] for c in s["ckpt"] for k in s["micro"]]
-    # processes pay ~3 s of imports each: worth it when a trace takes tens of seconds (>= 1B parameters)
-    workers = min(len(jobs), a.jobs or ((os.cpu_count() or 1) if _parameters(source) >= 1e9 else 1))
+    workers = a.jobs
+    if not workers:  # processes pay ~3 s of imports each: worth it when traces take tens of s (>= 1B parameters)
+        try:
+            with torch.device("meta"):
+                big = sum(p.numel() for p in source.model_fn().parameters()) >= 1e9
+        except Exception:  # noqa: BLE001 - the trace reports a model that cannot be built
+            big = False
+        workers = (os.cpu_count() or 1) if big else 1
+    workers = min(len(jobs), workers)
     bar = dict(total=len(jobs), desc="tracing", unit="trace", file=sys.stderr, disable=None, leave=False)
-    if workers > 1:  # one trace per process: they are independent and CPU-bound (a 70B trace takes ~30 s)
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        from mgpu_helpers.runtime.launch import _cores
-        # each its share of the cores' threads: one per core in each left them spin-waiting for one another
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
-                                 initargs=(max(1, _cores() // workers),)) as pool:
+    if workers > 1:  # one trace per process: they are independent and CPU-bound
+        with process_pool(workers) as pool:
             results = list(tqdm(pool.map(_plans_of, *zip(*jobs)), **bar))
     else:
         results = [_plans_of(*j) for j in tqdm(jobs, **bar)]
@@ -251,18 +233,9 @@ def run(a):
                 optimizer=a.optimizer or source.optimizer, allocator=a.allocator, traces=traced, plans=plans, cheapest=cheapest)
 
 
-def _breakdown(best):
-    """The tensors at the peak by category, DDP's gradient buckets named (they count in "gradients")."""
-    buckets = (f"of which DDP's gradient buckets {fmt_bytes(best['ddp_buckets'])}: a flat copy of every gradient "
-               f"(ZeRO-{best['zero_stage']} on {best['gpus']} GPUs, gradient_as_bucket_view=False)")
-    return [f"    {cat.replace('_', ' '):<20} {fmt_bytes(b):>11}   "
-            f"{buckets if cat == 'gradients' and best.get('ddp_buckets') else ''}".rstrip()
-            for cat, b in best["breakdown"].items() if b]
-
-
 def render_text(r):
     cap = r["gpu"]["capacity_bytes"]
-    G, unit = (db.GiB, "GiB") if max(p["device_total"] for p in r["plans"]) >= 2 * db.GiB else (db.MiB, "MiB")
+    G, unit = unit_for(max(p["device_total"] for p in r["plans"]))  # MiB or GiB: a CUDA context alone is 768 MiB
     width = max(len("precision"), *(len(p["precision"]) for p in r["plans"]))
     out = [f"model: {r['model']['name']}: {r['model']['parameters']:,} trainable parameters; "
            f"optimizer {r['optimizer']}",
@@ -287,54 +260,47 @@ def render_text(r):
     best = r["plans"][r["cheapest"]] if r["cheapest"] is not None else min(r["plans"], key=lambda p: p["device_total"])
     what = (f"{best['gpus']} GPU(s), ZeRO-{best['zero_stage']}, {best['precision']}, checkpointing "
             f"{'on' if best['checkpointing'] else 'off'}, {best['micro_batches']} micro-batch(es)")
-    if r["cheapest"] is None:
-        out.append(f"nothing fits {fmt_bytes(cap)} per GPU; the smallest plan needs {fmt_bytes(best['device_total'])} "
-                   f"({what}):")
-    else:
-        out.append(f"cheapest plan that fits: {what} (fewest GPUs, then the lowest cost). Per GPU:")
+    fits = f"cheapest plan that fits: {what} (fewest GPUs, then the lowest cost). Per GPU:"
+    out.append(fits if r["cheapest"] is not None else f"nothing fits {fmt_bytes(cap)} per GPU; the smallest plan "
+               f"needs {fmt_bytes(best['device_total'])} ({what}):")
+    buckets = (f"of which DDP's gradient buckets {fmt_bytes(best['ddp_buckets'])}: a flat copy of every gradient "
+               f"(ZeRO-{best['zero_stage']} on {best['gpus']} GPUs, gradient_as_bucket_view=False)")
     for ln in best["lines"]:
         out.append(f"  {ln['name']:<22} {fmt_bytes(ln['bytes']):>11}   {ln['source']}")
-        if ln["name"] == "allocated by tensors":
-            out += _breakdown(best)
+        if ln["name"] == "allocated by tensors":  # by category; DDP's buckets count in "gradients"
+            out += [f"    {cat.replace('_', ' '):<20} {fmt_bytes(b):>11}   "
+                    f"{buckets if cat == 'gradients' and best['ddp_buckets'] else ''}".rstrip()
+                    for cat, b in best["breakdown"].items() if b]
     out.append(f"  {'device total':<22} {fmt_bytes(best['device_total']):>11}   of {fmt_bytes(cap)} "
                f"({100 * best['device_total'] / cap:.0f}%)")
     return "\n".join(out)
 
 
 def save_plot(r, path):
-    """Device total per plan, stacked by line; plans that do not fit are faded and hatched, the cheapest
-    plan that fits is starred and named in the title."""
+    """Device total per plan, stacked by line; plans that do not fit are faded and hatched, the cheapest plan
+    that fits is named in the title."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
     plans, G = r["plans"], db.GiB
-    names = list(dict.fromkeys(ln["name"] for p in plans for ln in p["lines"]))
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(plans) + 2), 4.8))
     several = len({q["precision"] for q in plans}) > 1
     labels = [f"{p['gpus']}g Z{p['zero_stage']}{' ck' if p['checkpointing'] else ''} k{p['micro_batches']}"
               f"{' ' + p['precision'] if several else ''}" for p in plans]
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(plans) + 2), 4.8))
     bottom = [0.0] * len(plans)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for j, nm in enumerate(names):
+    for j, nm in enumerate(dict.fromkeys(ln["name"] for p in plans for ln in p["lines"])):
         vals = [next((ln["bytes"] for ln in p["lines"] if ln["name"] == nm), 0) / G for p in plans]
-        for i, (v, p) in enumerate(zip(vals, plans)):
-            ax.bar(i, v, bottom=bottom[i], color=colours[j % len(colours)], alpha=1.0 if p["fits"] else 0.35,
-                   hatch=None if p["fits"] else "//", edgecolor="white" if p["fits"] else "grey", linewidth=0.3,
-                   label=nm if i == 0 else None)
+        ax.bar(range(len(plans)), vals, bottom=bottom, label=nm, linewidth=0.3,
+               color=[to_rgba(colours[j % len(colours)], 1.0 if p["fits"] else 0.35) for p in plans],
+               hatch=["" if p["fits"] else "//" for p in plans],
+               edgecolor=["white" if p["fits"] else "grey" for p in plans])
         bottom = [b + v for b, v in zip(bottom, vals)]
     cap = r["gpu"]["capacity_bytes"] / G
     ax.axhline(cap, color="black", linestyle="--", linewidth=1)
     ax.text(len(plans) - 0.5, cap, f"{r['gpu']['name']}: fits below", ha="right", va="bottom", fontsize=8)
-    if r["cheapest"] is not None:
-        i = r["cheapest"]
-        ax.annotate("cheapest\nthat fits", (i, bottom[i]), xytext=(0, 14), textcoords="offset points", ha="center",
-                    fontsize=7, arrowprops=dict(arrowstyle="->", linewidth=0.8))
     ax.set_xticks(range(len(plans)), labels, rotation=60, ha="right", fontsize=7)
-    for i, t in enumerate(ax.get_xticklabels()):
-        if not plans[i]["fits"]:
-            t.set_color("grey")
-        if i == r["cheapest"]:
-            t.set_fontweight("bold")
     ax.set_ylabel("device total per GPU (GiB)")
     best = "" if r["cheapest"] is None else f"; cheapest that fits: {labels[r['cheapest']]}"
     ax.set_title(f"{r['model']['name']}: device total per plan\n(faded, hatched: does not fit){best}", fontsize=9)

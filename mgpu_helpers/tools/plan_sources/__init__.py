@@ -1,8 +1,6 @@
-"""Where ``mgpu-plan`` gets a model: a built-in name, a Hugging Face config, or ``module:function``.
-
-Each gives a :class:`Source`: a ``model_fn`` the planner calls under ``FakeTensorMode`` (nothing real is
-allocated), the batch it takes (shapes and dtypes only) and a loss. A failure to resolve or build one is a
-:class:`PlanInputError` whose one line says what to fix; ``mgpu-plan`` prints it and exits 2.
+"""Where ``mgpu-plan`` gets a model: a built-in name, a Hugging Face config, or ``module:function``, each a
+:class:`Source` whose ``model_fn`` the planner calls under ``FakeTensorMode``, with the batch it takes (shapes
+and dtypes only) and a loss. Bad input is a :class:`PlanInputError`: one line saying what to fix (exit 2).
 """
 from __future__ import annotations
 
@@ -15,27 +13,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mgpu_helpers.planner.models import SIZES, Decoder
+from mgpu_helpers.planner.models import SIZES, decoder
 
 from .base import PlanInputError, Source, first_line as _first_line, quiet
 from .hf import ATTENTION, hf_source
 
 __all__ = ["PlanInputError", "Source", "resolve", "make_batch", "output_loss", "hf_source", "function_source",
-           "builtin_source", "ATTENTION", "quiet"]
+           "ATTENTION", "quiet"]
 
 
 def output_loss(out, targets):
     """Cross-entropy of a model's logits: [B, C] with [B] or [B, T, V] with [B, T] (lm_loss's ops).
     Takes ``.logits`` or the first element when the model returns an object or a tuple; a 0-d tensor is a
     loss the model computed itself (a Hugging Face model given ``labels=``, ``hf.UserStep``)."""
-    if isinstance(out, torch.Tensor) and out.dim() == 0:
-        return out
     if not isinstance(out, torch.Tensor):
-        out = getattr(out, "logits", None) if not isinstance(out, (tuple, list)) else out[0]
+        out = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", None)
     if not isinstance(out, torch.Tensor):
         raise PlanInputError("the model's output is not a tensor of logits (nor has .logits): give a "
                              "model_fn whose module returns logits")
-    return F.cross_entropy(out.flatten(0, -2), targets.flatten())
+    return out if out.dim() == 0 else F.cross_entropy(out.flatten(0, -2), targets.flatten())
 
 
 def function_source(spec: str) -> Source:
@@ -54,22 +50,12 @@ def function_source(spec: str) -> Source:
     def model_fn():
         try:
             model = fn()
-        except PlanInputError:
-            raise
         except Exception as e:
             raise PlanInputError(f"{spec} raised {type(e).__name__}: {_first_line(e)}") from None
         if not isinstance(model, nn.Module):
             raise PlanInputError(f"{spec} returned {type(model).__name__}; it must return an nn.Module")
         return model
-    model_fn.__name__ = fn_name
     return Source(spec, "function", model_fn, "tensor")
-
-
-def builtin_source(name: str) -> Source:
-    def model_fn():
-        return Decoder(*SIZES[name])
-    model_fn.__name__ = f"decoder_{name}"
-    return Source(f"{name} (built-in Llama-shaped decoder)", "built-in", model_fn, "tokens", SIZES[name][0])
 
 
 def resolve(spec: str, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
@@ -81,7 +67,7 @@ def resolve(spec: str, attn: str | None = None, moe_imbalance: float = 1.0) -> S
     if attn is not None:
         raise PlanInputError(f"--attn chooses a Hugging Face model's attention; {spec!r} is not a config")
     if spec in SIZES:
-        return builtin_source(spec)
+        return Source(f"{spec} (built-in Llama-shaped decoder)", "built-in", decoder(spec), "tokens")
     if ":" in spec and all(spec.partition(":")[::2]):
         return function_source(spec)
     if spec.endswith(".json") or os.sep in spec:
@@ -95,9 +81,8 @@ def make_batch(source: Source, batch: int, seq: int | None, input_shape: str | N
     if source.inputs == "tokens" or (input_shape is None and seq is not None):
         if input_shape is not None:
             raise PlanInputError(f"{source.name} takes tokens: give --seq, not --input-shape")
-        t = seq or 1024
-        return (torch.empty(batch, t, dtype=torch.long, device="meta"),
-                torch.empty(batch, t, dtype=torch.long, device="meta"))
+        tokens = torch.empty(batch, seq or 1024, dtype=torch.long, device="meta")
+        return tokens, tokens  # inputs and their next-token targets: one shape
     if input_shape is None:
         raise PlanInputError(f"{source.name}: give the input shape of one sample, e.g. --input-shape 3,224,224 "
                              "(or --seq T for a model that takes tokens)")

@@ -18,8 +18,6 @@ class Source:
     kind: str              # "built-in", "hugging face", "function"
     model_fn: object       # called with no arguments under a fake mode
     inputs: str            # "tokens" (long [B, T]) or "tensor" (float [B, *shape])
-    vocab: int = 0
-    # the step planned, in words (what the output says), and the optimizer that step uses by default
     step: str = "the course's step: cross-entropy of the model's output, the planner's Checkpointed blocks"
     optimizer: str = "adam"
     assumptions: list = field(default_factory=list)  # what the plan assumes that a trace cannot know (routing)

@@ -1,57 +1,58 @@
 """Every causal-LM family the installed transformers offers, as a tiny config: what ``mgpu-plan`` is held
-against (tests/test_plan_catalogue.py).
-
-:func:`tiny_config` shrinks the family's own defaults field by field name, keeping what makes the family
-(grouped heads, sliding windows, layer patterns, shared experts); nothing is downloaded. A family that fails
-transformers' own CPU step (:func:`trains`) is skipped and counted, not blamed on the planner.
+against (tests/test_plan_catalogue.py). :func:`tiny_config` shrinks the family's own defaults field by field
+name, keeping what makes the family (grouped heads, sliding windows, layer patterns, shared experts); nothing is
+downloaded. A family that fails transformers' own CPU step (:func:`trains`) is skipped, not blamed on the planner.
 """
 from __future__ import annotations
 
-import warnings
+import contextlib
+import io
+import tempfile
+from collections import Counter
+
+import torch
+
+from .base import first_line, quiet
 
 WIDTH, LAYERS, HEADS, FFN, EXPERT_FFN, EXPERTS, TOP_K, VOCAB, HEAD_DIM = 64, 2, 4, 128, 32, 4, 2, 1024, 16
 
-# field name -> tiny value (a function of the default value where the default shapes the family)
+# field name -> tiny value: the names the installed transformers' causal-LM families use
 _SIZES = {
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
-                     "embedding_size", "hidden_dim", "text_hidden_size", "emb_dim"), WIDTH),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "word_embed_proj_dim", "embedding_size",
+                     "emb_dim"), WIDTH),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
                      "num_decoder_layers", "num_encoder_layers"), LAYERS),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
-                     "encoder_attention_heads", "n_attention_heads"), HEADS),
-    **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels", "head_size", "v_head_dim", "d_head",
-                     "mamba_d_head", "linear_key_head_dim", "linear_value_head_dim", "swa_head_dim"), HEAD_DIM),
+                     "encoder_attention_heads"), HEADS),
+    **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels", "v_head_dim", "d_head", "mamba_d_head",
+                     "linear_key_head_dim", "linear_value_head_dim", "swa_head_dim"), HEAD_DIM),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim",
-                     "ffn_hidden_size", "intermediate_dim", "d_ff", "dense_intermediate_size"), FFN),
-    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-                     "moe_ffn_hidden_size", "shared_intermediate_size", "moe_shared_expert_intermediate_size",
-                     "expert_dim", "ffn_dim_expert"), EXPERT_FFN),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_num_experts",
-                     "num_experts_per_layer", "moe_num_expert"), EXPERTS),
+                     "ffn_hidden_size", "d_ff", "dense_intermediate_size"), FFN),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
+                     "moe_shared_expert_intermediate_size"), EXPERT_FFN),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), EXPERTS),
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 32),
     **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), HEAD_DIM),  # DeepSeek's head_dim is the rope part
     # hybrids: an attention layer among the first few (Jamba's every 8th from the 4th; Bamba's by index)
     "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
-    "attn_layer_indices": [1],
-    **dict.fromkeys(("vocab_size", "n_vocab", "text_vocab_size"), VOCAB),
+    "attn_layer_indices": [1], "vocab_size": VOCAB,
 }
-_AT_MOST = {**dict.fromkeys(("num_experts_per_tok", "top_k", "moe_topk", "moe_k", "num_experts_per_token",
-                             "n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), TOP_K),
+_AT_MOST = {**dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "n_shared_experts",
+                             "num_shared_experts", "moe_num_shared_experts"), TOP_K),
             **dict.fromkeys(("n_group", "topk_group"), 1),
-            **dict.fromkeys(("sliding_window", "attention_window", "window_size", "local_window_size"), 16),
+            **dict.fromkeys(("sliding_window", "window_size"), 16),
             **dict.fromkeys(("first_k_dense_replace", "num_dense_layers", "max_window_layers"), 1)}
-_KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv",
-             "num_key_value_groups_heads", "linear_num_key_heads", "linear_num_value_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "linear_num_key_heads", "linear_num_value_heads")
 
 
-def _shrink(d: dict, top: bool) -> dict:
+def _shrink(d: dict) -> dict:
     heads = next((d[k] for k in ("num_attention_heads", "n_head", "num_heads") if isinstance(d.get(k), int)), None)
     out = {}
     for k, v in d.items():
         if k == "per_layer_config" and isinstance(v, dict):  # overrides of layers beyond the tiny depth: gone
             out[k] = {i: c for i, c in v.items() if int(i) < LAYERS}
         elif isinstance(v, dict) and k not in ("rope_parameters", "rope_scaling", "id2label", "label2id"):
-            out[k] = _shrink(v, False)
+            out[k] = _shrink(v)
         elif v is None and k in _UNSET:  # the released checkpoints set it; the bare default leaves it None
             out[k] = _UNSET[k]
         elif k == "is_decoder":  # a causal LM is a decoder (BERT-like and Reformer families ask for it)
@@ -93,29 +94,23 @@ def _mamba_heads(d: dict) -> None:
                 d["mamba_d_ssm"] = d[heads] * d[size]
 
 
-def _layer_pattern(types: list, n: int) -> list:
-    """``n`` layers that keep each kind of layer of the family's pattern, in the family's order."""
-    kinds = list(dict.fromkeys(types))
-    return (kinds * n)[:max(n, len(kinds))]
-
-
 def tiny_config(model_type: str):
     """The family's default config, shrunk: a model of a few hundred thousand parameters."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        full = cls().to_dict()
-        d = _shrink(full, True)
-        layers = _hybrid_layers(d)
-        for sub in (d, *[v for v in d.values() if isinstance(v, dict)]):
-            for k in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
-                if isinstance(sub.get(k), list) and sub[k]:
-                    sub[k] = _layer_pattern(sub[k], layers)
-                    for n in ("num_hidden_layers", "num_layers", "n_layer"):
-                        if n in sub:
-                            sub[n] = len(sub[k])
-        return cls(**_changed(d, full))  # only what shrinking changed: the family's __init__ derives the rest
+    full = cls().to_dict()
+    d = _shrink(full)
+    subs = [d, *[v for v in d.values() if isinstance(v, dict)]]
+    # hybrids (attention every k-th layer, Mamba between): enough layers for one of each kind, in order
+    layers = max(LAYERS, len({str(t) for sub in subs for k in ("layer_types", "layers_block_type", "block_types")
+                              if isinstance(sub.get(k), list) for t in sub[k]}))
+    for sub in subs:
+        for k in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
+            if isinstance(sub.get(k), list) and sub[k]:
+                kinds = list(dict.fromkeys(sub[k]))
+                sub[k] = (kinds * layers)[:max(layers, len(kinds))]
+                sub.update({n: len(sub[k]) for n in ("num_hidden_layers", "num_layers", "n_layer") if n in sub})
+    return cls(**_changed(d, full))  # only what shrinking changed: the family's __init__ derives the rest
 
 
 def _changed(new: dict, old: dict) -> dict:
@@ -130,40 +125,22 @@ def _changed(new: dict, old: dict) -> dict:
     return out
 
 
-def _hybrid_layers(d) -> int:
-    """Hybrids (attention every k-th layer, Mamba between) need enough layers for each kind."""
-    kinds = set()
-    for sub in (d, *[v for v in d.values() if isinstance(v, dict)]):
-        for k in ("layer_types", "layers_block_type", "block_types"):
-            if isinstance(sub.get(k), list):
-                kinds |= {str(t) for t in sub[k]}
-    return max(LAYERS, len(kinds))
-
-
-def trains(cfg, seq: int = 32, checkpointing: bool = False) -> str | None:
+def trains(cfg, checkpointing: bool = False) -> str | None:
     """transformers' own step on the CPU (real tensors), with its own ``gradient_checkpointing_enable()`` if
     ``checkpointing``: None if it trains, else why not (one line)."""
-    import torch
     from transformers import AutoModelForCausalLM
-
-    from .hf import text_config
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-            model.train()
-            if checkpointing:
-                model.gradient_checkpointing_enable()
-            vocab = int(getattr(text_config(cfg), "vocab_size", VOCAB) or VOCAB)
-            x = torch.randint(0, min(VOCAB, vocab) - 8, (2, seq))
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-        if loss is None or not torch.isfinite(loss):
-            return f"no finite loss ({loss})"
-        return None
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        vocab = int(getattr(cfg.get_text_config(), "vocab_size", VOCAB) or VOCAB)
+        x = torch.randint(0, min(VOCAB, vocab) - 8, (2, 32))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        return None if torch.isfinite(loss) else f"no finite loss ({loss})"
     except Exception as e:  # noqa: BLE001 - what transformers raises is the reason the family is skipped
-        text = str(e).strip().splitlines()
-        return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+        return f"{type(e).__name__}: {first_line(e)}"
 
 
 def causal_lm_types() -> list:
@@ -171,9 +148,8 @@ def causal_lm_types() -> list:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-# --- the catalogue, planned ---------------------------------------------------------------------------
-# Each family ends in one class: planned, skipped (transformers' own CPU step fails on the tiny config, or
-# no tiny config could be made from the family's defaults), or a planner failure by kind.
+# --- the catalogue, planned: each family ends as planned, skipped (no tiny config, or transformers' own CPU
+# step fails on it) or a planner failure by kind (failure_class) ------------------------------------------
 PLAN_ARGS = ["--batch", "1", "--seq", "32", "--micro-batches", "1", "--precision", "bf16-autocast",
              "--zero", "0", "--gpus", "1", "--gpu", "H200", "--jobs", "1", "--json"]
 
@@ -182,9 +158,6 @@ def plan_family(model_type: str, checkpointing: str = "on") -> dict:
     """``mgpu-plan`` on the family's tiny config, as a user would run it: its class, its one stderr line.
     Checkpointing on by default (one trace: the forward, the recomputation and the backward); a family whose
     own ``gradient_checkpointing_enable()`` fails in transformers' CPU step is planned without it."""
-    import tempfile
-
-    from .base import quiet
     try:
         with quiet():  # transformers' notes on a tiny config (special tokens, unused fields) are not the plan's
             cfg = tiny_config(model_type)
@@ -202,16 +175,13 @@ def plan_family(model_type: str, checkpointing: str = "on") -> dict:
                 own = "not offered" if "does not support" in r["message"] else trains(cfg, checkpointing=True)
             if own:  # transformers' own checkpointing fails too: the family is planned without it
                 r = _plan_dir(model_type, tmp, "off")
-                r["note"] = ("checkpointing not planned: " + ("transformers offers none for this family"
-                                                             if own == "not offered" else
-                                                             f"transformers' own fails on a CPU ({own})"))
+                r["note"] = "checkpointing not planned: " + (
+                    "transformers offers none for this family" if own == "not offered" else
+                    f"transformers' own fails on a CPU ({own})")
     return r
 
 
 def _plan_dir(model_type, directory, checkpointing):
-    import contextlib
-    import io
-
     from mgpu_helpers.tools.plan_cli import main
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
@@ -223,33 +193,19 @@ def _plan_dir(model_type, directory, checkpointing):
 
 def failure_class(message: str) -> str:
     """The kinds of failure the catalogue counts (before/after a planner change, as a table)."""
-    for needle, kind in (("BF16 type", "MoE grouped matmul"), ("grouped_mm", "MoE grouped matmul"),
-                         ("DataDependent", "data-dependent"), ("DynamicOutputShape", "data-dependent"),
-                         ("attn_implementation", "attention implementation"), ("sdpa", "attention implementation"),
-                         ("scaled_dot_product_attention", "attention implementation"),
-                         ("checkpointing True", "checkpointing"),
-                         ("gradient_checkpointing_enable", "checkpointing")):
-        if needle in message:
-            return f"failed: {kind}"
-    return "failed: other"
+    kinds = {"MoE grouped matmul": ("BF16 type", "grouped_mm"),
+             "data-dependent": ("DataDependent", "DynamicOutputShape"),
+             "attention implementation": ("attn_implementation", "sdpa", "scaled_dot_product_attention"),
+             "checkpointing": ("checkpointing True", "gradient_checkpointing_enable")}
+    return next((f"failed: {k}" for k, needles in kinds.items() if any(n in message for n in needles)), "failed: other")
 
 
 def plan_catalogue(types=None, workers: int = 2) -> list:
-    """Every family planned, ``workers`` processes at once (spawned: each imports transformers once), each with
-    its share of the cores' torch threads: with one per core each, their parallel ops waited for one another's
-    cores, spin-waiting (60 families on 2 cores: 73 CPU-s, 46 with one thread each)."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    import torch
-
-    from mgpu_helpers.runtime.launch import _cores
-    types = list(types or causal_lm_types())
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
-                             initargs=(max(1, _cores() // workers),)) as pool:
-        return list(pool.map(plan_family, types, chunksize=4))
+    """Every family planned, ``workers`` processes at once (``plan_cli.process_pool``)."""
+    from mgpu_helpers.tools.plan_cli import process_pool
+    with process_pool(workers) as pool:
+        return list(pool.map(plan_family, list(types or causal_lm_types()), chunksize=4))
 
 
 def counts(results) -> dict:
-    from collections import Counter
     return dict(Counter(r["result"] for r in results).most_common())

@@ -2,8 +2,6 @@
 
 :class:`UserStep` is ``model(input_ids=x, labels=x).loss`` (the model's own loss, which upcasts the logits to
 fp32), with the model's own ``gradient_checkpointing_enable()``, AdamW and the attention transformers picks.
-Mixture-of-experts layers: transformers' grouped matmul holds every (token, expert) row whatever the routing;
-families that loop over the experts are traced with the routing ``planner.dynamic`` states (``--moe-imbalance``).
 """
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ import difflib
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -24,25 +23,15 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_at
 _FLASH = ("flash_attention_2", "flash_attention_3")
 
 
-def text_config(cfg):
-    """The language model's config (a multimodal config nests it)."""
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def _transformers():
+def read_config(path: Path):
+    """``(transformers, config)``: the config as ``AutoConfig.from_pretrained`` reads it (special floats such
+    as ``Infinity`` decoded, sub-configs built), with one line naming what to fix when it cannot."""
     try:
         import transformers
     except ImportError:
         raise PlanInputError("a Hugging Face config needs transformers: pip install \"mgpu-helpers[hf]\" "
                              "(or pip install transformers)") from None
     transformers.logging.set_verbosity_error()  # its advice on loading weights is not the plan's output
-    return transformers
-
-
-def read_config(path: Path):
-    """The config as ``AutoConfig.from_pretrained`` reads it (special floats such as ``Infinity`` decoded,
-    sub-configs built), with one line naming what to fix when it cannot."""
-    transformers = _transformers()
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise PlanInputError(f"{path}: no config.json in this directory")
@@ -52,9 +41,8 @@ def read_config(path: Path):
         raise PlanInputError(f"{file}: not a readable JSON config ({e})") from None
     if not isinstance(d, dict) or "model_type" not in d:
         raise PlanInputError(f"{file}: a Hugging Face config.json has a \"model_type\" (e.g. \"llama\")")
-    from transformers import CONFIG_MAPPING
-    if d["model_type"] not in CONFIG_MAPPING:
-        close = difflib.get_close_matches(str(d["model_type"]), list(CONFIG_MAPPING), n=3, cutoff=0.6)
+    if d["model_type"] not in transformers.CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(d["model_type"]), list(transformers.CONFIG_MAPPING), n=3, cutoff=0.6)
         raise PlanInputError(f"{file}: model_type {d['model_type']!r} is not one transformers "
                              f"{transformers.__version__} knows" + (f" (closest: {', '.join(close)})" if close else
                                                                     "; upgrade transformers if it is newer"))
@@ -83,8 +71,7 @@ class UserStep(nn.Module):
             return self.model(input_ids=input_ids, labels=input_ids).loss
 
     def gradient_checkpointing_enable(self):
-        """transformers' own checkpointing, as a user enables it; the recomputation in backward runs
-        under the GPU's kernels again when the forward did (``planner.cuda.recompute_contexts``)."""
+        """transformers' own checkpointing, recomputing under the forward's kernels (``planner.cuda``)."""
         from mgpu_helpers.planner.cuda import recompute_contexts
         if not getattr(self.model, "supports_gradient_checkpointing", False):
             raise ValueError(f"checkpointing: {type(self.model).__name__} does not support "
@@ -100,20 +87,16 @@ def _one_sequence_per_row():
     fake tensor lacks, so the trace would build a (batch, 1, seq, seq) mask the real step never passes, and
     attention would then expand grouped key/value heads and skip ``is_causal``."""
     masking = sys.modules.get("transformers.masking_utils")
-    names = ("find_packed_sequence_indices", "fast_all", "is_tracing")  # older transformers lack some
-    originals = {k: getattr(masking, k) for k in names if hasattr(masking, k)}
-    is_tracing = originals.get("is_tracing")
+    is_tracing = getattr(masking, "is_tracing", None)
     patches = {"find_packed_sequence_indices": lambda *args, **kwargs: None,
                "fast_all": lambda tensor: True,  # every padding mask of the planned batch is all ones
                # compiling, exporting or capturing still count; a fake tensor alone does not
                "is_tracing": lambda tensor=None: is_tracing(None)}
-    for k in originals:
-        setattr(masking, k, patches[k])
-    try:
+    with contextlib.ExitStack() as stack:
+        for k, v in patches.items():
+            if hasattr(masking, k):  # older transformers lack some
+                stack.enter_context(mock.patch.object(masking, k, v))
         yield
-    finally:
-        for k, v in originals.items():
-            setattr(masking, k, v)
 
 
 UNPADDED = ("every row of the batch is one sequence of --seq tokens (no padding, no packed sequences): "
@@ -122,7 +105,7 @@ UNPADDED = ("every row of the batch is one sequence of --seq tokens (no padding,
 
 def _experts(cfg):
     """(experts, experts per token) of a mixture-of-experts config, else None."""
-    text = text_config(cfg)
+    text = cfg.get_text_config()
     for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "ffn_num_experts"):
         v = getattr(text, k, None)
         if isinstance(v, int) and v > 1:
@@ -133,21 +116,14 @@ def _experts(cfg):
 
 
 def _default_attention(cfg) -> str:
-    """What ``from_config`` picks without ``attn_implementation``: sdpa where the family supports it, else
-    eager (flash-attention only when asked for); attention-free families answer eager too."""
+    """What ``from_config`` picks without ``attn_implementation``: sdpa where the family supports it, else eager."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
-    except KeyError:
-        return "the one it picks"
-    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    return "the one it picks" if cls is None else "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
     transformers, cfg = read_config(path)
-    vocab = int(getattr(text_config(cfg), "vocab_size", 0) or 0)
-    if attn is not None and attn not in ATTENTION:
-        raise PlanInputError(f"--attn {attn!r}: one of {', '.join(ATTENTION)}")
     build_attn = "sdpa" if attn in _FLASH else attn  # planned as SDPA's flash kernel (planner.cuda)
 
     def model_fn():
@@ -159,10 +135,7 @@ def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -
                 raise PlanInputError(f"--attn {attn}: {cfg.model_type} cannot use it: {first_line(e)}") from None
             raise PlanInputError(f"{path}: {type(e).__name__}: {first_line(e)}") from None
         model.train()  # a training step: dropout on, checkpointing active (transformers' models check it)
-        step = UserStep(model)
-        step.attn = getattr(model.config, "_attn_implementation", None) or "eager"
-        return step
-    model_fn.__name__ = f"hf_{getattr(cfg, 'model_type', 'model')}"
+        return UserStep(model)
     model_fn.flash = attn in _FLASH
     picked = attn or f"{_default_attention(cfg)} (transformers' default for {cfg.model_type})"
     step = (f"the model's own loss, model(input_ids=x, labels=x).loss; its own gradient_checkpointing_enable(); "
@@ -176,5 +149,5 @@ def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -
             + ("spread evenly over the experts" if moe_imbalance == 1 else
                f"routed {moe_imbalance:g}x the even share to the busiest expert, the others sharing the rest "
                "(--moe-imbalance)"))
-    return Source(f"{path} ({cfg.model_type})", "hugging face", model_fn, "tokens", vocab, step=step,
+    return Source(f"{path} ({cfg.model_type})", "hugging face", model_fn, "tokens", step=step,
                   optimizer="adamw", assumptions=assumptions)
