@@ -46,8 +46,10 @@ class AllReduceCount:
 
 @contextlib.contextmanager
 def no_sync_context(model: nn.Module):
-    """Backward inside accumulates locally; the first outside syncs it all (forward too goes inside: DDP decides
-    there). Anything but DDP or FSDP2 raises: a fallback doing nothing would let every micro-step communicate."""
+    """Backward inside accumulates locally; the first backward outside syncs it all. Put forward AND backward
+    inside: DDP decides in forward whether the coming backward syncs. DDP: ``model.no_sync()``. FSDP2
+    (``fully_shard``, which has no ``no_sync``): ``set_requires_gradient_sync(False)``, True again on exit.
+    Anything else raises TypeError: a fallback that does nothing lets every micro-step communicate silently."""
     if isinstance(model, DDP):
         with model.no_sync():
             yield
