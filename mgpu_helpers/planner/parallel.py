@@ -58,6 +58,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 STEPS = 3  # as planner.validation: the first makes Adam's state and FSDP2's storages; the third is counted
@@ -579,9 +581,15 @@ def settled_collectives():
     all-gather input, a contiguous copy) is then freed there, at a moment of the thread's choosing, and a
     rank's measured peak varied by up to 64 KiB from run to run under load. Waiting here gives the figure
     the plan counts -- freed when the caller drops it, as the CUDA caching allocator frees a tensor under
-    NCCL -- and costs the CPU lab only overlap it does not measure."""
+    NCCL -- and costs the CPU lab only overlap it does not measure. DTensor's collectives (TP's) are
+    ``_c10d_functional`` ops, not ``dist``'s: a dispatch mode waits for and settles those."""
     def uses(tensors):
         return [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors]
+
+    def settle(tensors, held):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(n > h for n, h in zip(uses(tensors), held)):
+            time.sleep(1e-4)
 
     def settled(fn):
         def call(*args, **kwargs):
@@ -591,16 +599,29 @@ def settled_collectives():
             work = fn(*args, **kwargs)
             if work is not None:
                 work.wait()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(n > h for n, h in zip(uses(tensors), held)):
-                time.sleep(1e-4)
+            settle(tensors, held)
             return work
         return call
+
+    class Functional(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(is_traceable_wrapper_subclass_type(t) for t in types):
+                return NotImplemented
+            if func.namespace != "_c10d_functional" or func.__name__.startswith(("wait_tensor", "_")):
+                return func(*args, **(kwargs or {}))
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            held = uses(tensors)
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                torch.ops._c10d_functional.wait_tensor(t)
+            settle(tensors, held)
+            return out
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
     for name, fn in originals.items():
         setattr(dist, name, settled(fn))
     try:
-        yield
+        with Functional():
+            yield
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
