@@ -326,8 +326,8 @@ def test_mixture_of_experts_is_planned_under_a_stated_routing(capsys, tmp_path):
 def test_data_dependent_ops_get_representative_values():
     """.item() and nonzero on fake tensors: stated values, never a refusal; counts per expert add up."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from mgpu_helpers.planner.dynamic import dynamic_sizes
-    with dynamic_sizes(moe_imbalance=3) as mode, FakeTensorMode():
+    from mgpu_helpers.planner.dynamic import DynamicSizes
+    with DynamicSizes(moe_imbalance=3) as mode, FakeTensorMode():
         mode.tokens, mode.seq, mode.moe = 64, 32, (4, 2)
         counts = torch.zeros(64, 4, dtype=torch.long).sum(0).tolist()
         assert counts == [64, 22, 21, 21] and sum(counts) == 64 * 2

@@ -224,10 +224,10 @@ def test_bad_input_names_the_argument():
 
 def test_bad_plans_fail_before_anything_is_traced(monkeypatch):
     import mgpu_helpers.planner as planner
-    from mgpu_helpers.planner import trace as planner_trace
+    from mgpu_helpers.planner import plans as planner_plans
     model_fn, batch, loss_fn = MODELS["mlp"]
     calls = []
-    monkeypatch.setattr(planner_trace, "_trace", lambda *a, **k: calls.append(1))  # nothing half-computed
+    monkeypatch.setattr(planner_plans, "trace_step", lambda *a, **k: calls.append(1))  # nothing half-computed
     flat = lambda: nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 10))  # noqa: E731
     with pytest.raises(ValueError, match="fsdp_units='blocks': the model has no nn.ModuleList"):
         planner.plan(flat, batch, loss_fn=loss_fn, zero_stage=3, world_size=2)

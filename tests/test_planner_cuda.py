@@ -229,7 +229,7 @@ def test_traced_multi_query_attention_keeps_fp32_softmaxes_under_bf16_autocast(m
     def activations():
         tr = trace_step(lambda: MultiQuery(64, heads, layers), batch, loss_fn=lambda out, y: out.float().sum(),
                         precision="bf16-autocast", device="cpu", kernels="cuda")
-        return tr.tracker_peak[1]["activations"]
+        return plan_from_trace(tr, 0, 1).breakdown["activations"]
     upcast = activations()
     monkeypatch.setattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", lambda: True)
     half = activations()  # what the plan held before: the kernel traced in bf16
@@ -311,8 +311,8 @@ def test_hugging_face_attention_gets_the_arguments_of_a_real_step(tmp_path, monk
         return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", logged)
-    from mgpu_helpers.planner.dynamic import dynamic_sizes
-    with dynamic_sizes():  # as mgpu-plan retraces a step that reads values (OPT's LayerDrop draws a number)
+    from mgpu_helpers.planner.dynamic import DynamicSizes
+    with DynamicSizes():  # as mgpu-plan retraces a step that reads values (OPT's LayerDrop draws a number)
         trace_step(source.model_fn, batch, loss_fn=output_loss, device="cpu", kernels="cpu")
         calls.clear()
         trace_step(source.model_fn, batch, loss_fn=output_loss, device="cpu", kernels="cpu")

@@ -1,14 +1,11 @@
 """Accounting over fake storages: :class:`FakeTracker`, the course's ``MemoryTracker`` pointed at a fake-tensor
-step, and, for a GPU's kernels, the calibrated lines for what no tensor owns (their scratch inside one op).
+step, plus the calibrated scratch a GPU's kernels take inside one op, which no tensor owns.
 
-``MemoryTracker`` counts storages on its device, and a fake tensor's storage lives on ``meta`` whatever device
-the tensor claims, so the tracker sees nothing under a fake mode. ``FakeTracker`` counts meta storages of
-tensors that claim the planned device -- same categories, same rules, same rounding -- which is why a CPU
-plan equals the tracker on a real step. It records the allocator's requests in order (``events``, for
-``planner.allocator.replay``) and, planning a GPU's kernels (``kernels="cuda"``), adds what a kernel borrows
-inside one op as a transient: cuDNN's workspace, flash attention's backward buffers and the staging buffer of
-a reduction split across thread blocks. A CPU kernel's scratch (oneDNN's) depends on the CPU: it is the CPU
-allocator's business, not the plan's.
+A fake tensor's storage lives on ``meta`` whatever device it claims, so ``FakeTracker`` counts meta storages of
+tensors that claim the planned device, with the tracker's categories, rules and rounding (a CPU plan equals
+the tracker on a real step). It records the allocator's requests in order (``events``) and, with
+``kernels="cuda"``, adds cuDNN's, flash attention's and split reductions' scratch as transients (a CPU
+kernel's, oneDNN's, depends on the CPU: not the plan's).
 """
 from __future__ import annotations
 
@@ -46,15 +43,16 @@ class FakeTracker(MemoryTracker):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             self._wrapped = func  # a subclass's op (DTensor): the same op on its local tensors comes next
             return super().__torch_dispatch__(func, types, args, kwargs)
-        undo = self._undo_state() if self._accumulation(func, args) else None
+        undo = (len(self.events), self._peak, dict(self._peak_cats), self._peak_idx, dict(self._phase_peaks),
+                self.workspace_at_peak) if self._accumulation(func, args) else None  # to count a sum in place
         self._wrapped = None
         self._sum = None
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if undo is not None and len(self.events) == undo[0] + 1:  # the sum made one storage
             self._sum = (out.untyped_storage()._cdata, args[0].untyped_storage()._cdata, undo)
         if self._active and self.kernels == "cuda" and func in _CUBLAS:
-            # A cuBLAS handle takes its workspace at its first matmul, after the output: one for the forward's
-            # thread, one for autograd's backward thread. Where it lands decides which free block it takes.
+            # A cuBLAS handle (forward's thread, autograd's backward thread) takes its workspace at its first
+            # matmul, after the output: where it lands decides which free block it takes.
             thread = "backward" if self._phase.startswith("backward") else "forward"
             if thread not in self._cublas:
                 self._cublas.add(thread)
@@ -76,26 +74,17 @@ class FakeTracker(MemoryTracker):
         if self._peak_idx == len(self._timeline) - 1:
             self.workspace_at_peak = self._ws_now
 
-    # ---- autograd's gradient sums: in place in a step run as users run it ---------------------------------
-    # Where two gradients meet, the engine adds the new one into the buffer in place when it holds the buffer's
-    # last reference (torch/csrc/autograd/input_buffer.cpp, ``can_accumulate_inplace``). Under a dispatch mode
-    # every tensor it is handed gets a Python object, whose reference makes the sum out of place: so under the
-    # course's tracker, and under this trace, the engine makes the sum anew and drops the old buffer at once --
-    # an allocation a step without a mode never makes. A CPU plan is held against the tracker and keeps it; a
-    # GPU plan (``kernels="cuda"``) is held against ``max_memory_allocated`` of the user's own step, so such a
-    # sum -- ``add`` in backward without grad mode (a recomputed forward has it), two dense tensors of one
-    # shape, not a subclass's (DTensor's stay out of place) -- followed at once by the old buffer's release
-    # is counted as that step makes it: the old buffer's bytes hold the sum.
+    # Autograd adds a gradient into a buffer in place when it holds its last reference (input_buffer.cpp,
+    # ``can_accumulate_inplace``); under a dispatch mode the Python object is one more, so the sum is made anew
+    # and the old buffer dropped. A CPU plan keeps that (as the tracker sees it); a GPU plan, held against the
+    # user's own step, counts such a sum (a dense ``add`` of one shape in backward without grad mode, not a
+    # subclass's) followed at once by the old buffer's release in place: the old bytes hold the sum.
     def _accumulation(self, func, args):
         return (self._active and self.kernels == "cuda" and func is torch.ops.aten.add.Tensor
                 and self._wrapped is not func and self._phase.startswith("backward")
                 and not torch.is_grad_enabled() and len(args) == 2
                 and all(isinstance(a, torch.Tensor) for a in args) and args[0].shape == args[1].shape
                 and args[0].dtype == args[1].dtype and args[0].is_contiguous())
-
-    def _undo_state(self):
-        return (len(self.events), self._peak, dict(self._peak_cats), self._peak_idx, dict(self._phase_peaks),
-                self.workspace_at_peak)
 
     def _on_free(self, key, ref):
         made, self._sum = self._sum, None
@@ -115,17 +104,14 @@ class FakeTracker(MemoryTracker):
         super()._on_free(key, ref)
 
 
-# cuDNN's workspace inside one GPU convolution, from its largest activation (input or output, in the dtype it
-# runs in): the envelope of ResNet-50's convolutions measured op by op (bench/planner_gpu_diag.py conv), at
-# least what any of them took (an under-estimate is the dangerous direction).
+# cuDNN's workspace inside one convolution, from its largest activation in the dtype it runs in: the envelope of
+# ResNet-50's convolutions measured op by op (bench/planner_gpu_diag.py conv), at least what any of them took.
 CUDNN_WORKSPACE_FRACTION, CUDNN_WORKSPACE_EXTRA = 1.55, 26 * 2**20
 
 
 def flash_backward_workspace(func, args) -> int:
-    """Bytes flash attention's backward takes and frees inside the op on a GPU (mha_bwd, torch's
-    flash_api.cpp): dq_accum (batch, query length rounded to 128, heads, head size rounded to 32) and
-    softmax_d (batch, heads, rounded length) in fp32, and with fewer key/value heads than query heads dk and
-    dv at the query's head count before they are summed -- one block, as a GPU records it."""
+    """Bytes flash attention's backward takes and frees inside the op (mha_bwd, flash_api.cpp): fp32 dq_accum
+    and softmax_d at rounded sizes, and with grouped heads dk and dv at the query's head count; one block."""
     q, k = args[1], args[2]
     b, h, lq, d = q.shape
     lq_r, d_r = -(-lq // 128) * 128, -(-d // 32) * 32
@@ -137,10 +123,8 @@ def flash_backward_workspace(func, args) -> int:
 
 def cudnn_workspace(func, args) -> int:
     """Bytes cuDNN takes and frees inside one GPU convolution (forward or backward): a calibrated line."""
-    if func is torch.ops.aten.convolution.default:
-        x, w, out = args[0], args[1], None
-    else:
-        x, w, out = args[1], args[2], args[0]
+    conv = func is torch.ops.aten.convolution.default  # else convolution_backward(grad_output, input, weight, ...)
+    x, w, out = (args[0], args[1], None) if conv else (args[1], args[2], args[0])
     biggest = max(x.numel(), out.numel() if out is not None else 0) * x.element_size()
     if out is None:  # forward: the output's size from the arguments
         stride, padding, dilation = args[3], args[4], args[5]
@@ -150,18 +134,14 @@ def cudnn_workspace(func, args) -> int:
     return int(CUDNN_WORKSPACE_FRACTION * biggest) + CUDNN_WORKSPACE_EXTRA
 
 
-# The GPU the reduction rule below assumes: H100 SXM and H200 have 132 SMs of 2048 threads (A100: 108). More
-# SMs can only split a reduction over more blocks, so the largest is the safe side.
+# H100 SXM's and H200's 132 SMs of 2048 threads (A100: 108): more SMs split a reduction over more blocks.
 SMS, THREADS_PER_SM = 132, 2048
 
 
 def reduce_workspace(func, args) -> int:
-    """Bytes a GPU reduction (sum, mean) borrows inside the op when it splits each output's inputs over
-    several thread blocks: their partial results, ``acc size x outputs x blocks per output`` (x the block's
-    width and vector size when lanes hold different outputs). torch's ``setReduceConfig`` and
-    ``ReduceConfig::global_memory_size`` (aten/src/ATen/native/cuda/Reduce.cuh), for a dense input. The
-    gradient of a norm's weight (``x.sum((0, 1))`` over 4 x 1024 tokens of 1024) takes 32 MiB for a 4 KiB
-    result."""
+    """Bytes a GPU reduction (sum, mean) borrows inside the op when it splits each output's inputs over thread
+    blocks: their partial results (``setReduceConfig`` and ``ReduceConfig::global_memory_size``, Reduce.cuh),
+    for a dense input; a norm weight's gradient, ``x.sum((0, 1))``, can borrow thousands of times its result."""
     x = args[0]
     dims = args[1] if len(args) > 1 and args[1] not in (None, []) else range(x.dim())
     dims = {d % max(x.dim(), 1) for d in ([dims] if isinstance(dims, int) else dims)}

@@ -1,27 +1,12 @@
 """PyTorch's CUDA caching allocator, replayed over a planned step: what ``max_memory_allocated`` and
 ``max_memory_reserved`` will show, not only what the tensors hold.
 
-A fake-tensor trace (``planner.trace``) knows every storage the step makes and frees, in order, with its
-size -- exactly what the caching allocator is asked for. The allocator answers by rules that do not depend
-on the GPU (c10/cuda/CUDACachingAllocator.cpp, the constants below), so replaying the requests through the
-same rules predicts two figures a sum of tensor sizes cannot:
-
-* **allocated beyond the tensors.** A request is rounded up to 512 bytes, and a free block larger than the
-  request is split only if the rest is worth keeping (>= 512 B in the small pool; > 1 MiB in the large
-  pool). An unsplit block counts whole in ``memory_allocated``: up to 1 MiB per large tensor.
-* **reserved.** Requests of <= 1 MiB share 2 MiB segments; 1-10 MiB requests get a 20 MiB segment; larger
-  ones a segment of their size rounded to 2 MiB. Segments are never given back while the program runs, and
-  a free block is reused only for a request it can hold (best fit), so the reserve is whatever the order of
-  requests left behind.
-
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` changes both rules: one segment per pool grows by
-mapping pages (20 MiB in the large pool, 2 MiB in the small one), and any block splits -- nothing unsplit
-is counted, and the reserve is the high-water mark of the segment's end, fragmentation inside it included.
-
-What the replay does not know: other streams (one stream, as a single-GPU step without NCCL uses), the
-allocator's ``max_split_size_mb`` and ``roundup_power2_divisions`` options (off by default), and kernels'
-own workspaces, which ``planner.budget`` adds as lines (cuBLAS's are requested here, at the first forward
-and the first backward, because they stay allocated and shape the pools).
+A fake-tensor trace knows every storage the step makes and frees, in order: what the allocator is asked for.
+It answers by rules that do not depend on the GPU (c10/cuda/CUDACachingAllocator.cpp, the constants below):
+requests rounded to 512 B, blocks split only when the rest is worth keeping (an unsplit block counts whole),
+small and large pools of segments never given back, best fit; ``expandable_segments:True`` grows one segment
+per pool by pages and splits any block. Not replayed: other streams, ``max_split_size_mb`` and
+``roundup_power2_divisions`` (off by default), kernels' workspaces but cuBLAS's (``planner.budget``'s lines).
 """
 from __future__ import annotations
 
@@ -57,8 +42,8 @@ class CachingAllocator:
 
     def __init__(self, expandable: bool = False):
         self.expandable = expandable
-        self._pools = {True: [], False: []}   # small? -> sorted [(size, seg, off)] of free blocks
-        self._free, self._live = {}, {}         # (seg, off) -> free block; key -> allocated block
+        self._pools = {True: [], False: []}   # small? -> sorted [(size, seg, off, block)] of free blocks
+        self._live = {}                         # key -> (small?, allocated block)
         self._tail = {}                         # expandable: small? -> the segment's last block
         self._segs = 0
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
@@ -66,18 +51,15 @@ class CachingAllocator:
     def reset_peak(self):
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
-    # ---- free blocks: best fit = the smallest that holds the request, then the lowest address ---------
-    # The address decides between free blocks of one size: cudaMalloc gives each new segment a lower address
-    # than the one before (so replayed, a real step's requests gave its max_memory_reserved to the byte).
+    # Best fit: the smallest free block that holds the request, then the lowest address (cudaMalloc gives each
+    # new segment a lower address than the one before: replayed so, a real step's reserve came to the byte).
     def _insert(self, small, b):
         b.free = True
-        insort(self._pools[small], (b.size, b.seg, b.off))
-        self._free[b.seg, b.off] = b
+        insort(self._pools[small], (b.size, b.seg, b.off, b))  # (size, seg, off) is unique: blocks never compared
 
     def _remove(self, small, b):
         pool = self._pools[small]
         del pool[bisect_left(pool, (b.size, b.seg, b.off))]
-        del self._free[b.seg, b.off]
 
     def _new_block(self, small, size):
         if not self.expandable:
@@ -109,7 +91,7 @@ class CachingAllocator:
         pool = self._pools[small]
         i = bisect_left(pool, (size, -(1 << 60), -1))
         if i < len(pool):
-            b = self._free[pool[i][1], pool[i][2]]
+            b = pool[i][3]
             self._remove(small, b)
         else:
             b = self._new_block(small, size)
@@ -151,18 +133,15 @@ class CachingAllocator:
         return left
 
 
-# A real run's steady step comes after the segments stop growing: the order of a step's requests can leave
-# a free block too small for the same request one step later, so a second step may add a segment.
+# Steps a run may need before its segments stop growing (a step can leave a free block too small for the next).
 MAX_WARM_UP = 4
 
 
 def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
-    """Replay a traced step (``Trace.events``: ``(key, delta, seed, phase, category)`` in order) through
-    :class:`CachingAllocator` as a run would make it: the batch, what was live at the step's entry (the
-    optimizer's state is made inside the first step), cuBLAS's ``workspaces`` where the trace marked each
-    thread's first matmul (category "cuBLAS"; unmarked: at the first forward and the first backward),
-    warm-up steps while they add a segment, peaks reset, and the same step again. Returns its
-    ``peak_allocated``, ``peak_reserved`` and ``exact_peak`` (the requests summed unrounded)."""
+    """Replay a traced step (``Trace.events``) as a run makes it: the batch, what was live at the step's entry
+    (the optimizer's state is made in the first step), cuBLAS's ``workspaces`` where the trace marked them
+    (unmarked: at the first forward and backward), warm-up steps while they add a segment, peaks reset, the
+    step again. Returns ``peak_allocated``, ``peak_reserved`` and ``exact_peak`` (the requests unrounded)."""
     alloc = CachingAllocator(expandable)
     for i, n in enumerate(batch):
         alloc.malloc(("batch", i), n)
@@ -182,6 +161,7 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
     def make_workspace():
         ws.append(workspaces[len(ws)])
         alloc.malloc(("cuBLAS", len(ws)), ws[-1])
+        return ws[-1]
 
     def make_states():
         for key, n in states:
@@ -196,12 +176,10 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
             if cat == "cuBLAS":
                 if key not in made and len(ws) < len(workspaces):
                     made.add(key)
-                    make_workspace()
-                    now += ws[-1]
+                    now += make_workspace()
                 continue
             while not marked and len(ws) < min(made_by.get(phase.split()[0], 0), len(workspaces)):
-                make_workspace()
-                now += ws[-1]
+                now += make_workspace()
             if not states_made and phase == "step":  # Adam makes its state inside its first step
                 make_states()
                 states_made = True
@@ -235,9 +213,8 @@ def replay(events, *, batch=(), workspaces=(), expandable=False) -> dict:
 
 
 def replay_recorded(events, reset_at: int = 0, expandable: bool = False) -> dict:
-    """The rules above over a real GPU run's requests (``(action, address, size)`` in order, from
-    ``torch.cuda.memory._snapshot()["device_traces"][0]``), peaks reset at event ``reset_at``: its
-    ``peak_allocated`` and ``peak_reserved``, to hold against what that run measured."""
+    """The rules over a real run's requests (``(action, address, size)`` of ``torch.cuda.memory._snapshot()``'s
+    ``device_traces[0]``), peaks reset at event ``reset_at``: to hold against what that run measured."""
     alloc, live = CachingAllocator(expandable), {}
     for i, (action, addr, size) in enumerate(events):
         if i == reset_at:

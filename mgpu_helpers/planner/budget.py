@@ -1,14 +1,9 @@
-"""What a GPU must hold beyond a training step's tensors -- the lines between "planned peak" and "fits".
+"""What a GPU must hold beyond a training step's tensors: the lines between "planned peak" and "fits".
 
-The planner (``planner.plan``) gives the peak of the bytes that *tensors* hold. A device that runs the step
-also holds, per process (rank): kernel workspaces (cuBLAS's, cuDNN's convolution workspace), allocated
-through the caching allocator but owned by no tensor; the caching allocator's rounding and reserve
-(``planner.allocator`` replays the traced step's requests through its rules; without a trace, notebook 11's
-calculator, the reserve is a calibrated fraction); the CUDA context; and NCCL's buffers on N > 1 GPUs.
-
-Each line says where its figure comes from (:data:`SOURCES`): measured on the H200 of this course, re-measured
-by ``bench/plan_gpu.py``. Where a figure is a range, the upper end is used: an under-estimate is the
-dangerous direction (the plan says "fits", the run dies).
+Per rank: kernel workspaces (cuBLAS's, cuDNN's), which no tensor owns; the caching allocator's rounding and
+reserve (replayed by ``planner.allocator``, else a calibrated fraction); the CUDA context; NCCL's buffers on
+N > 1 GPUs. Each line names its source (:data:`SOURCES`); of a measured range, the upper end is used: an
+under-estimate is the dangerous direction.
 """
 from __future__ import annotations
 
@@ -17,8 +12,7 @@ from dataclasses import dataclass, field
 
 MiB, GiB, GB = 2**20, 2**30, 10**9
 
-# name: (total bytes, architecture, where the figure comes from). "MiB" figures are nvidia-smi's
-# "memory total" (= torch.cuda.mem_get_info()[1]); vendors sell the same cards in decimal GB.
+# name: (total bytes, architecture, source); nvidia-smi's "MiB" = torch.cuda.mem_get_info()[1]; vendors sell GB.
 GPUS = {
     "H200": (143771 * MiB, "hopper", "measured here: NVIDIA H200, driver 580.159.04 (README, Verified on)"),
     "H100-80GB": (81559 * MiB, "hopper", "nvidia-smi of H100 80GB HBM3 and H100 PCIe: 81559MiB"),
@@ -27,7 +21,6 @@ GPUS = {
     "V100-16GB": (16160 * MiB, "volta", "torch.cuda.get_device_properties of Tesla V100-SXM2-16GB: "
                   "total_memory=16160MB (MiB: torch prints bytes // 2**20)"),
     "L4": (23034 * MiB, "ada", "nvidia-smi of NVIDIA L4: 23034MiB"),
-    # Colab's and Kaggle's free GPU. CUDA sees less than nvidia-smi's 15360MiB (ECC is on):
     "T4-16GB": (int(14.75 * GiB), "turing", "cudaDeviceProp.totalGlobalMem of Tesla T4 as TensorFlow logs it: "
                 "deviceMemorySize 14.75GiB (nvidia-smi: 15360MiB, ECC on)"),
     "RTX-4090": (24564 * MiB, "ada", "nvidia-smi of GeForce RTX 4090: 24564MiB"),
@@ -37,7 +30,6 @@ GPUS = {
 # Architectures without bf16 units (compute capability < 8.0): bf16 runs there emulated, without tensor cores.
 NO_NATIVE_BF16 = ("volta", "turing")
 
-# --- calibrated figures: what each is and where it was measured, :data:`SOURCES` -----------------------
 CONTEXT_BYTES = 768 * MiB
 NCCL_BYTES = 558 * MiB
 CUBLAS_WORKSPACE = {"hopper": 32 * MiB, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}  # per handle (torch's defaults)
@@ -45,9 +37,8 @@ CONV_WORKSPACE_FRACTION = 0.60  # of the largest convolution's largest activatio
 RESERVE_FRACTION = {("default", "transformer"): 0.27, ("default", "conv"): 0.48,
                     ("expandable", "transformer"): 0.02, ("expandable", "conv"): 0.02}
 EXPANDABLE_PAGE = 2 * MiB
-# The replay misses part of a conv net's reserve under the default allocator: the segments are made in the
-# first step, whose cuDNN workspaces are not the steady step's; measured, that reserve scales with the
-# activations at the peak.
+# The replay misses part of a conv net's reserve (default allocator): the first step's cuDNN workspaces make
+# the segments; measured, that reserve scales with the activations at the peak.
 REPLAY_MARGIN = {"default": 0.01, "expandable": 0.015}
 CONV_RESERVE_OF_ACTIVATIONS = 0.20
 
@@ -81,8 +72,7 @@ SOURCES = {
 
 def parse_memory(text: str) -> int:
     """``"80GB"`` -> 80_000_000_000, ``"79.5 GiB"`` -> bytes, also B, KB/KiB, MB/MiB, TB/TiB. A unit is required:
-    GPU memory is sold in GB (1e9) and reported by tools in MiB/GiB (2**20, 2**30); a bare number is
-    ambiguous by 7%."""
+    GPU memory is sold in GB (1e9) and reported in MiB/GiB (2**20, 2**30): a bare number is ambiguous by 7%."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*((?:[KMGT]i?)?B)\s*", str(text), flags=re.IGNORECASE)
     if not m:
         raise ValueError(f"memory size {text!r} needs a unit: e.g. 80GB (decimal, 1e9 bytes) or 80GiB (2**30)")
@@ -109,9 +99,8 @@ MEASURED_ON = "H200"  # the GPU whose figures the calibrated lines hold (torch 2
 
 
 def sources_for(gpu: str | None, arch: str) -> dict:
-    """:data:`SOURCES` as they hold for ``gpu``: what was measured on the H200 says so, and on another GPU
-    the lines that depend on its architecture, driver or CUDA version say they are carried over (cuBLAS's
-    workspace follows torch's rule for the architecture; the allocator's rules are the same everywhere)."""
+    """:data:`SOURCES` as they hold for ``gpu``: on another GPU than the H200, the lines that depend on its
+    architecture, driver or CUDA version say they are carried over."""
     out = dict(SOURCES)
     if gpu == MEASURED_ON:
         return out
@@ -153,14 +142,12 @@ _ALLOCATED = ("allocated by tensors", "batch", "cuBLAS workspace", "allocator ro
 
 def cublas_workspaces(arch: str = "hopper") -> tuple[int, int]:
     """The two cuBLAS workspaces of a training step (forward's handle, backward thread's handle)."""
-    one = CUBLAS_WORKSPACE["hopper" if arch == "hopper" else "other"]
-    return (one, one)
+    return (CUBLAS_WORKSPACE["hopper" if arch == "hopper" else "other"],) * 2
 
 
 def replayed(trace, batch_sizes=(), *, arch: str = "hopper", allocator: str = "default") -> dict:
-    """The caching allocator's rounding and reserve for a traced step (``planner.trace.Trace``), as
-    fractions that :func:`budget` applies: ``rounding`` of the exact allocated peak, ``reserve`` of the
-    allocated peak. Exact for the traced step itself; sharded plans of it take the same fractions."""
+    """The caching allocator's ``rounding`` (of the exact allocated peak) and ``reserve`` (of the allocated
+    peak) for a traced step, as fractions for :func:`budget`: sharded plans of it take the same fractions."""
     from .allocator import replay
     r = replay(trace.events, batch=batch_sizes, workspaces=cublas_workspaces(arch),
                expandable=allocator == "expandable")
@@ -172,15 +159,12 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
            conv_activation_bytes: int = 0, allocator: str = "default", replay: dict | None = None,
            conv_workspace_bytes: int | None = None, activation_bytes: int = 0,
            gpu: str | None = MEASURED_ON) -> DeviceBudget:
-    """The device total of one rank whose tensors peak at ``tensor_peak`` bytes (a planner figure).
-    ``conv_activation_bytes``: the largest activation (input or output) of any convolution in its compute
-    dtype, 0 for a model without convolutions -- it also selects the conv nets' allocator reserve.
-    ``allocator``: "default" or "expandable" (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
-    ``replay``: :func:`replayed`'s fractions for the traced step (else the calibrated reserve fraction).
-    ``conv_workspace_bytes``: cuDNN's workspace at the peak, when the trace modelled it (it is then part of
-    ``tensor_peak`` and moves to its own line); else a fraction of ``conv_activation_bytes``.
-    ``activation_bytes``: activations and other temporaries at the peak (a conv net's reserve floor).
-    ``gpu``: a key of :data:`GPUS` (None: given by capacity): the lines' sources say what holds for it."""
+    """The device total of one rank whose tensors peak at ``tensor_peak`` bytes. ``conv_activation_bytes``:
+    the largest activation of any convolution in its compute dtype (0: no convolutions, a transformer's
+    reserve). ``allocator``: "default" or "expandable" (``expandable_segments:True``). ``replay``:
+    :func:`replayed`'s fractions (else calibrated ones). ``conv_workspace_bytes``: cuDNN's workspace at the
+    peak when traced (part of ``tensor_peak``, moved to its own line). ``activation_bytes``: temporaries at
+    the peak (a conv net's reserve floor). ``gpu``: a key of :data:`GPUS` or None, for the sources."""
     sources = sources_for(gpu, arch)  # SOURCES, as they hold for this GPU
     if allocator not in ("default", "expandable"):
         raise ValueError(f"allocator must be 'default' or 'expandable', got {allocator!r}")
@@ -192,14 +176,12 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
     exact = sum(b for _, b, _ in lines)
     if replay is not None and int(replay["rounding"] * exact) > 0:
         lines.append(("allocator rounding", int(replay["rounding"] * exact), sources["allocator rounding"]))
-    if conv_workspace_bytes is not None:
-        if ws:
-            lines.append(("cuDNN conv workspace", ws, sources["cuDNN conv workspace (traced)"]))
-    elif conv_activation_bytes:
+    if ws:
+        lines.append(("cuDNN conv workspace", ws, sources["cuDNN conv workspace (traced)"]))
+    elif conv_workspace_bytes is None and conv_activation_bytes:
         lines.append(("cuDNN conv workspace", int(CONV_WORKSPACE_FRACTION * conv_activation_bytes),
                       sources["cuDNN conv workspace"]))
     allocated = sum(b for _, b, _ in lines)
-    kind = "conv" if conv_activation_bytes else "transformer"
     if replay is not None:
         reserve, source = int(replay["reserve"] * allocated), sources["allocator reserve (replayed)"]
         if allocator == "default" and conv_activation_bytes and \
@@ -210,6 +192,7 @@ def budget(tensor_peak: int, *, batch_bytes: int = 0, world_size: int = 1, arch:
         lines.append(("reserve margin", int(REPLAY_MARGIN[allocator] * allocated), sources["reserve margin"]))
     else:
         expandable = allocator == "expandable"
+        kind = "conv" if conv_activation_bytes else "transformer"
         reserve = int(RESERVE_FRACTION[allocator, kind] * allocated) + (EXPANDABLE_PAGE if expandable else 0)
         source = sources["allocator reserve (expandable)" if expandable else "allocator reserve"]
         lines.append(("allocator reserve", reserve, source))

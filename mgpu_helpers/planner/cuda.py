@@ -1,23 +1,10 @@
 """What a GPU runs differently from a CPU, chosen on any host (the planner's fake trace, ``kernels="cuda"``).
 
-Some of torch's functions pick their kernels by device, and what a kernel keeps for backward differs, so a
-plan traced on a CPU would follow the CPU's choices, not a GPU's:
-
-- ``F.scaled_dot_product_attention``: a fused kernel (flash, cuDNN, memory-efficient) saves its output and
-  one log-sum-exp per row; the math fallback saves the (batch, heads, seq, seq) softmax of every layer,
-  computed in fp32 for fp16/bf16 inputs (torch's default).
-- ``F.rms_norm``: CUDA runs one fused kernel that saves the input and one rstd per row; the CPU composes
-  pow, mean, rsqrt and two products and saves the normalised input too.
-- ``F.dropout``: CUDA's fused kernel saves a one-byte mask; the CPU saves a mask of the input's dtype.
-- ``F.cross_entropy`` under autocast: CPU autocast casts the logits to fp32 first; CUDA's takes the
-  log-softmax in bf16 and casts its result.
-- ``torch._grouped_mm`` (mixture-of-experts layers' experts): CUDA's kernel takes fp32 and bf16; the meta
-  function a fake trace runs insists on bf16, so the trace runs :class:`_GroupedMM` (the same tensors).
-- autocast's lists: CUDA runs pow, exp, layer_norm, softmax, sum ... in fp32; CPU autocast does not list them.
-
-Under :class:`CudaKernels` each runs as CUDA runs it: attention as the op of the kernel CUDA would choose
-(:func:`cuda_backend`: torch's ``sdp_utils.cpp`` rules for sm80 and newer), whose meta function gives the
-tensors it returns and saves. ``bench/planner_gpu_diag.py`` holds both against a real GPU.
+torch picks some kernels by device, and what a kernel saves for backward differs (a fused attention keeps a
+log-sum-exp per row where the math fallback keeps every layer's fp32 softmax; CUDA's dropout keeps a one-byte
+mask), so a plan traced on a CPU would follow the CPU's choices. Under :class:`CudaKernels` attention
+(:func:`cuda_backend` picks the kernel), RMSNorm, dropout, cross-entropy, grouped matmuls and autocast's op
+lists run as CUDA runs them (each function says what differs; ``bench/planner_gpu_diag.py`` checks them).
 """
 from __future__ import annotations
 
@@ -27,24 +14,19 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._pytree import tree_map_only
 
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def cuda_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) -> str:
-    """The kernel torch picks on an sm80+ GPU for dense (batch, heads, seq, head_dim) inputs.
-
-    Priority flash (or cuDNN's, which keeps the same tensors), then memory-efficient, then math:
-    - flash: fp16/bf16, no explicit mask, q/k/v head sizes equal and at most 256, grouped heads allowed;
-    - memory-efficient: fp16/bf16/fp32, any mask, head sizes divisible by 8 (fp16/bf16) or 4 (fp32), but
-      no grouped heads (``check_batch_size_and_num_heads_dense<false>``);
-    - math: everything else.
-    Hopper's cuDNN kernel (tried first with cuDNN > 9.15) also takes a mask and grouped heads in fp16/bf16;
-    the plan keeps the sm80 rules: math's larger figure there, an over-estimate (the safe direction)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested:
-        return MATH
-    if any(t.stride(-1) != 1 for t in (q, k, v)) or min(q.shape[-2], k.shape[-2]) == 0:
+    """The kernel torch picks on an sm80+ GPU for dense (batch, heads, seq, head_dim) inputs (sdp_utils.cpp):
+    flash (or cuDNN's, keeping the same tensors) for fp16/bf16, no mask, equal head sizes <= 256; else
+    memory-efficient (any mask, head sizes divisible by 8, or 4 in fp32, no grouped heads); else math. Hopper's
+    cuDNN kernel also takes a mask and grouped heads: math's larger figure there is the safe direction."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.is_nested or min(q.shape[-2], k.shape[-2]) == 0 \
+            or any(t.stride(-1) != 1 for t in (q, k, v)):
         return MATH
     hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
     grouped = not (hq == hk == hv)
@@ -79,9 +61,8 @@ def gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
         if choice == FLASH:  # flash pads the head size to a multiple of 8 and slices the output back
             d = query.shape[-1]
             q, k, v = (_pad_last(t, 8) for t in (query, key, value))
-            sc = scale if scale is not None else d ** -0.5
-            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
-                                                                     scale=sc)[0]
+            sc = scale if scale is not None else d ** -0.5  # the unpadded head size's
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=sc)[0]
             return out[..., :d] if out.shape[-1] != d else out
         if choice == EFFICIENT:
             bias = attn_mask
@@ -99,10 +80,9 @@ def gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
 
 
 def _math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """torch's math attention (``_scaled_dot_product_attention_math``, attention.cpp) op by op, as it runs on
-    real tensors: traced through the aten op, fake tensors would take its tensor-subclass branches (the mask
-    added out of place; none of ``_safe_softmax``'s temporaries). fp16/bf16 inputs are upcast to fp32
-    (torch's default), and the output and the attention weights are cast back, the weights first."""
+    """torch's math attention (``_scaled_dot_product_attention_math``, attention.cpp) op by op as on real
+    tensors: fake tensors would take the aten op's tensor-subclass branches (the mask added out of place, none
+    of ``_safe_softmax``'s temporaries). fp16/bf16 are upcast to fp32 and cast back, the weights first."""
     if q.dim() != 4 or q.is_nested or k.dim() != 4:  # other layouts: torch's op (rare; its own branches)
         return torch.ops.aten._scaled_dot_product_attention_math(
             q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
@@ -188,30 +168,24 @@ def gpu_cross_entropy(input, target, weight=None, size_average=None, ignore_inde
 
 
 class _GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm`` (a mixture-of-experts layer's experts as one matmul over jagged groups) as the
-    GPU's kernel holds it: the output, and both operands saved for backward (derivatives.yaml). Its meta
-    function insists on bf16 inputs, which the CUDA kernel does not (sm80+, torch 2.9 and newer); the
-    tensors are the same whatever the routing: ``offs`` only moves the groups' boundaries."""
+    """``torch._grouped_mm`` (experts as one matmul over jagged groups) as CUDA's kernel holds it: the output,
+    both operands saved (derivatives.yaml); ``offs`` only moves the groups' boundaries, not the tensors."""
 
     @staticmethod
     def forward(ctx, a, b, offs, bias, out_dtype):
         ctx.save_for_backward(a, b)
-        dtype = out_dtype or a.dtype
         if a.dim() == 2 and b.dim() == 3:      # (tokens, k) x (groups, k, n): one group per expert
             shape = (a.shape[0], b.shape[-1])
-        elif a.dim() == 3 and b.dim() == 2:    # (groups, m, k) x (k, n) jagged along n
-            shape = (a.shape[0], a.shape[1], b.shape[-1])
         elif a.dim() == 2 and b.dim() == 2:    # (m, tokens) x (tokens, n): the weights' gradient
             shape = (offs.shape[0], a.shape[0], b.shape[-1])
-        else:                                   # (groups, m, k) x (groups, k, n)
+        else:                                   # (groups, m, k) x (k, n) jagged along n, or x (groups, k, n)
             shape = (a.shape[0], a.shape[1], b.shape[-1])
-        return a.new_empty(shape, dtype=dtype)
+        return a.new_empty(shape, dtype=out_dtype or a.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        # As torch's formula runs them: mat_b's gradient first, then mat_a's; for (tokens, k) x (groups, k, n)
-        # mat_b's is made (groups, n, k) and handed back transposed, so an expert weight kept (groups, n, k)
-        # (transformers' layout, used transposed) takes it without a copy and one kept (groups, k, n) copies it.
+        # As derivatives.yaml: mat_b's gradient first; for (tokens, k) x (groups, k, n) it is made (groups, n, k)
+        # and handed back transposed (transformers' (groups, n, k) expert weights take it without a copy).
         a, b = ctx.saved_tensors
         gb = ga = None
         if ctx.needs_input_grad[1]:
@@ -229,18 +203,15 @@ def gpu_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         return out + bias if bias is not None else out
 
 
-# CUDA autocast's op lists (autocast_mode.h) where the CPU's differ: ops CUDA runs in fp32 that CPU autocast
-# leaves in the inputs' dtype, and ops CUDA gives an fp32 dtype= when none is asked for.
+# CUDA autocast's lists (autocast_mode.h) where the CPU's differ: ops run in fp32, ops given an fp32 dtype=.
 CUDA_AUTOCAST_FP32 = frozenset(
     "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus layer_norm "
     "group_norm frobenius_norm nuclear_norm cosine_similarity l1_loss dist pdist renorm logsumexp "
     "upsample_nearest1d upsample_nearest2d upsample_nearest3d upsample_linear1d upsample_bilinear2d "
     "upsample_trilinear3d upsample_bicubic2d".split())
 CUDA_AUTOCAST_FP32_DTYPE = frozenset("prod softmax log_softmax cumprod cumsum sum".split())
-# Ops CPU autocast lists and CUDA's does not (read from the dispatcher: AutocastCPU kernels without an
-# AutocastCUDA one), run on a GPU as they are: cat and stack promote inside the kernel, where CPU autocast
-# first casts every input to the widest dtype (a copy the GPU never makes); the CPU's fp32 list (fft, linalg)
-# is no list on CUDA either.
+# Ops CPU autocast lists and CUDA's does not (AutocastCPU kernels without an AutocastCUDA one) run on a GPU as
+# they are: e.g. CPU autocast casts cat's inputs to the widest dtype first, a copy CUDA's kernel never makes.
 CPU_AUTOCAST_ONLY = frozenset(
     op.split("::")[1] for op in set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"))
     - set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")) if "." not in op)
@@ -248,21 +219,12 @@ _ALIASES = {"__pow__": "pow", "__rpow__": "pow", "__rtruediv__": "reciprocal", "
             "concat": "cat", "concatenate": "cat"}
 
 
-def _cast(x, dtype):
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.dtype in _HALF else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_cast(t, dtype) for t in x)
-    return x
-
-
 @functools.cache
 def _listed_name(func) -> str:
     """The op's name if one of the two autocasts lists it and the other does not, else ""."""
     name = getattr(func, "__name__", "")
     name = _ALIASES.get(name, name)
-    listed = name in CUDA_AUTOCAST_FP32 or name in CUDA_AUTOCAST_FP32_DTYPE or name in CPU_AUTOCAST_ONLY
-    return name if listed else ""
+    return name if name in CUDA_AUTOCAST_FP32 or name in CUDA_AUTOCAST_FP32_DTYPE or name in CPU_AUTOCAST_ONLY else ""
 
 
 class CudaKernels(TorchFunctionMode):
@@ -286,7 +248,7 @@ class CudaKernels(TorchFunctionMode):
                 or not torch.is_autocast_enabled(first.device.type):
             return func(*args, **kwargs)
         if name in CUDA_AUTOCAST_FP32:
-            args, kwargs = _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in _HALF else t, (args, kwargs))
         elif name in CPU_AUTOCAST_ONLY:
             pass  # the op as it is, below: not autocast's on CUDA
         elif first.is_floating_point() and kwargs.get("dtype") is None \
@@ -299,8 +261,7 @@ class CudaKernels(TorchFunctionMode):
 
 
 def recompute_contexts():
-    """``context_fn`` for ``torch.utils.checkpoint``: the recomputation in backward runs under ``CudaKernels``
-    again when the forward did. The autograd engine does not carry function modes into backward, and a
-    recomputation under other kernels saves other tensors (checkpoint refuses them)."""
+    """``context_fn`` for ``torch.utils.checkpoint``: the recomputation runs under ``CudaKernels`` when the
+    forward did (autograd does not carry function modes into backward; other kernels save other tensors)."""
     active = any(isinstance(m, CudaKernels) for m in _get_current_function_mode_stack())
     return contextlib.nullcontext(), (CudaKernels() if active else contextlib.nullcontext())

@@ -1,29 +1,17 @@
-"""Data-dependent ops in a fake trace: a representative value where a tensor's values decide a size.
+"""Data-dependent ops in a fake trace: a stated representative value where a tensor's values decide a size.
 
-A fake tensor has shapes but no values, so ``FakeTensorMode`` refuses ``.item()`` / ``.tolist()``
-(``aten._local_scalar_dense``) and ops whose output size is data-dependent (``nonzero``, ``masked_select``):
-mixture-of-experts layers that loop over the experts, initialisers that read a bound back, positions from a
-mask. :func:`dynamic_sizes` answers each with a stated representative value, on the side that over-estimates
-memory where a choice matters:
-
-* an integer read back: with one count per expert (``moe`` given), the tokens an expert gets under the stated
-  routing (:meth:`DynamicSizes.expert_share`); any other integer, the step's sequence length;
-* ``nonzero`` / ``masked_select``: every element selected, except a per-expert mask of ``tokens x top_k``
-  elements, which selects the expert's share;
-* a float read back: 1.0; ``all()`` True and ``any()`` False, as the planned batch (no padding) makes them
-  (``padding_mask.all()``; a rejection-sampling initialiser's loop ends), any other boolean False; a value
-  the fake mode kept (a tensor made from a Python number): that value.
-
-It is a user dispatch mode entered outside ``trace_step``, so it sees each op before the fake mode and answers
-only what the fake mode would refuse. Every op pays a Python call through it, so ``mgpu-plan`` traces within
-it only when a trace without it met such an op (:data:`DATA_DEPENDENT`).
+``FakeTensorMode`` refuses ``.item()`` and ops whose output size depends on values (``nonzero``,
+``masked_select``): mixture-of-experts layers looping over experts, initialisers reading a bound back, positions
+from a mask. :class:`DynamicSizes` answers them, over-estimating memory where a choice matters (each answer is
+commented). Entered outside ``trace_step``, it sees each op before the fake mode; every op pays a Python call
+through it, so ``mgpu-plan`` traces within it only when a trace without it met such an op (:data:`DATA_DEPENDENT`).
 """
 from __future__ import annotations
 
 import math
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 aten = torch.ops.aten
@@ -43,9 +31,8 @@ class DynamicSizes(TorchDispatchMode):
         self.seq = 0     # tokens per sample
 
     def expert_share(self, expert: int = 0) -> int:
-        """Tokens expert ``expert`` gets: the even share ``tokens x top_k / experts``; under an imbalance the
-        first expert gets ``imbalance`` times it (at most every token) and the others share the rest, so
-        that the counts still add up to ``tokens x top_k`` (the families split by them)."""
+        """Tokens expert ``expert`` gets: the even share ``tokens x top_k / experts``, the first ``imbalance``
+        times it (at most every token) and the others the rest, so the counts add up (families split by them)."""
         experts, top_k = self.moe
         total = self.tokens * top_k
         hot = min(self.tokens, math.ceil(self.imbalance * total / experts))
@@ -64,33 +51,25 @@ class DynamicSizes(TorchDispatchMode):
                 with _disable_current_modes():
                     return x.constant.item()
             if x.dtype == torch.bool:
-                return getattr(x, "_planned_value", False)
+                return getattr(x, "_planned_value", False)  # all() True, any() False (no padding), else False
             if x.is_floating_point() or x.is_complex():
-                return 1.0
+                return 1.0  # a float read back
             base = x._base if x._base is not None else x
             if self.moe is not None and base.numel() == self.moe[0]:  # one count per expert: the stated routing
                 return self.expert_share(x.storage_offset() - base.storage_offset())
-            return max(self.seq, 1)
-        if func in _SELECT:
+            return max(self.seq, 1)  # any other integer: the sequence length
+        if func in _SELECT:  # every element selected
             n = x.numel() if func is aten.nonzero.default else torch.broadcast_shapes(x.shape, args[1].shape).numel()
             if self.moe is not None and self.tokens and n == self.tokens * self.moe[1]:
                 n = self.expert_share()  # one expert's (top-k slot, token) mask: the largest share
-            if func is aten.nonzero.default:
-                return x.new_empty((n, x.dim()), dtype=torch.long)
-            return x.new_empty((n,))
+            return x.new_empty((n, x.dim()), dtype=torch.long) if func is aten.nonzero.default else x.new_empty((n,))
         out = func(*args, **kwargs)
         if (func in _ALL or func in _ANY) and isinstance(out, FakeTensor):  # what .item() will read back
             out._planned_value = func in _ALL
         return out
 
 
-DATA_DEPENDENT = (torch._subclasses.fake_tensor.DataDependentOutputException,
-                  torch._subclasses.fake_tensor.DynamicOutputShapeException)
-
-
-def dynamic_sizes(moe_imbalance: float = 1.0) -> DynamicSizes:
-    """The mode to enter: within it, fake traces answer data-dependent ops with representative values."""
-    return DynamicSizes(moe_imbalance)
+DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 
 def active():

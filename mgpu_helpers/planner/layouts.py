@@ -1,31 +1,15 @@
 """What the planner plans: the memory layouts (precisions) and the methods torch runs at each ZeRO stage.
 
-**Layouts** -- every ``Plan`` names one (``plan.layout``); :data:`LAYOUTS` says what each keeps:
+**Layouts** (:data:`LAYOUTS`): torch has no optimizer that runs ``zero-mixed``, so it is planned by rule
+(:func:`zero_mixed`). Figures differ from DeepSpeed's, whose "ZeRO-1 on 8 ranks" is ``zero-mixed``: under
+autocast the fp32 parameters *are* the master, so ZeRO-1 shards only Adam's 8 B/param.
 
-=================  ==========================================================================================
-``fp32``           fp32 parameters, gradients, Adam moments; fp32 compute.
-``bf16-autocast``  autocast over fp32 parameters: the same fp32 state (16 B/param with Adam), bf16 compute;
-                   autocast saves bf16 copies of the weights for backward. ``fp16-autocast``: same, fp16.
-``bf16``           pure bf16: parameters, gradients and Adam's moments all bf16 (8 B/param), no master copy.
-``fsdp-mixed``     FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 sharded
-                   parameters: each unit all-gathers bf16 compute copies; gradients reduced in fp32 into
-                   fp32 shards; fp32 Adam on the shards. ZeRO stage 3 only (it is FSDP2's policy).
-``zero-mixed``     the ZeRO paper's mixed precision: bf16 parameters and gradients (2 + 2 B/param), an fp32
-                   master copy and fp32 moments (12 B/param) that stage >= 1 shards. Torch has no optimizer
-                   that runs it, so it is planned from the pure-bf16 trace by rule (:func:`zero_mixed`).
-=================  ==========================================================================================
-
-Why figures differ from DeepSpeed's: DeepSpeed's "ZeRO-1 on 8 ranks" is ``zero-mixed`` (16-bit
-parameters and gradients kept whole, only the 12 B/param of fp32 state sharded); under autocast the fp32
-parameters *are* the master, so ZeRO-1 shards only Adam's 8 B/param and each rank keeps 4 + 4 whole.
-
-**Methods** (:data:`METHOD`), one per stage, as torch runs them, with torch's defaults: stage 0
-``DistributedDataParallel`` (with the default ``gradient_as_bucket_view=False`` its buckets are a second
-copy of every gradient, held from construction; ``True``: the gradients are views into the buckets, alive
-all step); stage 1 ``ZeroRedundancyOptimizer`` over DDP (whole parameters per rank, greedily, so the ranks
-differ: every rank is planned, the worst reported); stage 2 the course's ZeRO-2 (notebook 08's ``Zero2``,
-by rule); stage 3 FSDP2 ``fully_shard`` per block + root (``planner.fsdp``: run, not ruled).
-``world_size=1`` plans the unwrapped step at stages 0-2; stage 3 runs FSDP2 even at one rank.
+**Methods** (:data:`METHOD`), as torch runs them, with torch's defaults: stage 0 ``DistributedDataParallel``
+(``gradient_as_bucket_view=False``: its buckets are a second copy of every gradient, held from construction;
+``True``: the gradients are views into them, alive all step); stage 1 ``ZeroRedundancyOptimizer`` over DDP
+(whole parameters per rank, greedily: every rank is planned, the worst reported); stage 2 the course's ZeRO-2
+(notebook 08's ``Zero2``, by rule); stage 3 FSDP2 ``fully_shard`` per block + root (``planner.fsdp``: run, not
+ruled). ``world_size=1`` plans the unwrapped step at stages 0-2; stage 3 runs FSDP2 even at one rank.
 """
 from __future__ import annotations
 
@@ -41,8 +25,7 @@ LAYOUTS = {
     "zero-mixed": "ZeRO paper: bf16 parameters and gradients, fp32 master + Adam moments (12 B/param, "
                   "sharded from stage 1); planned by rule from the bf16 trace",
 }
-METHOD = {0: "DDP", 1: "ZeroRedundancyOptimizer + DDP", 2: "course ZeRO-2 (rules)",
-          3: "FSDP2 fully_shard"}
+METHOD = {0: "DDP", 1: "ZeroRedundancyOptimizer + DDP", 2: "course ZeRO-2 (rules)", 3: "FSDP2 fully_shard"}
 _P, _G, _O, _A, _X = range(5)  # the tracker's CATEGORIES, in order
 ZERO_STAGES = (0, 1, 2, 3)
 OPTIONS = dict(gradient_as_bucket_view=False, fsdp_units="blocks", reshard_after_forward=None, prefetch=1,
@@ -58,13 +41,11 @@ def check_args(zero_stage, world_size, precision, options):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if precision not in LAYOUTS:
         raise ValueError(f"precision must be one of {tuple(LAYOUTS)}, got {precision!r}")
-    unknown = set(options) - set(OPTIONS)
-    if unknown:
+    if unknown := set(options) - set(OPTIONS):
         raise TypeError(f"plan() got unknown option(s) {sorted(unknown)}; options: {sorted(OPTIONS)}")
     o = {**OPTIONS, **options}
-    fsdp_only = [k for k in ("mp_policy", "offload") if o[k] not in (None, False)]
-    if precision == "fsdp-mixed":
-        fsdp_only.append("precision='fsdp-mixed'")
+    fsdp_only = [k for k in ("mp_policy", "offload") if o[k] not in (None, False)] \
+        + (["precision='fsdp-mixed'"] if precision == "fsdp-mixed" else [])
     if zero_stage != 3 and fsdp_only:
         raise ValueError(f"{', '.join(fsdp_only)}: FSDP2's, so zero_stage must be 3, got {zero_stage}")
     if zero_stage == 3 and precision == "zero-mixed":
@@ -76,8 +57,6 @@ def check_args(zero_stage, world_size, precision, options):
     raf = o["reshard_after_forward"]
     if not (raf is None or isinstance(raf, bool) or (  # a bool first: 1 == True in Python, not to FSDP2
             isinstance(raf, int) and 1 < raf < world_size and world_size % raf == 0 and zero_stage == 3)):
-        # an int k: FSDP2 reshards each unit to k ranks after forward (torch: "a non-trivial divisor of the
-        # mesh shard dim size"), so backward's all-gather runs within k ranks -- one node's, on a multi-node mesh
         raise ValueError(f"reshard_after_forward must be None (FSDP2's default), True, False or an int that divides "
                          f"world_size={world_size}, other than 1 and world_size, got {raf!r}")
     if isinstance(o["prefetch"], bool) or not isinstance(o["prefetch"], int) or o["prefetch"] < 1:
@@ -95,9 +74,8 @@ def check_args(zero_stage, world_size, precision, options):
 
 
 def zero_partition(numels, world_size):
-    """``ZeroRedundancyOptimizer``'s partition of one parameter group: parameter indices per rank
-    (its ``_partition_parameters``: sorted by size, biggest first, stable; each to the first rank holding
-    the fewest elements so far)."""
+    """``ZeroRedundancyOptimizer._partition_parameters`` of one group: indices per rank, biggest first
+    (stable), each to the first rank holding the fewest elements so far."""
     ranks, sizes = [[] for _ in range(world_size)], [0] * world_size
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
         r = sizes.index(min(sizes))
@@ -128,18 +106,15 @@ def zero_mixed(trace):
     in_step = torch.tensor([ph == "step" for ph in trace.phases])
     t[:, _O] += 8 * numel
     t[in_step, _X] = 2 * t[in_step, _X] + 4 * numel
-    state = [(n, 12) for n, _ in trace.param_sizes]  # master + moments per parameter (step counters aside)
-    return t, state
+    return t, [(n, 12) for n, _ in trace.param_sizes]  # master + moments per parameter (step counters aside)
 
 
 def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=False):
     """One rank's timeline (float64 [samples, categories]) and model state at ZeRO ``zero_stage`` (0-2)
     over ``world_size`` ranks, by rule from the unsharded ``trace`` (module docs)."""
     layout = trace.config.get("layout", trace.config.get("precision"))
-    if layout == "zero-mixed":
-        t, state_sizes = zero_mixed(trace)
-    else:
-        t, state_sizes = trace.timeline.to(torch.float64).clone(), trace.state_sizes
+    t, state_sizes = zero_mixed(trace) if layout == "zero-mixed" else \
+        (trace.timeline.to(torch.float64).clone(), trace.state_sizes)
     n, block, s = world_size, trace.round_to, zero_stage if world_size > 1 else -1
     full = model_state(trace, state_sizes)
     state = dict(full)
@@ -147,9 +122,8 @@ def rank_timeline(trace, zero_stage, world_size, rank, gradient_as_bucket_view=F
     bwd = torch.tensor([ph.startswith("backward") for ph in trace.phases])
     if s in (0, 1):  # DDP's buckets: a flat copy of every gradient, from construction on
         buckets = padded_bytes([(sum(numel for numel, _ in trace.param_sizes), trace.grad_bytes_per_elem)], 1, block)
-        if gradient_as_bucket_view:  # the gradients live in the buckets: all of them, all step. Each new
-            # gradient autograd makes lives beside its bucket view until added into it and freed; counted
-            # until the next one is made (an upper bound: the trace does not mark the add)
+        if gradient_as_bucket_view:  # the gradients live in the buckets, all step; each new one autograd
+            # makes is counted beside them until the next (an upper bound: the trace does not mark the add)
             made = torch.clamp(torch.diff(t[:, _G], prepend=t[:1, _G]), min=0) * bwd
             held = torch.zeros_like(made)
             for i in range(1, len(made)):

@@ -1,7 +1,6 @@
 """The models the planner's notebook, benches and calculator plan: Llama-shaped decoders (notebook 11).
 
-``decoder(size)`` is a ``model_fn`` for ``planner.plan``; ``SIZES`` lists the shapes, from a 2-block toy
-the checks trace in a second to Llama-2-7B's and 13B's shapes.
+``decoder(size)`` is a ``model_fn`` for ``planner.plan``, at one of :data:`SIZES` (a toy to Llama-2-13B's).
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """The plan: per-rank memory of a training step before anything is allocated (``planner.plan``).
 
-**The step**: ``planner.trace.train_step`` from the steady state (optimizer state made, gradients None),
-counted from before the model was built: the tensors, as ``MemoryTracker`` counts them (on the CPU, to the
-byte); not the batch (it exists before the model); on a GPU (``kernels="cuda"``) cuDNN's workspace and flash
-attention's buffers. ``batch`` is one rank's batch.
-
-**How.** Stages 0-2: one unsharded step traced under fake tensors, then each rank's timeline by rule
-(``planner.layouts.rank_timeline``) and the peak taken again (sharding moves it). Stage 3: FSDP2 itself on
-the fake model (``planner.fsdp``), one trace per group of ranks with equal shards. What a device holds
-beyond the tensors is ``planner.budget``'s (:attr:`Plan.device_bytes`).
+The step is ``train_step`` from the steady state (optimizer state made, gradients None), counted as
+``MemoryTracker`` counts it from before the model is built, one rank's batch excepted. Stages 0-2 take each
+rank's timeline by rule from one unsharded trace (``planner.layouts``); stage 3 runs FSDP2 (``planner.fsdp``).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,9 +16,8 @@ from .trace import Trace, apply_checkpointing, check_step_args, make_optimizer, 
 
 @dataclass(frozen=True)
 class Plan:
-    """Per-rank memory of one training step under a strategy (all figures in bytes). ``peak_bytes``,
-    ``breakdown``, ``model_state`` and ``peak_phase`` are the worst rank's (``worst_rank``); ``rank_peaks``
-    has every rank's peak; ``layout`` names the memory layout (:data:`LAYOUTS`), ``method`` what torch runs."""
+    """Per-rank memory of one training step (bytes): the worst rank's (``worst_rank``) figures, every rank's
+    peak (``rank_peaks``), the memory layout (:data:`LAYOUTS`) and the ``method`` torch runs."""
     peak_bytes: int
     breakdown: dict        # by the tracker's CATEGORIES at the peak; sums to peak_bytes
     model_state: dict      # parameters, gradients, optimizer, total: what the rank keeps between steps
@@ -39,16 +31,13 @@ class Plan:
 
     @property
     def device_bytes(self) -> int:
-        """What one rank's GPU must hold (a Hopper card; ``planner.budget``'s lines): the allocated peak,
-        cuBLAS's workspaces, the caching allocator's reserve, the CUDA context and, on several ranks, NCCL's
-        buffers -- the figure to compare with a card's capacity."""
+        """What one rank's (Hopper) GPU must hold (``planner.budget``'s total), to compare with a capacity."""
         from .budget import budget
         return budget(self.peak_bytes, world_size=self.config["world_size"]).total
 
     @property
     def step_cost(self) -> float:
-        return step_cost(**{k: self.config[k] for k in ("world_size", "zero_stage", "checkpointing",
-                                                        "micro_batches")})
+        return step_cost(**{k: self.config[k] for k in ("world_size", "zero_stage", "checkpointing", "micro_batches")})
 
     @property
     def layout_description(self) -> str:
@@ -65,7 +54,7 @@ def step_cost(*, world_size: int, zero_stage: int, checkpointing: bool, micro_ba
     return round(cost, 6)
 
 
-def _from_timeline(t, phases, state, config, n_params, layout, method):
+def _from_timeline(t, state, phases, config, n_params, layout, method):
     t = t.round().to(torch.int64)
     totals = t.sum(1)
     i = int(torch.argmax(totals))  # the first sample at the peak
@@ -78,7 +67,7 @@ def _worst(plans):
     """One Plan from per-rank plans: the worst rank's figures, every rank's peak."""
     peaks = tuple(p.peak_bytes for p in plans)
     r = max(range(len(peaks)), key=peaks.__getitem__)
-    return dataclasses.replace(plans[r], rank_peaks=peaks, worst_rank=r)
+    return replace(plans[r], rank_peaks=peaks, worst_rank=r)
 
 
 def _fsdp_plan(trace_kw, world_size, options, config, layout):
@@ -90,7 +79,7 @@ def _fsdp_plan(trace_kw, world_size, options, config, layout):
         tr = trace_step(**trace_kw, fsdp=dict(fsdp, world_size=world_size, rank=ranks[0]))
         state = model_state(tr, tr.state_sizes)
         state["total"] = sum(state.values())
-        p = _from_timeline(tr.timeline.to(torch.float64), tr.phases, state, config, tr.n_params, layout,
+        p = _from_timeline(tr.timeline.to(torch.float64), state, tr.phases, config, tr.n_params, layout,
                            f"{METHOD[3]} ({'per block + root' if fsdp['fsdp_units'] == 'blocks' else 'root only'})")
         for r in ranks:
             per_rank[r] = p
@@ -98,9 +87,8 @@ def _fsdp_plan(trace_kw, world_size, options, config, layout):
 
 
 def plan_from_trace(trace: Trace, zero_stage: int = 0, world_size: int = 1, **options) -> Plan:
-    """The per-rank plan for ZeRO ``zero_stage`` on ``world_size`` ranks from an unsharded trace: stages
-    0-2 by rule (planner.layouts), stage 3 by running FSDP2 on the traced step's model (cached per trace).
-    ``options``: :data:`OPTIONS` (plan()'s docs)."""
+    """The plan for ZeRO ``zero_stage`` on ``world_size`` ranks from an unsharded trace (stage 3: FSDP2 run,
+    cached per trace); ``options``: :data:`OPTIONS` (plan()'s docs)."""
     layout = trace.config.get("layout", trace.config["precision"])
     o = check_args(zero_stage, world_size, layout, options)
     mp = o["mp_policy"]
@@ -114,12 +102,10 @@ def plan_from_trace(trace: Trace, zero_stage: int = 0, world_size: int = 1, **op
         if key not in trace.fsdp_plans:  # FSDP2 runs once per trace, world size and options
             trace.fsdp_plans[key] = _fsdp_plan(trace.source, world_size, o, config, layout)
         return trace.fsdp_plans[key]
-    ranks = range(world_size) if zero_stage == 1 and world_size > 1 else [0]
-    plans = []
-    for r in ranks:
-        t, state = rank_timeline(trace, zero_stage, world_size, r, o["gradient_as_bucket_view"])
-        plans.append(_from_timeline(t, trace.phases, state, config, trace.n_params, layout,
-                                    METHOD[zero_stage] if world_size > 1 else "one device, unwrapped"))
+    method = METHOD[zero_stage] if world_size > 1 else "one device, unwrapped"
+    plans = [_from_timeline(*rank_timeline(trace, zero_stage, world_size, r, o["gradient_as_bucket_view"]),
+                            trace.phases, config, trace.n_params, layout, method)
+             for r in (range(world_size) if zero_stage == 1 and world_size > 1 else [0])]  # stage 1: ranks differ
     if len(plans) == 1:
         plans = plans * world_size
     return _worst(plans)
@@ -128,32 +114,23 @@ def plan_from_trace(trace: Trace, zero_stage: int = 0, world_size: int = 1, **op
 def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_stage=0, world_size=1,
          micro_batches=1, checkpointing=False, device=None, round_to=None, **options) -> Plan:
     """Per-rank memory of one steady-state training step of ``model_fn()`` on ``batch`` (module docs).
+    ``model_fn()`` builds the model when called (under ``FakeTensorMode``: nothing real is allocated);
+    ``batch = (inputs, targets)``: only shapes and dtypes are read. ``device`` (default "cuda" if available);
+    ``round_to``: the allocator's block (default 512 on CUDA, 1 on the CPU); ``precision``: one of :data:`LAYOUTS`.
 
-    ``model_fn()`` builds the model; the planner calls it under ``FakeTensorMode`` (or it may build on the
-    meta device), so nothing real is allocated. ``batch = (inputs, targets)``: only shapes and dtypes are
-    used (real or meta tensors). ``device``: where to plan (default: "cuda" if available, else "cpu");
-    ``round_to``: allocator block (default 512 on CUDA, 1 -- exact bytes -- on the CPU, as the tracker).
-    ``precision``: the memory layout, one of :data:`LAYOUTS` (``plan.layout`` says which).
-
-    Options (keyword, torch's defaults; :data:`OPTIONS`):
-    ``gradient_as_bucket_view=False`` (DDP, stages 0-1: False keeps a second copy of the gradients in
-    the buckets); ``fsdp_units="blocks"`` (stage 3: ``fully_shard`` each block of the largest
-    ``nn.ModuleList``, then the root; ``"root"``: the root alone); ``reshard_after_forward=None``
-    (FSDP2's default: True for blocks, False for the root; True/False sets it for every unit; an int k,
-    a divisor of ``world_size`` other than 1 and itself, reshards each block to k ranks after forward --
-    the intra-node size on a multi-node mesh -- and leaves the root at FSDP2's default);
-    ``prefetch=1`` (units all-gathered ahead; FSDP2 prefetches one in backward by default);
-    ``mp_policy=None`` (a ``MixedPrecisionPolicy`` or its keyword dict; ``precision="fsdp-mixed"`` is
-    ``param_dtype=bf16, reduce_dtype=fp32``); ``offload=False`` (``CPUOffloadPolicy``: on a CPU plan,
-    host and device are the same memory, so the figure is their sum)."""
+    Options (:data:`OPTIONS`, torch's defaults): ``gradient_as_bucket_view=False`` (DDP, stages 0-1: False
+    keeps a second copy of the gradients in the buckets); ``fsdp_units="blocks"`` (stage 3: ``fully_shard``
+    each block of the largest ``nn.ModuleList``, then the root; ``"root"``: the root alone);
+    ``reshard_after_forward=None`` (FSDP2's default; True/False for every unit; an int k, a divisor of
+    ``world_size`` other than 1 and itself, reshards each block to k ranks after forward, e.g. one node's);
+    ``prefetch=1`` (units all-gathered ahead); ``mp_policy=None`` (a ``MixedPrecisionPolicy`` or its keyword
+    dict); ``offload=False`` (``CPUOffloadPolicy``: on a CPU plan host and device memory are one, summed)."""
     o = check_args(zero_stage, world_size, precision, options)  # before tracing: fail fast, nothing half-done
     check_step_args(model_fn, loss_fn, optimizer, micro_batches)
     trace_kw = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
                     micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to)
     if zero_stage == 3:  # no unsharded trace: FSDP2 runs from trace_kw (plan_from_trace)
-        trace = Trace(timeline=torch.zeros(1, len(CATEGORIES), dtype=torch.int64), phases=["forward"], n_params=0,
-                      param_sizes=[], state_sizes=[], grad_bytes_per_elem=4, unit_numel=0, round_to=1,
-                      config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
+        trace = Trace(config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
                                   checkpointing=checkpointing, device=device, layout=precision), source=trace_kw)
     else:
         trace = trace_step(**trace_kw)

@@ -1,10 +1,7 @@
 """Tracing one training step under fake tensors: the planner's measurement (notebook 11).
 
-``trace_step`` builds the model under ``FakeTensorMode`` -- tensors with shapes, dtypes and devices but no
-data -- and runs one steady-state training step (:func:`train_step`, the same code a real run uses) under
-:class:`FakeTracker`, the course's ``MemoryTracker`` accounting pointed at fake storages: nothing real is
-allocated. The device is ``"cuda"`` where CUDA is available, else ``"cpu"`` (``device=`` overrides): fake
-CUDA tensors need a CUDA build. On CUDA, Adam's ``step`` counters are CPU tensors: not counted there.
+:func:`trace_step` builds the model under ``FakeTensorMode`` (shapes, dtypes and devices, no data) and runs one
+steady-state :func:`train_step`, the code a real run uses, under :class:`FakeTracker`: nothing is allocated.
 """
 from __future__ import annotations
 
@@ -42,16 +39,13 @@ class Checkpointed(nn.Module):
 
 
 def apply_checkpointing(model: nn.Module) -> nn.Module:
-    """Wrap each block of the model's largest ``nn.ModuleList`` in :class:`Checkpointed` (in place) -- or,
-    for a model with its own ``gradient_checkpointing_enable()`` (Hugging Face's), call that, as its users
-    do: it checkpoints what the family chose (blocks keep their attributes, which families read)."""
+    """Wrap each block of the model's largest ``nn.ModuleList`` in :class:`Checkpointed` (in place), or call a
+    model's own ``gradient_checkpointing_enable()`` (Hugging Face's), as its users do."""
     own = getattr(model, "gradient_checkpointing_enable", None)
     if callable(own):
         own()
         return model
-    blocks = largest_block_list(model)
-    if not blocks:
-        raise ValueError("checkpointing=True: the model has no nn.ModuleList of blocks to checkpoint")
+    blocks = largest_block_list(model, "checkpointing=True: the model has no nn.ModuleList of blocks to checkpoint")
     for i, block in enumerate(blocks):
         if not isinstance(block, Checkpointed):
             blocks[i] = Checkpointed(block)
@@ -66,8 +60,7 @@ def retensor(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
         for m in (model.modules() if recurse else [model]):
             for name, p in m._parameters.items():
                 if p is not None and id(p) not in new:
-                    q = fn(p)
-                    new[id(p)] = p if q is p else nn.Parameter(q, requires_grad=p.requires_grad)
+                    new[id(p)] = p if (q := fn(p)) is p else nn.Parameter(q, requires_grad=p.requires_grad)
                 if p is not None:
                     m._parameters[name] = new[id(p)]
             for name, b in m._buffers.items():
@@ -118,20 +111,19 @@ def train_step(model, opt, batch, loss_fn, *, precision="fp32", micro_batches=1,
 
 @dataclass
 class Trace:
-    """One unsharded step, traced: the tracker's timeline as a (samples x categories) table with each
-    sample's phase, and what sharding needs (bytes of each parameter and its state, the blocks')."""
-    timeline: torch.Tensor            # int64 [samples, len(CATEGORIES)]
-    phases: list                       # phase label of each sample
-    n_params: int
-    param_sizes: list                  # (numel, element bytes) of each trainable parameter
-    state_sizes: list                  # (numel, element bytes) of each optimizer-state tensor on the device
-    grad_bytes_per_elem: int
-    unit_numel: int                    # parameters of the largest all-gathered unit (ZeRO-3)
-    round_to: int
+    """One unsharded step, traced: the tracker's timeline (samples x categories), each sample's phase, and the
+    sizes sharding needs. A ZeRO-3 plan needs only ``config`` and ``source``: it runs FSDP2 itself."""
+    timeline: torch.Tensor = None     # int64 [samples, len(CATEGORIES)]
+    phases: list = ()                  # phase label of each sample
+    n_params: int = 0
+    param_sizes: list = ()             # (numel, element bytes) of each trainable parameter
+    state_sizes: list = ()             # (numel, element bytes) of each optimizer-state tensor on the device
+    grad_bytes_per_elem: int = 4
+    unit_numel: int = 0                # parameters of the largest unit (a block, or the rest)
+    round_to: int = 1
     config: dict = field(default_factory=dict)
     param_state_sizes: list = field(default_factory=list)  # per trainable parameter: its state's (numel, bytes)
     events: list = field(default_factory=list, repr=False)  # every storage's size change (planner.allocator)
-    tracker_peak: tuple = (0, None)    # the tracker's (peak_bytes, peak_breakdown) of the traced step
     workspace_at_peak: int = 0         # cuDNN's workspace at the peak, when GPU kernels were traced
     source: dict = field(default_factory=dict, repr=False)  # trace_step's arguments: what a ZeRO-3 plan runs
     fsdp_plans: dict = field(default_factory=dict, repr=False, compare=False)  # plans.plan_from_trace's ZeRO-3 plans
@@ -150,18 +142,12 @@ def check_step_args(model_fn, loss_fn, optimizer, micro_batches):
 def _fake_batch(batch, device):
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2
             and all(isinstance(t, torch.Tensor) for t in batch)):
-        raise TypeError(f"batch must be a tuple (inputs, targets) of two tensors, got "
-                        f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+        length = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+        raise TypeError(f"batch must be a tuple (inputs, targets) of two tensors, got {type(batch).__name__}{length}")
     if batch[0].dim() == 0 or batch[1].dim() == 0 or len(batch[0]) != len(batch[1]):
         raise ValueError("batch: inputs and targets need the same size along dim 0 (the samples), got "
                          f"{tuple(batch[0].shape)} and {tuple(batch[1].shape)}")
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in batch)  # shapes only: fake
-
-
-def _reassigning_apply():
-    """``Module.to``/``.float()`` inside a model's constructor (families that keep a layer in fp32) by
-    :func:`retensor`'s reassignment: ``Module._apply`` swaps fake tensors, which the fake mode refuses."""
-    return mock.patch.object(nn.Module, "_apply", lambda self, fn, recurse=True: retensor(self, fn, recurse))
 
 
 def _check_fake(model):
@@ -175,100 +161,81 @@ def _check_fake(model):
                 "do not return a model built earlier or load real weights in it")
 
 
-def _units(model, params):
-    blocks = largest_block_list(model)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    rest = sum(p.numel() for p in params if id(p) not in in_blocks)
-    return max(sizes + [rest])
+def _local(t):
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
 
 
 def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", micro_batches=1,
                checkpointing=False, device=None, round_to=None, fsdp=None, kernels=None) -> Trace:
     """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors.
-    ``fsdp``: ``dict(world_size=, rank=, **planner.fsdp.apply_fsdp options)`` traces that rank's step of
-    the model wrapped by FSDP2 in a fake process group instead (``planner.fsdp``), the second step counted.
-    ``kernels``: whose kernels to plan, "cpu" or "cuda" (default: the device's): "cuda" plans a GPU's kernels
-    and their scratch on any host (``planner.cuda``)."""
+    ``fsdp``: ``dict(world_size=, rank=, **apply_fsdp options)`` traces that rank's step under FSDP2 instead.
+    ``kernels``: "cpu" or "cuda" (default: the device's); "cuda" plans a GPU's kernels on any host."""
+    source = {k: v for k, v in locals().items() if k != "fsdp"}  # the arguments: what a ZeRO-3 plan re-traces
+    layout, precision = precision, {"zero-mixed": "bf16"}.get(precision, precision)  # layouts.zero_mixed: by rule
     if kernels not in (None, "cpu", "cuda"):
         raise ValueError(f"kernels must be None, 'cpu' or 'cuda', got {kernels!r}")
-    source = dict(model_fn=model_fn, batch=batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                  micro_batches=micro_batches, checkpointing=checkpointing, device=device, round_to=round_to,
-                  kernels=kernels)
-    traced = {"zero-mixed": "bf16"}.get(precision, precision)  # planner.layouts.zero_mixed: rules over bf16
+    if precision not in TRACED_LAYOUTS and not (fsdp is not None and precision == "fsdp-mixed"):
+        raise ValueError(f"precision must be one of {TRACED_LAYOUTS}"
+                         + (" (or 'fsdp-mixed' under FSDP2)" if fsdp is None else "") + f", got {precision!r}")
+    check_step_args(model_fn, loss_fn, optimizer, micro_batches)
     if fsdp is not None and torch.distributed.is_initialized():
         raise RuntimeError("plan(zero_stage=3) runs FSDP2 in a fake process group of its own; call plan() "
                            "outside an initialised process group (e.g. in the notebook, not inside ranks)")
-    with fake_world(fsdp["world_size"], fsdp["rank"]) if fsdp is not None else contextlib.nullcontext():
-        trace = _trace(model_fn, batch, loss_fn, optimizer, traced, micro_batches, checkpointing, device, round_to,
-                       fsdp, kernels)
-    trace.config["layout"] = precision
-    trace.source = source
-    return trace
-
-
-def _local(t):
-    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
-
-
-def _trace(model_fn, batch, loss_fn, optimizer, precision, micro_batches, checkpointing, device, round_to, fsdp,
-           kernels=None):
-    if precision not in TRACED_LAYOUTS and not (fsdp is not None and precision == "fsdp-mixed"):
-        raise ValueError(f"precision must be one of {TRACED_LAYOUTS}" + (" (or 'fsdp-mixed' under FSDP2)" if fsdp is None
-                         else "") + f", got {precision!r}")
-    check_step_args(model_fn, loss_fn, optimizer, micro_batches)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     round_to = round_to or (CUDA_BLOCK if device.type == "cuda" else 1)
     kernels = kernels or device.type
-    if fsdp is not None:  # the mesh is made outside the fake mode (it reads real rank tensors)
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(device.type, (fsdp["world_size"],))
-        fsdp_options = {k: v for k, v in fsdp.items() if k not in ("world_size", "rank")}
-    # kernels="cuda": attention, RMSNorm, dropout, cross-entropy run as on a GPU, on any host (planner.cuda)
     gpu_kernels = CudaKernels() if kernels == "cuda" else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=False), gpu_kernels:
-        x, y = _fake_batch(batch, device)
-        if len(x) % micro_batches:
-            raise ValueError(f"micro_batches={micro_batches} does not divide the batch of {len(x)} samples")
-        with device, _reassigning_apply():  # factories without a device= make fake tensors on the planned device
-            model = model_fn()
-        _check_fake(model)
-        retensor(model, lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t)
-        if precision == "bf16":
-            retensor(model, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
-            x = x.to(torch.bfloat16) if x.is_floating_point() else x
-        if checkpointing:
-            apply_checkpointing(model)
-        step_precision, tracker = precision, FakeTracker
-        if fsdp is not None:
-            apply_fsdp(model, mesh, precision=precision, **fsdp_options)
-            step_precision = "fp32" if precision == "fsdp-mixed" else precision  # the policy casts, not autocast
-            tracker = FSDPFakeTracker
-        opt = make_optimizer(model, optimizer)
-        if fsdp is None:
-            warm_up(model, opt)
-        else:  # FSDP2's lazy init, its unsharded storages and Adam's state come from a real step
-            step_on_shards(opt)
-            for _ in range(FSDP_WARM_UP_STEPS):
-                train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches)
-        params = getattr(opt, "global_params", None) or [p for g in opt.param_groups for p in g["params"]]
-        n_params = sum(p.numel() for p in params)  # the global count, also for DTensor parameters
-        with tracker(model, opt, device, round_to, kernels) as mt:
-            train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches,
-                       mark=mt.mark)
-        unit_numel = _units(model, params)
-        params = [p for g in opt.param_groups for p in g["params"]]
-        per_param = [[(_local(v).numel(), v.element_size()) for v in opt.state[p].values()
-                      if isinstance(v, torch.Tensor) and v.device.type == device.type] if p in opt.state else []
-                     for g in opt.param_groups for p in g["params"]]
-        params = [_local(p) for p in params]
-        sizes = dict(param_sizes=[(p.numel(), p.element_size()) for p in params],
-                     state_sizes=[size for sizes in per_param for size in sizes],
-                     grad_bytes_per_elem=params[0].element_size() if params else 4, param_state_sizes=per_param,
-                     unit_numel=unit_numel, n_params=n_params)
+    with fake_world(fsdp["world_size"], fsdp["rank"]) if fsdp is not None else contextlib.nullcontext():
+        if fsdp is not None:  # the mesh is made outside the fake mode (it reads real rank tensors)
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh(device.type, (fsdp["world_size"],))
+        with FakeTensorMode(allow_non_fake_inputs=False), gpu_kernels:
+            x, y = _fake_batch(batch, device)
+            if len(x) % micro_batches:
+                raise ValueError(f"micro_batches={micro_batches} does not divide the batch of {len(x)} samples")
+            # factories make fake tensors on ``device``; ``Module.to``/``.float()`` in a constructor (families that
+            # keep a layer in fp32) reassign (retensor): ``Module._apply`` swaps tensors, which fake ones refuse
+            with device, mock.patch.object(nn.Module, "_apply", lambda m, fn, recurse=True: retensor(m, fn, recurse)):
+                model = model_fn()
+            _check_fake(model)
+            retensor(model, lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t)
+            if precision == "bf16":
+                retensor(model, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+                x = x.to(torch.bfloat16) if x.is_floating_point() else x
+            if checkpointing:
+                apply_checkpointing(model)
+            step_precision, tracker = precision, FakeTracker
+            if fsdp is not None:
+                apply_fsdp(model, mesh, precision=precision,
+                           **{k: v for k, v in fsdp.items() if k not in ("world_size", "rank")})
+                step_precision = "fp32" if precision == "fsdp-mixed" else precision  # the policy casts
+                tracker = FSDPFakeTracker
+            opt = make_optimizer(model, optimizer)
+            if fsdp is None:
+                warm_up(model, opt)
+            else:  # FSDP2's lazy init, its unsharded storages and Adam's state come from a real step
+                step_on_shards(opt)
+                for _ in range(FSDP_WARM_UP_STEPS):
+                    train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches)
+            params = getattr(opt, "global_params", None) or [p for g in opt.param_groups for p in g["params"]]
+            with tracker(model, opt, device, round_to, kernels) as mt:
+                train_step(model, opt, (x, y), loss_fn, precision=step_precision, micro_batches=micro_batches,
+                           mark=mt.mark)
+            blocks = largest_block_list(model)
+            in_blocks = {id(p) for b in blocks for p in b.parameters()}
+            unit_numel = max([sum(p.numel() for p in b.parameters()) for b in blocks]
+                             + [sum(p.numel() for p in params if id(p) not in in_blocks)])
+            per_param = [[(_local(v).numel(), v.element_size()) for v in opt.state[p].values()
+                          if isinstance(v, torch.Tensor) and v.device.type == device.type] if p in opt.state else []
+                         for g in opt.param_groups for p in g["params"]]
+            local = [_local(p) for g in opt.param_groups for p in g["params"]]
+            sizes = dict(param_sizes=[(p.numel(), p.element_size()) for p in local],
+                         state_sizes=[size for sizes in per_param for size in sizes],
+                         grad_bytes_per_elem=local[0].element_size() if local else 4, param_state_sizes=per_param,
+                         unit_numel=unit_numel, n_params=sum(p.numel() for p in params))  # global, also DTensors'
     return Trace(  # outside the fake mode: a real tensor
         timeline=torch.tensor([[s[2][c] for c in CATEGORIES] for s in mt.timeline], dtype=torch.int64),
         phases=[s[0] for s in mt.timeline], round_to=round_to, **sizes,
         config=dict(optimizer=optimizer, precision=precision, micro_batches=micro_batches,
-                    checkpointing=checkpointing, device=device.type),
-        tracker_peak=(mt.peak_bytes, mt.peak_breakdown()), events=mt.events, workspace_at_peak=mt.workspace_at_peak)
+                    checkpointing=checkpointing, device=device.type, layout=layout),
+        events=mt.events, workspace_at_peak=mt.workspace_at_peak, source=source)

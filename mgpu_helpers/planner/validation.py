@@ -4,14 +4,11 @@
                     methods=("ddp", "zero1", "fsdp2"), world_sizes=(2, 4))
     print(table(rows))
 
-A *method* is what torch runs (:data:`METHODS`: DDP, ZeroRedundancyOptimizer over DDP, FSDP2 per block or
-root only), each mapped to plan() options. The measurement is the course's ``MemoryTracker`` on each rank's
-device (``rank_device()``: a GPU per rank under NCCL, the CPU under gloo), entered before the model is built,
-over the third step: the steady step ``plan()`` plans (the first makes Adam's state, DDP rebuilds its buckets
-after it, FSDP2 keeps its unsharded storages from it); on gloo each collective returns once gloo's worker
-thread has let go of its tensors (``parallel.settled_collectives``). On the CPU the two agree to the byte;
-``allocator`` is then what the CPU allocator saw beside it (``runtime.alloc_reference``): what C++ allocates
-behind no tensor (gloo's copies, oneDNN's scratch), which depends on the machine and which no plan promises.
+A *method* (:data:`METHODS`) is what torch runs, mapped to plan() options. Each rank's ``MemoryTracker`` is
+entered before the model is built and measures the third step, the steady one ``plan()`` plans; on gloo each
+collective returns once gloo's worker has let go of its tensors (``parallel.settled_collectives``). On the CPU
+the two agree to the byte; ``allocator`` is what the CPU allocator saw beside them (gloo's copies, oneDNN's
+scratch): it depends on the machine, and no plan promises it.
 """
 from __future__ import annotations
 
@@ -37,16 +34,14 @@ STEPS = 3  # the measured step is the last
 
 
 def mesh_of(device):
-    """A 1-D mesh over the whole group on ``device``'s type (bench/planner_ranks_gpu.py: gloo ranks sharing
-    one GPU, each process with its own caching allocator)."""
+    """A 1-D mesh over the whole group on ``device``'s type."""
     from torch.distributed.device_mesh import DeviceMesh
     return DeviceMesh(torch.device(device).type, list(range(dist.get_world_size())))
 
 
 def wrap(model, method, precision="fp32", device="cpu", mesh=None, **options):
-    """``(model, optimizer)`` as ``method`` wraps them on this rank (the process group is up; the model is
-    on ``device``); ``options``: plan()'s (``gradient_as_bucket_view`` for DDP, the FSDP2 ones). ``mesh``:
-    FSDP2's (default :func:`mesh_of` the device; the planner makes it outside the step it counts)."""
+    """``(model, optimizer)`` as ``method`` wraps them on this rank (the model on ``device``); ``options``:
+    plan()'s; ``mesh``: FSDP2's (default :func:`mesh_of` the device)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     trainable = [p for p in model.parameters() if p.requires_grad]
     device = torch.device(device)
@@ -72,8 +67,7 @@ def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, opti
     torch.manual_seed(0)
     device = rank_device()
     x, y = (t.to(device) for t in batch)  # made before the tracker starts: not counted, as in plan()
-    if precision == "bf16":
-        x = x.bfloat16() if x.is_floating_point() else x
+    x = x.bfloat16() if precision == "bf16" and x.is_floating_point() else x
     step_precision = "fp32" if precision in ("fsdp-mixed", "bf16") else precision
     mesh = mesh_of(device) if method.startswith("fsdp2") else None  # its rank tensor: before the count, as plan()
     cpu = device.type == "cpu"
@@ -99,10 +93,9 @@ def _measure_rank(rank, world, model_fn, batch, loss_fn, method, precision, opti
 
 def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_sizes=(2, 4),
              precisions=("fp32",), **options):
-    """Rows ``{model, method, world, precision, rank, measured, planned, error, steady, allocator, held}`` for
-    every combination, planned for the ranks' device (``error`` = planned / measured - 1: negative is an
-    under-estimate, the dangerous direction; ``steady``: the same figure at the start of steps 2 and 3;
-    ``held``: to the byte on the CPU, within 2% on a GPU, whose allocator rounds blocks)."""
+    """Rows ``{model, method, world, precision, rank, measured, planned, error, steady, allocator, held}``
+    (``error`` = planned / measured - 1, negative the dangerous direction; ``steady``: the same figure at the
+    start of steps 2 and 3; ``held``: to the byte on the CPU, within 2% on a GPU, whose allocator rounds)."""
     from .budget import cublas_workspaces
     from .plans import plan
     rows = []
@@ -116,8 +109,7 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
                 bar = 0.02 if device == "cuda" else 0.0
                 p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, world_size=n, device=device,
                          **METHODS[method], **options)
-                # On a GPU max_memory_allocated also holds cuBLAS's workspaces (forward's handle and the
-                # backward thread's): what mgpu-plan's "alloc" column adds to the tensors.
+                # On a GPU max_memory_allocated also holds cuBLAS's two workspaces (mgpu-plan's "alloc")
                 hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
                 extra = sum(cublas_workspaces("hopper" if hopper else "other")) if device == "cuda" else 0
                 for r, m in enumerate(got):

@@ -29,7 +29,7 @@ from mgpu_helpers.planner import budget as db
 from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
 from mgpu_helpers.tools.plan_sources.base import first_line
 from mgpu_helpers.planner import OPTIMIZERS, TRACED_LAYOUTS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
-from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, dynamic_sizes
+from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, DynamicSizes
 from mgpu_helpers.runtime.plots import fmt_bytes, unit_for
 
 COST = ("cost: the course's relative step time (1.00 = one GPU, no checkpointing, one micro-batch): +0.33 "
@@ -164,7 +164,7 @@ def _plans_of(a, s, prec, ck, k):
             try:
                 trace = traced()
             except DATA_DEPENDENT:  # values decide a size: again with representative ones (planner.dynamic)
-                with dynamic_sizes(a.moe_imbalance):
+                with DynamicSizes(a.moe_imbalance):
                     trace = traced()
     except PlanInputError:
         raise
