@@ -29,8 +29,7 @@ from pathlib import Path
 from ..authoring import course_notebooks
 from .assemble import load_course, read_submission
 from .execute import (RUNNING, STOP, Limits, check_allowlist, course_files, default_processes, hidden_from_kernel,
-                      isolation_line, kill, needed_paths, own_user, processes_bounded, protected_paths,
-                      readable_by_kernel, reset_sandbox, sandbox)
+                      isolation_line, kill, needed_paths, protected_paths, readable_by_kernel, reset_sandbox, sandbox)
 from .score import Context, Row, grade_notebook
 from .shards import MARKER, merge, parse_shard, partition, write_marker
 
@@ -148,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     for ex in sorted(set(hidden) - known):
         print(f"mgpu-grade: warning: hidden checks for exercise {ex}, which no notebook has", file=sys.stderr)
     reset_sandbox()
-    prefix, _, why = sandbox(disable=a.no_sandbox, user_only=a.isolation == "user")
-    if prefix is None and not own_user():
-        print("mgpu-grade: WARNING: no mount/pid namespace here (" + why + "): learner code runs with the grader's "
+    iso = sandbox(disable=a.no_sandbox, user_only=a.isolation == "user")
+    if iso.prefix is None and not iso.own_user:
+        print("mgpu-grade: WARNING: no mount/pid namespace here (" + iso.why + "): learner code runs with the grader's "
               "view of the file system and CAN READ the solutions, the hidden checks and other submissions. "
               "Grade on Linux with unshare(1) (as root, or with unprivileged user namespaces).", file=sys.stderr)
-    elif not processes_bounded():
+    elif not iso.bounded:
         print("mgpu-grade: WARNING: RLIMIT_NPROC does not hold in the sandbox here: a fork bomb is bounded only by "
               "the timeouts.", file=sys.stderr)
     imports = [str(p.resolve()) for p in a.import_path]
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
         print(f"mgpu-grade: {e}", file=sys.stderr)
         return 2
-    if prefix is None and own_user():
+    if iso.own_user:
         scratch.chmod(0o755)  # pytest lists the work folder's parents; every job file but the assets is 0600
         out.chmod(0o700)      # earlier runs' grades
         exposed = readable_by_kernel([p for p in protect if p != str(scratch)] + hidden_from_kernel())
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mgpu-grade: {isolation}", flush=True)
     import matplotlib
     ctx = Context(key, Limits(a.timeout, a.notebook_timeout, int(a.memory * 2**30), a.output_cap, 8 * a.output_cap,
-                              a.max_processes),
+                              a.max_processes or default_processes()),
                   {ex: hs for ex, hs in hidden.items() if ex in known}, {nb.name: resolve_module(nb.module) for nb in course},
                   keep, imports, matplotlib.get_cachedir(), course_files(a.solutions))
     everyone = students = sorted(d.name for d in a.submissions.iterdir() if d.is_dir() and not d.name.startswith("."))
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     judges: queue.Queue = queue.Queue()
     modules = sorted({m for m in ctx.modules.values() if m})
     for i in range(a.jobs):  # started now: they import the checks before any learner code runs
-        judges.put(Judge(imports, modules, a.hidden and str(a.hidden.resolve()), scratch / f"judge{i}.log").start())
+        judges.put(Judge(imports, modules, a.hidden and str(a.hidden.resolve()), scratch / f"judge{i}.log"))
     tasks = [(i, s, nb) for i, (s, nb) in enumerate((s, nb) for s in students for nb in course)]
 
     def grade(task):

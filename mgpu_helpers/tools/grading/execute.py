@@ -6,6 +6,7 @@ and ``mgpu_grade_in.pt`` (the harvest's seeds and hidden cases). ``sandbox.py`` 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,17 +16,19 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
+
+from .sandbox import UID_BASE
 
 NS_WORK = "/tmp/mgpu-grade/work"  # the notebook's directory inside the sandbox (sandbox.ROOT + /work)
 UNSHARE = ["--mount", "--pid", "--kill-child", "--propagation", "private"]
 ENV_KEEP = ("PATH", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH")
 # GPU, NCCL and threading settings must reach the kernel (e.g. NCCL_NVLS_ENABLE=0 on shared GPU hosts).
 ENV_KEEP_PREFIXES = ("LC_", "CUDA_", "NCCL_", "NVIDIA_", "NVSHMEM_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_")
-_probed: tuple | None = None  # (prefix, net, why not, processes bounded, own user)
+_probed = None  # sandbox()'s Isolation
 RUNNING: set = set()  # live sandbox processes, killed by the CLI on Ctrl-C
 STOP = threading.Event()  # set on Ctrl-C: no new sandbox starts
 DISABLED = "sandbox disabled with --no-sandbox"
-UID_BASE = 0x70000000  # + a host pid (< 2**22): the kernel's own user where the grader is root, one per sandbox
 
 
 @dataclass
@@ -35,7 +38,7 @@ class Limits:
     memory: int = 8 * 2**30          # RLIMIT_AS of nbval and the kernel, bytes
     output_cap: int = 1 * 2**20      # bytes of output per cell
     output_cap_total: int = 8 * 2**20
-    processes: int = 0               # RLIMIT_NPROC (processes + threads) of one sandbox; 0: default_processes()
+    processes: int = 0               # RLIMIT_NPROC (processes + threads) of one sandbox
 
 
 def default_processes() -> int:
@@ -43,36 +46,41 @@ def default_processes() -> int:
     return 256 + 16 * (os.cpu_count() or 1)
 
 
-def sandbox(disable: bool = False, user_only: bool = False) -> tuple[list[str] | None, bool, str]:
-    """(unshare prefix or None, network namespace?, why not): probed once per process. ``user_only``: skip the
-    namespaces, as on a host that refuses them (to test and show that mode anywhere root runs the grader)."""
+class Isolation(NamedTuple):
+    prefix: list[str] | None  # the unshare command's prefix; None: no namespaces
+    net: bool                 # a network namespace too
+    why: str                  # why no namespaces
+    bounded: bool             # the probe saw RLIMIT_NPROC hold a process of the kernel's kind (False: warn)
+    setuid: bool              # the kernel runs as a user of its own (root without a user namespace: sandbox.py)
+
+    @property
+    def own_user(self) -> bool:
+        """No namespaces, but root: the kernel can read only what every user can (the grader checks that the
+        protected paths are not among them)."""
+        return self.prefix is None and self.setuid
+
+
+def sandbox(disable: bool = False, user_only: bool = False) -> Isolation:
+    """What isolates learner code here, probed once per process. ``user_only``: skip the namespaces, as on a
+    host that refuses them (to test and show that mode anywhere root runs the grader)."""
     global _probed
-    if disable:
-        _probed = (None, False, DISABLED, False, False)
-    if user_only:
-        _probed = _without_namespaces("namespaces not used (--isolation user)")
+    if disable or user_only:
+        _probed = (_without_namespaces("namespaces not used (--isolation user)") if user_only
+                   else Isolation(None, False, DISABLED, False, False))
     if _probed is None:
         _probed = _probe()
-    return _probed[:3]
+    return _probed
 
 
-def processes_bounded() -> bool:
-    """Whether the probe saw RLIMIT_NPROC hold a process of the kernel's kind (False: warn)."""
-    sandbox()
-    return _probed[3]
+def reset_sandbox() -> None:
+    global _probed
+    _probed = None
 
 
-def own_user() -> bool:
-    """No namespaces, but the grader is root: the kernel runs as a user of its own (sandbox.py), which can
-    read only what every user can (the grader checks that the protected paths are not among them)."""
-    sandbox()
-    return _probed[4]
-
-
-def _without_namespaces(why: str) -> tuple:
-    """The probe's answer where namespaces are not used: the kernel's own user if root can run it, else none."""
+def _without_namespaces(why: str) -> Isolation:
+    """Where namespaces are not used: the kernel's own user if root can run it, else none."""
     user = _own_user_works()
-    return None, False, why + (f"; {user}" if user else ""), not user, not user
+    return Isolation(None, False, why + (f"; {user}" if user else ""), not user, not user)
 
 
 def _own_user_works() -> str:
@@ -108,48 +116,38 @@ def readable_by_kernel(paths: list[str]) -> list[str]:
 
 def isolation_line() -> str:
     """What isolates learner code on this host, in one line: the instructor's log and every results.json."""
-    prefix, net, why = sandbox()
-    bounded = "processes bounded" if processes_bounded() else "processes NOT bounded (RLIMIT_NPROC does not hold)"
-    if prefix:
-        return ("isolation: namespaces (mount, pid" + (", net" if net else "") + (", user" if "--map-root-user"
-                in prefix else "") + f"): the kernel sees only the allowlisted files; {bounded}")
-    if own_user():
-        return (f"isolation: container + the kernel's own unprivileged user (no namespaces here: {why}): it can "
+    iso = sandbox()
+    bounded = "processes bounded" if iso.bounded else "processes NOT bounded (RLIMIT_NPROC does not hold)"
+    if iso.prefix:
+        return ("isolation: namespaces (mount, pid" + (", net" if iso.net else "") + (", user" if "--map-root-user"
+                in iso.prefix else "") + f"): the kernel sees only the allowlisted files; {bounded}")
+    if iso.own_user:
+        return (f"isolation: container + the kernel's own unprivileged user (no namespaces here: {iso.why}): it can "
                 f"read only what every user can, the protected paths checked unreadable; network open; {bounded}")
-    return (f"isolation: NONE ({why or 'no namespaces and not root'}): learner code runs as the grader and can "
+    return (f"isolation: NONE ({iso.why or 'no namespaces and not root'}): learner code runs as the grader and can "
             "read everything the grader can")
 
 
-def _setuid(prefix) -> bool:
-    """Root without a user namespace runs the kernel as a user of its own (RLIMIT_NPROC never binds root)."""
-    return os.geteuid() == 0 and "--map-root-user" not in prefix
-
-
-def reset_sandbox() -> None:
-    global _probed
-    _probed = None
-
-
-def _probe():
+def _probe() -> Isolation:
     unshare = shutil.which("unshare")
     if not unshare or not sys.platform.startswith("linux"):
         return _without_namespaces("unshare(1) is not available")
-    users = [[], ["--map-root-user"]] if os.geteuid() == 0 else [["--map-root-user"]]
     why = ""
     import tempfile
     for net in (True, False):
-        for user in users:
+        for user in ([], ["--map-root-user"]) if os.geteuid() == 0 else (["--map-root-user"],):
             prefix = [unshare, *UNSHARE, *user, *(["--net"] if net else [])]
+            setuid = os.geteuid() == 0 and not user  # RLIMIT_NPROC never binds root: the kernel gets a user
             with tempfile.TemporaryDirectory(prefix="mgpu-grade-probe-") as base:
                 cmd = [*prefix, sys.executable, "-m", "mgpu_helpers.tools.grading.sandbox", "--probe", base,
-                       *(["--net"] if net else []), *(["--setuid"] if _setuid(prefix) else [])]
+                       *(["--net"] if net else []), *(["--setuid"] if setuid else [])]
                 try:
                     r = subprocess.run(cmd, capture_output=True, timeout=60, env=kernel_env([]))
                 except (OSError, subprocess.TimeoutExpired) as e:
                     why = str(e)
                     continue
             if r.returncode in (0, 3):
-                return prefix, net, "", r.returncode == 0, False
+                return Isolation(prefix, net, "", r.returncode == 0, setuid)
             why = (r.stderr.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
     return _without_namespaces(why)  # a container as root without namespaces (Gradescope's, a cluster's)
 
@@ -226,7 +224,6 @@ def check_allowlist(keep: list[str], protect: list[str]) -> None:
 
 @dataclass
 class RunResult:
-    mode: str = "none"
     timed_out: bool = False
     records: dict[int, dict] = field(default_factory=dict)
     results: dict[str, Path] = field(default_factory=dict)   # exercise id -> harvested results file
@@ -263,60 +260,55 @@ def die_with_parent():
 
 
 def kill(proc) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
 def work_dir(job: Path) -> str:
     """The notebook's directory as the kernel sees it; with its own user, a folder it owns inside the job."""
-    return NS_WORK if sandbox()[0] else str(job / "work") if own_user() else str(job)
+    iso = sandbox()
+    return NS_WORK if iso.prefix else str(job / "work") if iso.own_user else str(job)
 
 
-def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: list[str], limits: Limits,
-            keep: list[str], import_paths: list[str], mpl_cache: str, extra: dict[str, bytes]) -> RunResult:
-    prefix, net, _ = sandbox()
+def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: list[str], ctx) -> RunResult:
+    """Run one assembled notebook in the sandbox; ``ctx``: score.Context (limits, allowlist, files)."""
+    iso = sandbox()
     if STOP.is_set():
         return RunResult(error="interrupted")
     job.mkdir(parents=True, exist_ok=True)
-    spec = {**asdict(limits), "notebook": notebook, "exercises": exercises, "keep": keep, "mask": hidden_from_kernel(),
-            "net": net, "namespace": prefix is not None, "setuid": own_user() if prefix is None else _setuid(prefix),
-            "tasks": limits.processes or default_processes(), "env": kernel_env(import_paths), "mpl_cache": mpl_cache,
-            "extra": sorted(extra)}
-    for rel, data in extra.items():
+    spec = {**asdict(ctx.limits), "notebook": notebook, "exercises": exercises, "keep": ctx.keep,
+            "mask": hidden_from_kernel(), "net": iso.net, "namespace": iso.prefix is not None, "setuid": iso.setuid,
+            "env": kernel_env(ctx.import_paths), "mpl_cache": ctx.mpl_cache, "extra": sorted(ctx.extra)}
+    for rel, data in ctx.extra.items():
         (job / rel).parent.mkdir(parents=True, exist_ok=True)
         (job / rel).write_bytes(data)
     for name, data in (("job.json", json.dumps(spec).encode()), (notebook, nb_text.encode("utf-8")),
                        ("mgpu_grade_in.pt", grade_in)):  # the grader's alone: other sandboxes' users cannot read them
-        fd = os.open(job / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(os.open(job / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(data)
     jobfd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
-    cmd = [*(prefix or []), sys.executable, "-m", "mgpu_helpers.tools.grading.sandbox", str(job), str(jobfd)]
+    cmd = [*(iso.prefix or []), sys.executable, "-m", "mgpu_helpers.tools.grading.sandbox", str(job), str(jobfd)]
     try:
         with os.fdopen(os.open(job / "sandbox.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=kernel_env([]),
                                     start_new_session=True, pass_fds=(jobfd,), preexec_fn=die_with_parent())
             RUNNING.add(proc)
             try:
-                proc.wait(timeout=limits.notebook_timeout + 60)
+                proc.wait(timeout=ctx.limits.notebook_timeout + 60)
             except subprocess.TimeoutExpired:  # the sandbox hung: unshare --kill-child takes the namespace down
                 kill(proc)
             finally:
                 RUNNING.discard(proc)
     finally:
         os.close(jobfd)
-    res = RunResult()
     try:
         data = json.loads((job / "sandbox.json").read_text())
     except (OSError, ValueError):
         tail = (job / "sandbox.log").read_bytes()[-1500:].decode("utf-8", "replace")
-        res.error = f"the sandbox failed (exit {proc.returncode}): {tail.strip()}"
-        return res
-    res.mode, res.timed_out = data["mode"], data["timed_out"]
-    res.records = {int(r["cell"]): r for r in data["records"] if isinstance(r, dict) and "cell" in r}
+        return RunResult(error=f"the sandbox failed (exit {proc.returncode}): {tail.strip()}")
+    res = RunResult(data["timed_out"], {int(r["cell"]): r for r in data["records"]
+                                        if isinstance(r, dict) and "cell" in r})
     if not res.records and data.get("log"):
         res.error = "nbval did not run: " + data["log"].strip()[-1000:]
     for ex in exercises:

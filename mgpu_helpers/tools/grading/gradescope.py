@@ -23,6 +23,7 @@ from pathlib import Path
 from ..authoring import course_notebooks
 
 VENV = "/opt/mgpu-grade"
+LIMITS = ("jobs", "timeout", "notebook_timeout", "memory")  # grading.json's, from mgpu-course autograder
 PINNED = ("numpy", "ipykernel", "matplotlib", "nbformat", "nbclient", "nbval", "pytest", "cloudpickle",
           "tqdm", "jupyter_client", "ipywidgets", "jupyterlab")
 
@@ -153,14 +154,9 @@ def run(root: Path) -> int:
             notes.append("no notebook of this course was found in the submission (upload the .ipynb files, e.g. "
                          + ", ".join(sorted(names)[:2]) + ")")
         argv = [str(tmp / "submissions"), "--out", str(tmp / "out"), "--solutions", str(course / "solutions"),
-                "--key", config["key"], "--jobs", str(config.get("jobs", 1))]
-        for flag in ("timeout", "notebook_timeout", "memory"):
-            if flag in config:
-                argv += [f"--{flag.replace('_', '-')}", str(config[flag])]
-        if config.get("hidden"):
-            argv += ["--hidden", str(course / "hidden")]
-        for d in config.get("imports", []):
-            argv += ["--import-path", str(root / "source" / d)]
+                "--key", config["key"], *(f"--{k.replace('_', '-')}={config[k]}" for k in LIMITS),
+                *(["--hidden", str(course / "hidden")] if config["hidden"] else []),
+                *(f"--import-path={root / 'source' / d}" for d in config["imports"])]
         try:
             rc = grade(argv)
         except Exception as e:  # noqa: BLE001 - Gradescope needs a results.json whatever happened

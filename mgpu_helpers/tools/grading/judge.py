@@ -1,7 +1,7 @@
 """Decide every check outside the learner's kernel: a verdict computed inside it can always be subverted there.
 
 A judge (``python -m mgpu_helpers.tools.grading.judge CONFIG``) is a long-lived process that never runs learner
-code and imports the checks, hidden ones included, before any notebook runs. It loads the harvested results
+code and imports the checks, hidden ones included, as the grading starts. It loads the harvested results
 with ``torch.load(weights_only=True)`` (plain data and tensors, never an object the learner made) and calls
 ``Check.judge_all(seed, results)``, which regenerates the cases and computes the reference itself. Tasks and
 verdicts travel as JSON lines over stdin/stdout.
@@ -49,6 +49,11 @@ def _verdict(check, seed, results, head):
     return bool(ok), str(msg)
 
 
+def _alike(verdict: list, task: dict, error: bool) -> dict:
+    """The same verdict for the public check and its hidden ones."""
+    return {"public": verdict, "hidden": {n: verdict for n in task["hidden_seeds"]}, "error": error}
+
+
 def judge_exercise(task: dict, hidden: dict) -> dict:
     from ...checks import REGISTRY
     from .hidden import HiddenProxy
@@ -56,13 +61,12 @@ def judge_exercise(task: dict, hidden: dict) -> dict:
     ex = task["exercise"]
     check = REGISTRY.get(ex)
     if check is None:
-        msg = f"grader error: no check is registered for exercise {ex} (module {task['module']!r})"
-        return {"public": [False, msg], "hidden": {n: [False, msg] for n in task["hidden_seeds"]}, "error": True}
+        return _alike([False, f"grader error: no check is registered for exercise {ex} (module {task['module']!r})"],
+                      task, True)
     head = f"Exercise {ex} ✗ {check.function}:"
     data, why = _load(task["results"])
     if data is None:
-        miss = [False, f"{head} {why}"]
-        return {"public": miss, "hidden": {n: miss for n in task["hidden_seeds"]}, "error": False}
+        return _alike([False, f"{head} {why}"], task, False)
     by_name = {h.name: h for h in hidden.get(ex, [])}
     out = {"public": list(_verdict(check, task["seed"], data.get("public"), head)), "hidden": {}, "error": False}
     got_hidden = data.get("hidden") if isinstance(data.get("hidden"), dict) else {}
@@ -81,44 +85,35 @@ def serve(config: dict) -> None:
         load_checks(m)  # the lesson module and its checks (mgpu_helpers.checks.<lesson>), references lazily
     from .hidden import load_hidden
     hidden = load_hidden(config["hidden"])
-    protocol.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
-        tasks = json.loads(line)
-        protocol.write(json.dumps([judge_exercise(t, hidden) for t in tasks]) + "\n")
+        protocol.write(json.dumps([judge_exercise(t, hidden) for t in json.loads(line)]) + "\n")
 
 
 class Judge:
-    """Client of one judge process; restarts it after a crash or a timeout."""
+    """Client of one judge process, started at once (it imports the checks meanwhile); restarted after a crash
+    or a timeout."""
 
     def __init__(self, import_paths: list[str], modules: list[str], hidden: str | None, log: Path):
         self.config = {"import_paths": import_paths, "modules": modules, "hidden": hidden}
         self.log, self.proc = log, None
+        self.start()
 
     def start(self):
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.grading.judge", json.dumps(self.config)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                         stderr=open(self.log, "a"), preexec_fn=die_with_parent())
-            self.ready = False
-        return self
+            self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_helpers.tools.grading.judge",
+                                          json.dumps(self.config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, stderr=open(self.log, "a"), preexec_fn=die_with_parent())
 
-    def _readline(self, timeout):
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        return self.proc.stdout.readline() if ready else ""
-
-    def __call__(self, tasks: list[dict], timeout: float = 600) -> list[dict]:
+    def __call__(self, tasks: list[dict]) -> list[dict]:
         self.start()
         try:
-            if not self.ready:
-                self.ready = bool(json.loads(self._readline(300) or "{}").get("ready"))
             self.proc.stdin.write(json.dumps(tasks) + "\n")
             self.proc.stdin.flush()
-            line = self._readline(timeout)
-            return json.loads(line)
+            ready, _, _ = select.select([self.proc.stdout], [], [], 900)  # a restarted judge loads first
+            return json.loads(self.proc.stdout.readline() if ready else "")
         except (OSError, ValueError) as e:
             self.close()
-            why = f"grader error: the judge failed ({type(e).__name__}); see {self.log}"
-            return [{"public": [False, why], "hidden": {n: [False, why] for n in t["hidden_seeds"]}, "error": True}
+            return [_alike([False, f"grader error: the judge failed ({type(e).__name__}); see {self.log}"], t, True)
                     for t in tasks]
 
     def close(self):

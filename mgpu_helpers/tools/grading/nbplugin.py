@@ -9,6 +9,7 @@ cannot read the stored outputs) and this process is non-dumpable (the kernel can
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -47,18 +48,10 @@ def _tasks() -> int:
     namespace; without one, the host's, of which only the kernel's own user's count."""
     n, me = 0, os.getuid()
     for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.stat(f"/proc/{pid}").st_uid == me:
-                    n += len(os.listdir(f"/proc/{pid}/task"))
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == me:
+                n += len(os.listdir(f"/proc/{pid}/task"))
     return n
-
-
-def _output_bytes(msg) -> int:
-    """What the cell shows (streams, displays, errors); the protocol's own messages are free."""
-    return len(json.dumps(msg["content"], ensure_ascii=False, default=str)) if msg["msg_type"] in OUTPUTS else 0
 
 
 def _patch_nbval():
@@ -69,7 +62,8 @@ def _patch_nbval():
     original_get = RunningKernel.get_message
 
     def _count(self, cur, msg):
-        n = _output_bytes(msg)
+        # what the cell shows (streams, displays, errors); the protocol's own messages are free
+        n = len(json.dumps(msg["content"], ensure_ascii=False, default=str)) if msg["msg_type"] in OUTPUTS else 0
         cur["bytes"] += n
         _state["total"] += n
         if msg["msg_type"] == "error":
@@ -147,10 +141,8 @@ def pytest_collection_finish(session):
     if _state["out"] is None:
         return
     for path in {str(item.path) for item in session.items}:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -170,12 +162,8 @@ def pytest_runtest_protocol(item, nextitem):
         cur["outcome"] = call if setup == "passed" else ("error" if setup == "failed" else setup)
         if _state["tasks"] and _tasks() >= _state["tasks"] * 3 // 4:
             cur["tasks"] = True
-            kernel = getattr(item.parent, "kernel", None)
-            if kernel is not None:
-                try:
-                    kernel.km.signal_kernel(signal.SIGKILL)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+            with contextlib.suppress(Exception):  # no kernel, or already gone
+                item.parent.kernel.km.signal_kernel(signal.SIGKILL)
         _state["out"].write(json.dumps(cur, sort_keys=True) + "\n")
         if cur["timeout"] or cur["died"] or cur["capped"] or cur["tasks"]:
             # Nothing later in this run can count (nbval xfails every cell after a timeout): stop now, and
@@ -185,26 +173,18 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    cur = _state["cell"]
-    if cur is not None:
+    if _state["cell"] is not None:
         kernel = getattr(item.parent, "kernel", None)
-        cur["dead_at_start"] = kernel is None or not kernel.is_alive()
+        _state["cell"]["dead_at_start"] = kernel is None or not kernel.is_alive()
     yield
 
 
-def pytest_runtest_logreport(report):
-    cur = _state["cell"]
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: the report as the skipping plugin leaves it
+def pytest_runtest_makereport(item, call):
+    cur, rep = _state["cell"], (yield).get_result()
     if cur is None:
         return
-    if hasattr(report, "wasxfail"):  # only PASSED counts: an xfail or xpass is recorded as such
-        cur["reports"][report.when] = "xfailed" if report.skipped else "xpassed"
-    else:
-        cur["reports"][report.when] = report.outcome
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    cur, rep = _state["cell"], outcome.get_result()
-    if cur is not None and rep.failed and call.excinfo is not None and cur["failure"] is None:
+    # only PASSED counts: an xfail or xpass is recorded as such
+    cur["reports"][rep.when] = ("xfailed" if rep.skipped else "xpassed") if hasattr(rep, "wasxfail") else rep.outcome
+    if rep.failed and call.excinfo is not None and cur["failure"] is None:
         cur["failure"] = str(call.excinfo.value)[:300]

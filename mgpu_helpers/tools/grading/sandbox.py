@@ -1,29 +1,28 @@
 """Run nbval on one assembled notebook, out of reach of the instructor's files.
 
 The grader starts ``unshare --mount --pid --kill-child [--net] [--map-root-user] python -m
-mgpu_helpers.tools.grading.sandbox JOB_DIR JOB_FD``; this process is then pid 1 of a fresh pid namespace and:
+mgpu_helpers.tools.grading.sandbox JOB_DIR JOB_FD``; as pid 1 of a fresh pid namespace this process:
 
-1. ``isolate``: pivots into an empty tmpfs holding only read-only binds at their own paths, so no other path
-   exists inside: ``spec["keep"]`` (the interpreter, the environment, the mgpu_helpers package directory
-   alone, the --import-path directories), SYSTEM, /etc (passwd, group, hosts, nsswitch.conf written; ETC
-   bound), /dev's DEV_NODES and GPU nodes, /sys's cpu and node folders (all of /sys with GPUs: the driver
-   and NCCL read it); a new /proc, and private, size-capped /tmp and /dev/shm. ``spec["mask"]`` (the judges'
-   references inside the package) is covered by an empty tmpfs. Every other mount is remounted read-only,
-   keeping the flags the host locked; loopback is brought up in the new network namespace;
+1. ``isolate``: pivots into an empty tmpfs holding only read-only binds at their own paths: ``spec["keep"]``
+   (the interpreter, the environment, the mgpu_helpers package directory alone, the --import-path folders),
+   SYSTEM, a written /etc, /dev's DEV_NODES and GPU nodes, /sys's cpu and node folders (all of /sys with GPUs:
+   the driver and NCCL read it), a new /proc and size-capped /tmp and /dev/shm. ``spec["mask"]`` (the judges'
+   references) is covered by an empty tmpfs. Every mount is read-only, keeping the flags the host locked;
 2. runs ``pytest --nbval`` with RLIMIT_AS, RLIMIT_NPROC, no capabilities and no_new_privs (so the kernel
    cannot undo the mounts), its per-cell records (nbplugin.py) coming back over a pipe. RLIMIT_NPROC never
-   binds root: a grader running as root (no user namespace) runs the kernel as a user of its own,
-   UID_BASE + this process's pid on the host, so each sandbox has its own count;
-3. kills everything in the namespace at the notebook timeout, and copies the results out through
-   JOB_FD, a directory fd the grader opened outside the namespace (its mount stays writable).
+   binds root: a grader running as root runs the kernel as a user of its own, UID_BASE + this process's host
+   pid, so each sandbox has its own count;
+3. kills everything in the namespace at the notebook timeout, and copies the results out through JOB_FD, a
+   directory fd the grader opened outside the namespace (its mount stays writable).
 
 Without namespaces (a container as root under seccomp, as on Gradescope) step 1 is skipped: as root the
-kernel still runs as its own user, in a folder it owns (``work/``), reading only what every user may, and
-every process of that user is killed at the end. Not root either: best effort, and the grader says so.
-Only the standard library is imported here: this process starts once per notebook.
+kernel still runs as its own user, in a folder it owns, reading only what every user may, and every process
+of that user is killed at the end. Not root either: best effort, and the grader says so.
+Standard library only: this process starts once per notebook.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -37,6 +36,7 @@ import sys
 import threading
 
 ROOT = "/tmp/mgpu-grade"
+UID_BASE = 0x70000000         # + a host pid (< 2**22): the kernel's own user where the grader is root
 RESULT_CAP = 64 * 2**20       # bytes per harvested results file
 REPORT_CAP = 8 * 2**20        # bytes of per-cell records
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -231,10 +231,8 @@ def _drop_privileges(memory, tasks=None, uid=0):
 
 def _kill_all(proc, namespace, uid=0):
     if namespace and os.getpid() == 1:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(-1, signal.SIGKILL)              # pid 1 of a pid namespace: everything but us
-        except ProcessLookupError:
-            pass
     elif uid:                                        # every process of the kernel's own user, daemons included
         pid = os.fork()
         if pid == 0:
@@ -246,14 +244,18 @@ def _kill_all(proc, namespace, uid=0):
                 os._exit(0)
         os.waitpid(pid, 0)
     else:                                            # best effort: the process tree as it is now
-        try:
+        with contextlib.suppress(Exception):         # psutil missing or the tree already gone
             import psutil
             for child in psutil.Process(proc.pid).children(recursive=True):
                 child.kill()
-        except Exception:  # noqa: BLE001 - psutil missing or the tree already gone
-            pass
         proc.kill()
     proc.wait()
+
+
+def _write_out(jobfd, name, data: bytes):
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=jobfd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def _copy_out(work, jobfd, names):
@@ -264,51 +266,48 @@ def _copy_out(work, jobfd, names):
             continue
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > RESULT_CAP:
-                continue
-            data = f.read(RESULT_CAP + 1)
-        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=jobfd)
-        with os.fdopen(out, "wb") as f:
-            f.write(data)
+            if stat.S_ISREG(st.st_mode) and st.st_size <= RESULT_CAP:
+                _write_out(jobfd, name, f.read(RESULT_CAP + 1))
+
+
+def _kernel_uid(setuid):
+    return UID_BASE + int(os.readlink("/proc/self")) if setuid else 0  # the host's pid: its /proc, still
 
 
 def main(job, jobfd):
     """``jobfd``: opened by the grader outside the namespace, so it stays writable once all here is read-only."""
     spec = json.load(open(os.path.join(job, "job.json")))
     _libc.prctl(4, 0, 0, 0, 0)                       # PR_SET_DUMPABLE 0: the kernel cannot open our fds
-    names = (spec["notebook"], "mgpu_grade_in.pt", *spec["extra"])  # extra: the course's assets/
-    inputs = {n: open(os.path.join(job, n), "rb").read() for n in names}
-    mpl = {}
-    if spec.get("mpl_cache") and os.path.isdir(spec["mpl_cache"]):
-        mpl = {n: open(os.path.join(spec["mpl_cache"], n), "rb").read()
-               for n in os.listdir(spec["mpl_cache"]) if n.endswith(".json")}
-    from .execute import UID_BASE                    # standard library only, like this module
-    uid = UID_BASE + int(os.readlink("/proc/self")) if spec["setuid"] else 0  # the host's pid: its /proc, still
-    if spec["namespace"]:
+    ns, uid = spec["namespace"], _kernel_uid(spec["setuid"])
+    work = f"{ROOT}/work" if ns else os.path.join(job, "work") if uid else job
+    home = os.path.join(os.path.dirname(work) if ns or uid else work, "home")
+    files = {os.path.join(work, n): os.path.join(job, n)
+             for n in (spec["notebook"], "mgpu_grade_in.pt", *spec["extra"])}  # extra: the course's assets/
+    cache = spec["mpl_cache"]
+    if cache and os.path.isdir(cache):
+        files.update({os.path.join(home, "mpl", n): os.path.join(cache, n) for n in os.listdir(cache)
+                      if n.endswith(".json")})
+    files = {dst: open(src, "rb").read() for dst, src in files.items()}  # read before the root is swapped
+    if ns:
         isolate(spec, job, uid)
-    work = f"{ROOT}/work" if spec["namespace"] else os.path.join(job, "work") if uid else job
-    home = os.path.join(os.path.dirname(work) if spec["namespace"] or uid else work, "home")
-    for d in (work, home, os.path.join(home, "mpl"), os.path.join(home, "runtime")):
+    for d in (work, os.path.join(home, "mpl"), os.path.join(home, "runtime")):
         os.makedirs(d, exist_ok=True)
-    for n, data in inputs.items():
-        os.makedirs(os.path.dirname(os.path.join(work, n)), exist_ok=True)
-        with open(os.path.join(work, n), "wb") as f:
-            f.write(data)
-    for n, data in mpl.items():
-        with open(os.path.join(home, "mpl", n), "wb") as f:
+    for dst, data in files.items():
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(dst, "wb") as f:
             f.write(data)
     if uid:
         for top in (work, home):
-            for d, _, files in os.walk(top):
-                for p in [d, *(os.path.join(d, f) for f in files)]:
+            for d, _, names in os.walk(top):
+                for p in [d, *(os.path.join(d, f) for f in names)]:
                     os.chown(p, uid, uid)
-    logdir = os.path.join(ROOT, "log") if spec["namespace"] else job if uid else home
+    logdir = os.path.join(ROOT, "log") if ns else job if uid else home
     os.makedirs(logdir, mode=0o700, exist_ok=True)
-    env = dict(spec["env"], HOME=home, TMPDIR="/tmp" if spec["namespace"] else home,
+    env = dict(spec["env"], HOME=home, TMPDIR="/tmp" if ns else home,
                MPLCONFIGDIR=os.path.join(home, "mpl"), IPYTHONDIR=os.path.join(home, ".ipython"),
                JUPYTER_RUNTIME_DIR=os.path.join(home, "runtime"), PYTHONDONTWRITEBYTECODE="1",
                PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # nbval and ours alone (-p): no other installed plugin loads
-    tasks = spec.get("tasks") if spec["namespace"] or uid else None
+    tasks = spec["processes"] if ns or uid else None
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "pytest", os.path.join(work, spec["notebook"]), "--nbval", "--nbval-current-env",
            f"--nbval-cell-timeout={spec['cell_timeout']}",
@@ -326,7 +325,7 @@ def main(job, jobfd):
                             pass_fds=(wfd,), start_new_session=True,
                             preexec_fn=lambda: _drop_privileges(spec["memory"], tasks, uid))
     os.close(wfd)
-    lines: list[bytes] = []
+    records: list = []
 
     def read_report():
         total = 0
@@ -334,40 +333,31 @@ def main(job, jobfd):
             for line in f:
                 total += len(line)
                 if total <= REPORT_CAP:
-                    lines.append(line)
+                    with contextlib.suppress(ValueError):
+                        records.append(json.loads(line))
 
     reader = threading.Thread(target=read_report, daemon=True)
     reader.start()
-    timed_out = False
     try:
-        rc = proc.wait(timeout=spec["notebook_timeout"])
+        rc, timed_out = proc.wait(timeout=spec["notebook_timeout"]), False
     except subprocess.TimeoutExpired:
-        timed_out, rc = True, None
-    _kill_all(proc, spec["namespace"], uid)          # also whatever the learner left running
+        rc, timed_out = None, True
+    _kill_all(proc, ns, uid)                         # also whatever the learner left running
     reader.join(timeout=5)
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            pass
-    log.seek(0, os.SEEK_END)
-    log.seek(max(0, log.tell() - 4000))
-    result = {"mode": "namespace" if spec["namespace"] else "user" if uid else "fallback", "timed_out": timed_out,
+    log.seek(max(0, log.seek(0, os.SEEK_END) - 4000))
+    result = {"mode": "namespace" if ns else "user" if uid else "fallback", "timed_out": timed_out,
               "returncode": rc, "records": records, "log": log.read().decode("utf-8", "replace")}
-    if spec["namespace"] or uid:
+    if ns or uid:
         _copy_out(work, jobfd, [f"mgpu_grade_out_{ex}.pt" for ex in spec["exercises"]])
-    out = os.open("sandbox.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600, dir_fd=jobfd)
-    with os.fdopen(out, "w") as f:
-        json.dump(result, f)
+    _write_out(jobfd, "sandbox.json", json.dumps(result).encode())
     return 0
 
 
 def probe(base: str, net: bool, setuid: bool) -> int:
     """Run under the unshare prefix being tried: exit 0 when this process can build the sandbox and a
     process of the kernel's kind is held to RLIMIT_NPROC, 3 when only the latter fails (see the grader)."""
-    from .execute import UID_BASE, hidden_from_kernel, needed_paths
-    uid = UID_BASE + int(os.readlink("/proc/self")) if setuid else 0
+    from .execute import hidden_from_kernel, needed_paths
+    uid = _kernel_uid(setuid)
     isolate({"keep": needed_paths([]), "mask": hidden_from_kernel(), "net": net}, base, uid)
     pid = os.fork()
     if pid == 0:  # as the kernel would be, allowed one task: itself

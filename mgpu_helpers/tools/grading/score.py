@@ -19,7 +19,7 @@ from pathlib import Path
 import nbformat
 
 from .assemble import CourseNotebook, Submission, assemble, clean_source
-from .execute import Limits, RunResult, default_processes, run_job, work_dir
+from .execute import Limits, RunResult, run_job, work_dir
 
 
 @dataclass
@@ -108,7 +108,7 @@ def _catastrophe(kind: str, ex: str, ctx: Context, run: RunResult) -> tuple[str,
         "kernel-died": ("kernel-died", f"the kernel died while running exercise {ex}: os._exit, a crash, or running "
                         f"out of memory (the limit is {lim.memory / 2**30:g} GiB) ends it"),
         "process-limit": ("process-limit", f"exercise {ex} left too many processes or threads running (the sandbox "
-                          f"allows {lim.processes or default_processes()} in all; a fork bomb?)"),
+                          f"allows {lim.processes} in all; a fork bomb?)"),
         "output-limit": ("output-limit", f"a cell of exercise {ex} printed more than {lim.output_cap} bytes "
                          f"(or the notebook more than {lim.output_cap_total})"),
         "sabotage": ("failed", f"the grader's cell after exercise {ex} did not run: code in the exercise changed "
@@ -190,8 +190,7 @@ def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, su
     while pending:  # each run but the last stubs one more exercise
         work = job / str(len(stubbed))
         nb, layout = assemble(course, sub.sources, stubbed, work_dir(work))
-        run = run_job(work, course.name, nbformat.writes(nb), grade_in, [e.id for e in course.exercises],
-                      ctx.limits, ctx.keep, ctx.import_paths, ctx.mpl_cache, ctx.extra)
+        run = run_job(work, course.name, nbformat.writes(nb), grade_in, [e.id for e in course.exercises], ctx)
         event = _events(run, layout, pending)
         done = [ex for ex in pending if event is None or layout.span_end(ex) < event[0]]
         tasks = [{"exercise": ex, "module": ctx.modules[course.name], "seed": seeds[ex][0],
