@@ -93,10 +93,9 @@ def read_submission(path: Path, course: CourseNotebook) -> Submission:
         return Submission("invalid-notebook", f"{course.name} is not a valid Jupyter notebook ({first})")
     found: dict[str, list[str]] = {}
     for c in nb.cells:
-        meta = c.get("metadata", {}).get("mgpu", {})
-        ex = meta.get("exercise") if isinstance(meta, dict) else None
-        if c.get("cell_type") == "code" and isinstance(ex, str):
-            found.setdefault(ex, []).append(c.source if isinstance(c.source, str) else "".join(c.source))
+        ex = mgpu(c).get("exercise") if isinstance(mgpu(c), dict) else None
+        if c.cell_type == "code" and isinstance(ex, str):
+            found.setdefault(ex, []).append(c.source)  # nbformat.reads joins a list of lines
     sub = Submission()
     for spec in course.exercises:
         cells = found.get(spec.id, [])

@@ -30,8 +30,8 @@ from ..authoring import course_notebooks
 from .assemble import load_course, read_submission
 from .execute import (RUNNING, STOP, Limits, check_allowlist, course_files, default_processes, hidden_from_kernel,
                       isolation_line, kill, needed_paths, protected_paths, readable_by_kernel, reset_sandbox, sandbox)
+from .report import MARKER, merge, parse_shard, partition, write_all, write_marker
 from .score import Context, Row, grade_notebook
-from .shards import MARKER, merge, parse_shard, partition, write_marker
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -138,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .hidden import load_hidden
     from .judge import Judge
-    from .report import write_all
 
     out = a.out.resolve()
     key = grader_key(a.key, out)
@@ -156,21 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         print("mgpu-grade: WARNING: RLIMIT_NPROC does not hold in the sandbox here: a fork bomb is bounded only by "
               "the timeouts.", file=sys.stderr)
     imports = [str(p.resolve()) for p in a.import_path]
-    scratch = Path(tempfile.mkdtemp(prefix="mgpu-grade-"))
     keep = needed_paths(imports)
-    protect = protected_paths([a.solutions.resolve(), a.hidden and a.hidden.resolve(), a.submissions.resolve(),
-                               out, scratch])
-    isolation = isolation_line()
+    protect = protected_paths([a.solutions.resolve(), a.hidden and a.hidden.resolve(), a.submissions.resolve(), out])
     try:
-        check_allowlist(keep, protect)
+        check_allowlist(keep, [*protect, os.path.realpath(tempfile.gettempdir())])  # the jobs' scratch goes there
     except ValueError as e:
-        shutil.rmtree(scratch, ignore_errors=True)
         print(f"mgpu-grade: {e}", file=sys.stderr)
         return 2
+    scratch = Path(tempfile.mkdtemp(prefix="mgpu-grade-"))
+    isolation = isolation_line()
     if iso.own_user:
         scratch.chmod(0o755)  # pytest lists the work folder's parents; every job file but the assets is 0600
         out.chmod(0o700)      # earlier runs' grades
-        exposed = readable_by_kernel([p for p in protect if p != str(scratch)] + hidden_from_kernel())
+        exposed = readable_by_kernel(protect + hidden_from_kernel())
         if exposed:
             print("mgpu-grade: WARNING: without namespaces the kernel's user can read " + ", ".join(exposed)
                   + ": make them unreadable to other users (chmod go-rwx) or grade where namespaces work",

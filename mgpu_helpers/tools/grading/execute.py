@@ -28,7 +28,6 @@ ENV_KEEP_PREFIXES = ("LC_", "CUDA_", "NCCL_", "NVIDIA_", "NVSHMEM_", "TORCH_", "
 _probed = None  # sandbox()'s Isolation
 RUNNING: set = set()  # live sandbox processes, killed by the CLI on Ctrl-C
 STOP = threading.Event()  # set on Ctrl-C: no new sandbox starts
-DISABLED = "sandbox disabled with --no-sandbox"
 
 
 @dataclass
@@ -66,7 +65,7 @@ def sandbox(disable: bool = False, user_only: bool = False) -> Isolation:
     global _probed
     if disable or user_only:
         _probed = (_without_namespaces("namespaces not used (--isolation user)") if user_only
-                   else Isolation(None, False, DISABLED, False, False))
+                   else Isolation(None, False, "sandbox disabled with --no-sandbox", False, False))
     if _probed is None:
         _probed = _probe()
     return _probed
@@ -105,8 +104,7 @@ def _as_kernel_user(args: list[str], **kw):
 
 def readable_by_kernel(paths: list[str]) -> list[str]:
     """Which of ``paths`` the kernel's own user (own_user mode) can open: each must be none."""
-    code = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n        (os.listdir if os.path.isdir(p) else "
-            "lambda q: open(q, 'rb').close())(p)\n    except OSError:\n        continue\n    print(p)")
+    code = "import os, sys\nfor p in sys.argv[1:]:\n    if os.access(p, os.R_OK):\n        print(p)"
     try:
         r = _as_kernel_user(["-c", code, *paths], text=True, env={"PATH": os.defpath})
     except (OSError, subprocess.SubprocessError) as e:  # unknown: say so rather than claim they are safe

@@ -174,13 +174,9 @@ def run(root: Path) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(prog="python -m mgpu_helpers.tools.grading.gradescope",
                                  description="run_autograder: grade ROOT/submission into ROOT/results/results.json")
     ap.add_argument("root", type=Path, nargs="?", default=Path("/autograder"), help="Gradescope's /autograder")
-    return run(ap.parse_args(argv).root)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ap.parse_args().root))

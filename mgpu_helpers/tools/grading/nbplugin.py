@@ -102,10 +102,19 @@ def _patch_nbval():
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
 
-    def get_message(self, stream, timeout=None):
+    def get_message(self, stream, timeout=None):  # nbval's await_reply reads "shell" through it too
         cur = _state["cell"]
-        if cur is None or stream != "iopub":
+        if cur is None:
             return original_get(self, stream, timeout=timeout)
+        if stream == "shell":
+            try:
+                msg = _wait(self, self.kc.get_shell_msg, timeout, cur)
+            except Empty:
+                cur["timeout"] = not (cur["died"] or cur["capped"])
+                raise
+            if msg["msg_type"] == "execute_reply":  # the cell's: the run stops at the first one that hangs
+                cur["status"] = msg["content"]["status"]
+            return msg
         pending = self.__dict__.get("_mgpu_pending")
         if pending:
             return pending.popleft()  # already counted
@@ -115,26 +124,7 @@ def _patch_nbval():
         _count(self, cur, msg)
         return msg
 
-    def await_reply(self, msg_id, timeout=None):
-        cur = _state["cell"]
-        while True:
-            if cur is None:
-                msg = original_get(self, "shell", timeout=timeout)
-            else:
-                try:
-                    msg = _wait(self, self.kc.get_shell_msg, timeout, cur)
-                except Empty:
-                    cur["timeout"] = not (cur["died"] or cur["capped"])
-                    raise
-            if msg["parent_header"].get("msg_id") == msg_id:
-                if cur is not None:
-                    cur["status"] = msg["content"]["status"]
-                if msg["content"]["status"] == "aborted":
-                    raise RuntimeError("Kernel aborted execution request")
-                return
-
     RunningKernel.get_message = get_message
-    RunningKernel.await_reply = await_reply
 
 
 def pytest_collection_finish(session):

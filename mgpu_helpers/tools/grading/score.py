@@ -136,12 +136,14 @@ def _cell_problem(r: dict | None) -> str:
     return _first_line(r["failure"] or "the cell failed")
 
 
+def _oom(text: str) -> bool:
+    return "MemoryError" in text or "can't allocate memory" in text
+
+
 def _status(ok: bool, msg: str) -> str:
-    if ok:
-        return "passed"
-    if "not implemented yet" in msg:
-        return "not-implemented"
-    return "memory-limit" if "MemoryError" in msg or "can't allocate memory" in msg else "failed"
+    if ok or "not implemented yet" in msg:
+        return "passed" if ok else "not-implemented"
+    return "memory-limit" if _oom(msg) else "failed"
 
 
 def _normal(ex, spec, run, layout, verdict) -> tuple[str, str]:
@@ -151,8 +153,7 @@ def _normal(ex, spec, run, layout, verdict) -> tuple[str, str]:
     if ok and cell_ok:
         return "passed", msg
     span = [run.records.get(c) or {} for c in range(layout.exercise[ex], layout.span_end(ex) + 1)]
-    if any("MemoryError" in f"{r.get('ename')} {r.get('evalue')}" or "can't allocate memory" in (r.get("evalue") or "")
-           for r in span):
+    if any(_oom(f"{r.get('ename')} {r.get('evalue')}") for r in span):
         return "memory-limit", f"{msg} (the memory limit was hit)"
     if not ok:
         return ("error" if verdict.get("error") else _status(ok, msg)), msg
