@@ -9,6 +9,7 @@ notebooks, hidden checks, ``grading.json`` with the key and limits: root's alone
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -59,10 +60,8 @@ def constraints() -> str:
     index)."""
     lines = []
     for name in PINNED:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             lines.append(f"{name}=={metadata.version(name).split('+')[0]}")  # a local build's +tag: no release
-        except metadata.PackageNotFoundError:
-            continue
     return "\n".join(lines) + "\n"
 
 

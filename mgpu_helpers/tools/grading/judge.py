@@ -15,8 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .execute import die_with_parent
-from .sandbox import RESULT_CAP
+from .execute import RESULT_CAP, die_with_parent
 
 
 def _load(path):
