@@ -2,8 +2,8 @@
 
 Pipeline, one module each: ``assemble`` (the learner's exercise cells spliced into a pristine solution notebook,
 the grader's cells around each check), ``execute`` (nbval on it in new namespaces on an allowlisted root, with
-limits; ``nbplugin`` records each cell; ``harvest`` saves what the learner's functions return on the grader's
-inputs), ``judge`` (each check decided in a process that never runs learner code, ``hidden`` checks included),
+limits; ``nbplugin`` records each cell), ``judge`` (the grader's cells save what the learner's functions return
+on its inputs; a process that never runs learner code decides each check, ``hidden`` checks included),
 ``score`` (nbval's, the kernel's and the judge's verdicts per check; a re-run with the culprit stubbed when the
 kernel was taken down), ``report`` (grades.csv, feedback, results.json, the plot; the merge of ``--shard``
 runs), ``gradescope`` (the autograder zip) and ``cli``. No torch at import time: the sandbox imports this package.

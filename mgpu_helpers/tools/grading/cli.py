@@ -42,11 +42,11 @@ def resolve_module(name: str) -> str:
 
 
 def grader_key(arg: str | None, out: Path) -> bytes:
+    """--key, else $MGPU_GRADE_KEY, else OUT/.mgpu-grade-key (made on the first run; OUT exists)."""
     if arg or os.environ.get("MGPU_GRADE_KEY"):
         return (arg or os.environ["MGPU_GRADE_KEY"]).encode()
     path = out / ".mgpu-grade-key"
     if not path.exists():
-        out.mkdir(parents=True, exist_ok=True)
         path.write_text(secrets.token_hex(32) + "\n")
         path.chmod(0o600)
     return path.read_text().strip().encode()

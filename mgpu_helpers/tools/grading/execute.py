@@ -83,9 +83,7 @@ class Isolation(NamedTuple):
     setuid: bool              # the kernel runs as a user of its own (root without a user namespace)
 
     @property
-    def own_user(self) -> bool:
-        """No namespaces, but root: the kernel can read only what every user can (the grader checks that the
-        protected paths are not among them)."""
+    def own_user(self) -> bool:  # no namespaces, but root: the kernel can read only what every user can
         return self.prefix is None and self.setuid
 
 

@@ -119,7 +119,7 @@ def collect(submission: Path, names: set[str]) -> tuple[dict[str, Path], list[st
     """The course's notebooks among the uploaded files, wherever they lie (a zip upload keeps its folders):
     (notebook name -> file, notes for the student)."""
     found: dict[str, list[Path]] = {}
-    for p in sorted(submission.rglob("*.ipynb")) if submission.is_dir() else []:
+    for p in sorted(submission.rglob("*.ipynb"), key=lambda q: (len(q.parts), str(q))):  # the shallowest first
         if p.is_file() and not p.is_symlink() and ".ipynb_checkpoints" not in p.parts:
             found.setdefault(p.name, []).append(p)
     notes = []
@@ -127,7 +127,6 @@ def collect(submission: Path, names: set[str]) -> tuple[dict[str, Path], list[st
         if name not in names:
             notes.append(f"{name} is not a notebook of this course: ignored")
         elif len(paths) > 1:
-            paths.sort(key=lambda q: (len(q.parts), str(q)))
             notes.append(f"{name} was uploaded {len(paths)} times: graded {paths[0].relative_to(submission)}")
     return {n: ps[0] for n, ps in found.items() if n in names}, notes
 

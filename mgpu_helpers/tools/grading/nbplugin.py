@@ -1,7 +1,8 @@
 """pytest plugin for the sandboxed nbval process (``-p mgpu_helpers.tools.grading.nbplugin``), never the kernel.
 
 It writes one JSON line per cell to ``--mgpu-report-fd``: pytest's outcome, the kernel's ``execute_reply``
-status, the error, the bytes of output, and whether the cell timed out, the kernel died or a cap was hit.
+status, the error, the bytes of output, and the first ``event`` that ended the run there: "output-limit",
+"kernel-died", "timeout" or "process-limit".
 It hardens nbval for untrusted code: a dead kernel is noticed at once, not at the cell timeout; output beyond
 the caps, or tasks near ``--mgpu-max-tasks`` (the sandbox's RLIMIT_NPROC: a fork bomb) left after a cell, kill
 the kernel; the run stops at the first such cell; the notebook file is deleted once collected (the kernel
@@ -70,7 +71,7 @@ def _patch_nbval():
             cur["ename"] = str(msg["content"].get("ename", ""))[:100]
             cur["evalue"] = str(msg["content"].get("evalue", ""))[:300]
         if cur["bytes"] > _state["cap"] or _state["total"] > _state["cap_total"]:
-            cur["capped"] = True
+            cur["event"] = cur["event"] or "output-limit"
             self.km.signal_kernel(signal.SIGKILL)  # nbval then fails the cell and the run stops
             raise Empty
 
@@ -78,7 +79,7 @@ def _patch_nbval():
         # nbval reads a cell's output only after its execute_reply: read it while waiting, so a flood is
         # counted (and stopped) as it happens instead of piling up in memory until the cell ends.
         pending = self.__dict__.setdefault("_mgpu_pending", deque())
-        while not cur["capped"]:
+        while cur["event"] != "output-limit":
             try:
                 msg = self.kc.get_iopub_msg(timeout=0)
             except Empty:
@@ -97,7 +98,7 @@ def _patch_nbval():
                 if getter == self.kc.get_shell_msg:
                     _drain(self, cur)
                 if not self.is_alive():
-                    cur["died"] = True
+                    cur["event"] = cur["event"] or "kernel-died"
                     raise
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
@@ -110,7 +111,7 @@ def _patch_nbval():
             try:
                 msg = _wait(self, self.kc.get_shell_msg, timeout, cur)
             except Empty:
-                cur["timeout"] = not (cur["died"] or cur["capped"])
+                cur["event"] = cur["event"] or "timeout"
                 raise
             if msg["msg_type"] == "execute_reply":  # the cell's: the run stops at the first one that hangs
                 cur["status"] = msg["content"]["status"]
@@ -118,7 +119,7 @@ def _patch_nbval():
         pending = self.__dict__.get("_mgpu_pending")
         if pending:
             return pending.popleft()  # already counted
-        if cur["capped"]:
+        if cur["event"] == "output-limit":
             raise Empty
         msg = _wait(self, self.kc.get_iopub_msg, timeout, cur)
         _count(self, cur, msg)
@@ -141,7 +142,7 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     cur = {"cell": item.cell_num, "status": None, "ename": None, "evalue": None, "bytes": 0, "failure": None,
-           "timeout": False, "died": False, "capped": False, "dead_at_start": False, "tasks": False, "reports": {}}
+           "event": None, "reports": {}}
     _state["cell"] = cur
     try:
         yield
@@ -151,11 +152,11 @@ def pytest_runtest_protocol(item, nextitem):
         setup, call = r.get("setup", "missing"), r.get("call", "missing")
         cur["outcome"] = call if setup == "passed" else ("error" if setup == "failed" else setup)
         if _state["tasks"] and _tasks() >= _state["tasks"] * 3 // 4:
-            cur["tasks"] = True
+            cur["event"] = cur["event"] or "process-limit"
             with contextlib.suppress(Exception):  # no kernel, or already gone
                 item.parent.kernel.km.signal_kernel(signal.SIGKILL)
         _state["out"].write(json.dumps(cur, sort_keys=True) + "\n")
-        if cur["timeout"] or cur["died"] or cur["capped"] or cur["tasks"]:
+        if cur["event"]:
             # Nothing later in this run can count (nbval xfails every cell after a timeout): stop now, and
             # let the grader re-run the rest with this exercise stubbed.
             item.session.shouldstop = "mgpu-grade: the kernel is gone or timed out"
@@ -163,9 +164,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    if _state["cell"] is not None:
-        kernel = getattr(item.parent, "kernel", None)
-        _state["cell"]["dead_at_start"] = kernel is None or not kernel.is_alive()
+    kernel = getattr(item.parent, "kernel", None)
+    if _state["cell"] is not None and item.cell_num > 0 and (kernel is None or not kernel.is_alive()):
+        _state["cell"]["event"] = "kernel-died"  # between cells (a thread of the learner's, say)
     yield
 
 

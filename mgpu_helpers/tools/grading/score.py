@@ -83,16 +83,8 @@ def _events(run: RunResult, layout, exercises) -> tuple[int, str] | None:
         if r is None:
             found.append((c, "notebook-timeout" if run.timed_out else "error"))
             break
-        if r["capped"]:
-            found.append((c, "output-limit"))
-        elif r["died"] or (r["dead_at_start"] and c > 0):
-            found.append((c, "kernel-died"))
-        elif r["timeout"]:
-            found.append((c, "timeout"))
-        elif r.get("tasks"):
-            found.append((c, "process-limit"))
-        elif r["outcome"] == "error":
-            found.append((c, "error"))
+        if r["event"] or r["outcome"] == "error":
+            found.append((c, r["event"] or "error"))
     for ex in exercises:
         h = layout.harvest[ex]
         if h in run.records and ex not in run.results:
