@@ -66,7 +66,7 @@ def parse(argv):
     ap.add_argument("--output-cap", type=int, default=2**20, help="bytes of output per cell (x8 per notebook)")
     ap.add_argument("--max-processes", type=int, default=0,
                     help=f"processes and threads of one notebook's sandbox (default {default_processes()} here)")
-    ap.add_argument("--key", default=None, help="grading key for the seeds (default: $MGPU_GRADE_KEY or OUT/.mgpu-grade-key)")
+    ap.add_argument("--key", help="grading key for the seeds (default: $MGPU_GRADE_KEY or OUT/.mgpu-grade-key)")
     ap.add_argument("--import-path", type=Path, action="append", default=[],
                     help="extra directory on the kernel's and the judge's import path (course modules)")
     ap.add_argument("--keep-scratch", action="store_true", help="keep the assembled notebooks and run logs")
@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib
     ctx = Context(key, Limits(a.timeout, a.notebook_timeout, int(a.memory * 2**30), a.output_cap, 8 * a.output_cap,
                               a.max_processes or default_processes()),
-                  {ex: hs for ex, hs in hidden.items() if ex in known}, {nb.name: resolve_module(nb.module) for nb in course},
+                  {ex: hs for ex, hs in hidden.items() if ex in known},
+                  {nb.name: resolve_module(nb.module) for nb in course},
                   keep, imports, matplotlib.get_cachedir(), course_files(a.solutions))
     everyone = students = sorted(d.name for d in a.submissions.iterdir() if d.is_dir() and not d.name.startswith("."))
     if a.shard:
@@ -191,15 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mgpu-grade: {s}: ignored {', '.join(foreign)} (not a notebook of this course)")
     judges: queue.Queue = queue.Queue()
     modules = sorted({m for m in ctx.modules.values() if m})
-    for i in range(a.jobs):  # started now: they import the checks before any learner code runs
+    for i in range(a.jobs):  # started now: they import the checks while the first notebooks run
         judges.put(Judge(imports, modules, a.hidden and str(a.hidden.resolve()), scratch / f"judge{i}.log"))
     tasks = [(i, s, nb) for i, (s, nb) in enumerate((s, nb) for s in students for nb in course)]
 
     def grade(task):
         i, s, nb = task
-        judge = judges.get()
+        judge, job = judges.get(), scratch / f"{i:05d}"
         try:
-            return grade_notebook(ctx, judge, s, nb, read_submission(a.submissions / s / nb.name, nb), scratch / f"{i:05d}")
+            return grade_notebook(ctx, judge, s, nb, read_submission(a.submissions / s / nb.name, nb), job)
         except Exception:  # noqa: BLE001 - a grader bug costs this notebook, not the class
             msg = "grader error: " + traceback.format_exc().strip().splitlines()[-1]
             traceback.print_exc()
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             judges.put(judge)
             if not a.keep_scratch:
-                shutil.rmtree(scratch / f"{i:05d}", ignore_errors=True)
+                shutil.rmtree(job, ignore_errors=True)
 
     rows: list[Row] = []
     # SLURM's time limit and scancel send SIGTERM: stop as on Ctrl-C (the handler raises KeyboardInterrupt)

@@ -343,7 +343,7 @@ def run_job(job: Path, notebook: str, nb_text: str, grade_in: bytes, exercises: 
     return res
 
 
-# --- the kernel's file system: an allowlist on an empty root (step 1) ---------------------------------
+# --- inside the sandbox: the kernel's file system, an allowlist on an empty root (step 1) ------------
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 32, 1024, 2048, 4096, 16384
@@ -507,7 +507,7 @@ def isolate(spec: dict, base: str, uid: int = 0) -> None:
         _loopback_up()
 
 
-# --- running nbval (steps 2 and 3) ------------------------------------------------------------------
+# --- inside the sandbox: running nbval (steps 2 and 3) -----------------------------------------------
 
 
 def _drop_privileges(memory, tasks=None, uid=0):
