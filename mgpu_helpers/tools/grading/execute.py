@@ -2,8 +2,8 @@
 
 The grader probes once what isolates learner code here (``sandbox()``), then per notebook ``run_job`` writes a
 job directory (``job.json``: limits and the paths the kernel may see; the notebook; ``mgpu_grade_in.pt``: the
-harvest's seeds and hidden cases) and starts ``unshare --mount --pid --kill-child [--net] [--map-root-user]
-python -m mgpu_helpers.tools.grading.execute JOB_DIR JOB_FD``, which as pid 1 of a fresh pid namespace:
+harvest's seeds and hidden cases) and starts ``unshare --mount --pid --kill-child [--net] [--map-root-user] python -m
+mgpu_helpers.tools.grading.execute JOB_DIR JOB_FD`` (its own process, no --help), which as pid 1 of a new pid namespace:
 
 1. ``isolate``: pivots into an empty tmpfs holding only read-only binds at their own paths: ``spec["keep"]``
    (the interpreter, the environment, the mgpu_helpers package directory alone, the --import-path folders),
