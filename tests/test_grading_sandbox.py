@@ -21,9 +21,9 @@ import nbformat
 import pytest
 
 from mgpu_helpers.tools.authoring import mgpu, release_notebook
-from mgpu_helpers.tools.grading import sandbox as mounts  # the allowlist lives in the sandbox
+from mgpu_helpers.tools.grading import execute as mounts  # the allowlist lives in the sandbox
 from mgpu_helpers.tools.grading.cli import main as grade_main
-from mgpu_helpers.tools.grading.execute import _repo, needed_paths, processes_bounded, sandbox
+from mgpu_helpers.tools.grading.execute import _repo, needed_paths, sandbox
 
 FIX = Path(__file__).parent / "grading_fixtures"
 NB = "90_fixture.ipynb"
@@ -63,7 +63,7 @@ for pid in os.listdir("/proc"):
             procs.append(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode())
         except OSError:
             pass
-strangers = [c[:60] for c in procs if not any(k in c for k in ("mgpu_helpers.tools.grading.sandbox", "pytest", "ipykernel"))]
+strangers = [c[:60] for c in procs if not any(k in c for k in ("mgpu_helpers.tools.grading.execute", "pytest", "ipykernel"))]
 REPORT = (f"outside={len(outside)} {outside[:3]} named={len(named)} {named[:3]} procs={len(procs)} "
           f"strangers={strangers[:3]} sys={sys_dirs}")  # sys last: with GPUs it is long, and messages are capped
 
@@ -172,7 +172,7 @@ def test_other_processes_are_invisible(probed):
 
 
 def test_processes_are_bounded(probed):
-    if not processes_bounded():
+    if not sandbox().bounded:
         pytest.skip("RLIMIT_NPROC does not hold here (the grader warns)")
     m = re.search(r"forked=(\d+) err=(\w+)", probed["rows"]["90.2"]["message"])
     assert m, probed["rows"]["90.2"]["message"]

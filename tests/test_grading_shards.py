@@ -16,7 +16,7 @@ import pytest
 from mgpu_helpers.tools.authoring import release_notebook
 from mgpu_helpers.tools.grading.cli import main as grade_main
 from mgpu_helpers.tools.grading.execute import isolation_line, reset_sandbox
-from mgpu_helpers.tools.grading.shards import partition
+from mgpu_helpers.tools.grading.report import partition
 
 FIX = Path(__file__).parent / "grading_fixtures"
 NB = "90_fixture.ipynb"

@@ -1,13 +1,12 @@
 """`mgpu-grade`: grade submitted notebooks without trusting them.
 
-Pipeline, one module each: ``assemble`` (the learner's exercise cells spliced into a pristine solution
-notebook, with the grader's cells around each check), ``execute`` and ``sandbox`` (nbval run on it in new
-namespaces on an allowlisted root, with limits; ``nbplugin`` records each cell; ``harvest`` brings back what
-the learner's functions returned on the grader's inputs), ``judge`` (each check decided in a process that never
-runs learner code, hidden checks included: ``hidden``), ``score`` (nbval's status, the kernel's and the judge's
-per check; a re-run with the culprit stubbed when the kernel was taken down), ``report`` (grades.csv, feedback,
-results.json, the summary plot), ``shards`` (SLURM array tasks and their merge), ``gradescope`` (the autograder
-zip and its run_autograder) and ``cli``. Imported by the sandbox and the kernel: no torch at import time.
+Pipeline, one module each: ``assemble`` (the learner's exercise cells spliced into a pristine solution notebook,
+the grader's cells around each check), ``execute`` (nbval on it in new namespaces on an allowlisted root, with
+limits; ``nbplugin`` records each cell), ``judge`` (the grader's cells save what the learner's functions return
+on its inputs; a process that never runs learner code decides each check, ``hidden`` checks included),
+``score`` (nbval's, the kernel's and the judge's verdicts per check; a re-run with the culprit stubbed when the
+kernel was taken down), ``report`` (grades.csv, feedback, results.json, the plot; the merge of ``--shard``
+runs), ``gradescope`` (the autograder zip) and ``cli``. No torch at import time: the sandbox imports this package.
 """
 
 

@@ -2,7 +2,7 @@
 
 Only the source of the learner's *exercise cells* is taken (by the id in ``metadata.mgpu.exercise``, without
 ``# NBVAL_*`` lines), spliced into a pristine copy of the solution notebook: every other cell, tag and expected
-output is the instructor's. The grader's *prime* and *harvest* cells (harvest.py) go around each check cell.
+output is the instructor's. The grader's *prime* and *harvest* cells (judge.py) go around each check cell.
 An exercise missing or duplicated in the submission, or "stubbed" (it took the kernel down in an earlier
 run), gets the release's stub instead.
 """
@@ -93,10 +93,9 @@ def read_submission(path: Path, course: CourseNotebook) -> Submission:
         return Submission("invalid-notebook", f"{course.name} is not a valid Jupyter notebook ({first})")
     found: dict[str, list[str]] = {}
     for c in nb.cells:
-        meta = c.get("metadata", {}).get("mgpu", {})
-        ex = meta.get("exercise") if isinstance(meta, dict) else None
-        if c.get("cell_type") == "code" and isinstance(ex, str):
-            found.setdefault(ex, []).append(c.source if isinstance(c.source, str) else "".join(c.source))
+        ex = mgpu(c).get("exercise") if isinstance(mgpu(c), dict) else None
+        if c.cell_type == "code" and isinstance(ex, str):
+            found.setdefault(ex, []).append(c.source)  # nbformat.reads joins a list of lines
     sub = Submission()
     for spec in course.exercises:
         cells = found.get(spec.id, [])
@@ -127,7 +126,7 @@ def _grader_cell(ex: str, work: str, step: str):
     # __import__ keeps the learner's namespace free of grader names.
     args = f"{ex!r}, globals(), {work!r}" if step == "harvest" else f"{ex!r}, {work!r}"
     source = ("# Added by mgpu-grade: runs your function on the grader's inputs; the verdict is decided outside.\n"
-              f"__import__('mgpu_helpers.tools.grading.harvest', fromlist=['{step}']).{step}({args})")
+              f"__import__('mgpu_helpers.tools.grading.judge', fromlist=['{step}']).{step}({args})")
     return nbformat.v4.new_code_cell(source, id=f"mgpu-grade-{step}-{ex.replace('.', '-')}",
                                      metadata={"mgpu_grade": {step: ex}})
 

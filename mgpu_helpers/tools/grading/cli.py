@@ -29,10 +29,9 @@ from pathlib import Path
 from ..authoring import course_notebooks
 from .assemble import load_course, read_submission
 from .execute import (RUNNING, STOP, Limits, check_allowlist, course_files, default_processes, hidden_from_kernel,
-                      isolation_line, kill, needed_paths, own_user, processes_bounded, protected_paths,
-                      readable_by_kernel, reset_sandbox, sandbox)
+                      isolation_line, kill, needed_paths, protected_paths, readable_by_kernel, reset_sandbox, sandbox)
+from .report import MARKER, merge, parse_shard, partition, write_all, write_marker
 from .score import Context, Row, grade_notebook
-from .shards import MARKER, merge, parse_shard, partition, write_marker
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -43,11 +42,11 @@ def resolve_module(name: str) -> str:
 
 
 def grader_key(arg: str | None, out: Path) -> bytes:
+    """--key, else $MGPU_GRADE_KEY, else OUT/.mgpu-grade-key (made on the first run; OUT exists)."""
     if arg or os.environ.get("MGPU_GRADE_KEY"):
         return (arg or os.environ["MGPU_GRADE_KEY"]).encode()
     path = out / ".mgpu-grade-key"
     if not path.exists():
-        out.mkdir(parents=True, exist_ok=True)
         path.write_text(secrets.token_hex(32) + "\n")
         path.chmod(0o600)
     return path.read_text().strip().encode()
@@ -67,7 +66,7 @@ def parse(argv):
     ap.add_argument("--output-cap", type=int, default=2**20, help="bytes of output per cell (x8 per notebook)")
     ap.add_argument("--max-processes", type=int, default=0,
                     help=f"processes and threads of one notebook's sandbox (default {default_processes()} here)")
-    ap.add_argument("--key", default=None, help="grading key for the seeds (default: $MGPU_GRADE_KEY or OUT/.mgpu-grade-key)")
+    ap.add_argument("--key", help="grading key for the seeds (default: $MGPU_GRADE_KEY or OUT/.mgpu-grade-key)")
     ap.add_argument("--import-path", type=Path, action="append", default=[],
                     help="extra directory on the kernel's and the judge's import path (course modules)")
     ap.add_argument("--keep-scratch", action="store_true", help="keep the assembled notebooks and run logs")
@@ -139,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .hidden import load_hidden
     from .judge import Judge
-    from .report import write_all
 
     out = a.out.resolve()
     key = grader_key(a.key, out)
@@ -148,30 +146,28 @@ def main(argv: list[str] | None = None) -> int:
     for ex in sorted(set(hidden) - known):
         print(f"mgpu-grade: warning: hidden checks for exercise {ex}, which no notebook has", file=sys.stderr)
     reset_sandbox()
-    prefix, _, why = sandbox(disable=a.no_sandbox, user_only=a.isolation == "user")
-    if prefix is None and not own_user():
-        print("mgpu-grade: WARNING: no mount/pid namespace here (" + why + "): learner code runs with the grader's "
+    iso = sandbox(disable=a.no_sandbox, user_only=a.isolation == "user")
+    if iso.prefix is None and not iso.own_user:
+        print("mgpu-grade: WARNING: no mount/pid namespace here (" + iso.why + "): learner code runs with the grader's "
               "view of the file system and CAN READ the solutions, the hidden checks and other submissions. "
               "Grade on Linux with unshare(1) (as root, or with unprivileged user namespaces).", file=sys.stderr)
-    elif not processes_bounded():
+    elif not iso.bounded:
         print("mgpu-grade: WARNING: RLIMIT_NPROC does not hold in the sandbox here: a fork bomb is bounded only by "
               "the timeouts.", file=sys.stderr)
     imports = [str(p.resolve()) for p in a.import_path]
-    scratch = Path(tempfile.mkdtemp(prefix="mgpu-grade-"))
     keep = needed_paths(imports)
-    protect = protected_paths([a.solutions.resolve(), a.hidden and a.hidden.resolve(), a.submissions.resolve(),
-                               out, scratch])
-    isolation = isolation_line()
+    protect = protected_paths([a.solutions.resolve(), a.hidden and a.hidden.resolve(), a.submissions.resolve(), out])
     try:
-        check_allowlist(keep, protect)
+        check_allowlist(keep, [*protect, os.path.realpath(tempfile.gettempdir())])  # the jobs' scratch goes there
     except ValueError as e:
-        shutil.rmtree(scratch, ignore_errors=True)
         print(f"mgpu-grade: {e}", file=sys.stderr)
         return 2
-    if prefix is None and own_user():
+    scratch = Path(tempfile.mkdtemp(prefix="mgpu-grade-"))
+    isolation = isolation_line()
+    if iso.own_user:
         scratch.chmod(0o755)  # pytest lists the work folder's parents; every job file but the assets is 0600
         out.chmod(0o700)      # earlier runs' grades
-        exposed = readable_by_kernel([p for p in protect if p != str(scratch)] + hidden_from_kernel())
+        exposed = readable_by_kernel(protect + hidden_from_kernel())
         if exposed:
             print("mgpu-grade: WARNING: without namespaces the kernel's user can read " + ", ".join(exposed)
                   + ": make them unreadable to other users (chmod go-rwx) or grade where namespaces work",
@@ -180,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mgpu-grade: {isolation}", flush=True)
     import matplotlib
     ctx = Context(key, Limits(a.timeout, a.notebook_timeout, int(a.memory * 2**30), a.output_cap, 8 * a.output_cap,
-                              a.max_processes),
-                  {ex: hs for ex, hs in hidden.items() if ex in known}, {nb.name: resolve_module(nb.module) for nb in course},
+                              a.max_processes or default_processes()),
+                  {ex: hs for ex, hs in hidden.items() if ex in known},
+                  {nb.name: resolve_module(nb.module) for nb in course},
                   keep, imports, matplotlib.get_cachedir(), course_files(a.solutions))
     everyone = students = sorted(d.name for d in a.submissions.iterdir() if d.is_dir() and not d.name.startswith("."))
     if a.shard:
@@ -195,15 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mgpu-grade: {s}: ignored {', '.join(foreign)} (not a notebook of this course)")
     judges: queue.Queue = queue.Queue()
     modules = sorted({m for m in ctx.modules.values() if m})
-    for i in range(a.jobs):  # started now: they import the checks before any learner code runs
-        judges.put(Judge(imports, modules, a.hidden and str(a.hidden.resolve()), scratch / f"judge{i}.log").start())
+    for i in range(a.jobs):  # started now: they import the checks while the first notebooks run
+        judges.put(Judge(imports, modules, a.hidden and str(a.hidden.resolve()), scratch / f"judge{i}.log"))
     tasks = [(i, s, nb) for i, (s, nb) in enumerate((s, nb) for s in students for nb in course)]
 
     def grade(task):
         i, s, nb = task
-        judge = judges.get()
+        judge, job = judges.get(), scratch / f"{i:05d}"
         try:
-            return grade_notebook(ctx, judge, s, nb, read_submission(a.submissions / s / nb.name, nb), scratch / f"{i:05d}")
+            return grade_notebook(ctx, judge, s, nb, read_submission(a.submissions / s / nb.name, nb), job)
         except Exception:  # noqa: BLE001 - a grader bug costs this notebook, not the class
             msg = "grader error: " + traceback.format_exc().strip().splitlines()[-1]
             traceback.print_exc()
@@ -211,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             judges.put(judge)
             if not a.keep_scratch:
-                shutil.rmtree(scratch / f"{i:05d}", ignore_errors=True)
+                shutil.rmtree(job, ignore_errors=True)
 
     rows: list[Row] = []
     # SLURM's time limit and scancel send SIGTERM: stop as on Ctrl-C (the handler raises KeyboardInterrupt)

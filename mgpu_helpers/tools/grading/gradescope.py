@@ -9,6 +9,7 @@ notebooks, hidden checks, ``grading.json`` with the key and limits: root's alone
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -23,6 +24,7 @@ from pathlib import Path
 from ..authoring import course_notebooks
 
 VENV = "/opt/mgpu-grade"
+LIMITS = ("jobs", "timeout", "notebook_timeout", "memory")  # grading.json's, from mgpu-course autograder
 PINNED = ("numpy", "ipykernel", "matplotlib", "nbformat", "nbclient", "nbval", "pytest", "cloudpickle",
           "tqdm", "jupyter_client", "ipywidgets", "jupyterlab")
 
@@ -58,10 +60,8 @@ def constraints() -> str:
     index)."""
     lines = []
     for name in PINNED:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             lines.append(f"{name}=={metadata.version(name).split('+')[0]}")  # a local build's +tag: no release
-        except metadata.PackageNotFoundError:
-            continue
     return "\n".join(lines) + "\n"
 
 
@@ -119,7 +119,7 @@ def collect(submission: Path, names: set[str]) -> tuple[dict[str, Path], list[st
     """The course's notebooks among the uploaded files, wherever they lie (a zip upload keeps its folders):
     (notebook name -> file, notes for the student)."""
     found: dict[str, list[Path]] = {}
-    for p in sorted(submission.rglob("*.ipynb")) if submission.is_dir() else []:
+    for p in sorted(submission.rglob("*.ipynb"), key=lambda q: (len(q.parts), str(q))):  # the shallowest first
         if p.is_file() and not p.is_symlink() and ".ipynb_checkpoints" not in p.parts:
             found.setdefault(p.name, []).append(p)
     notes = []
@@ -127,7 +127,6 @@ def collect(submission: Path, names: set[str]) -> tuple[dict[str, Path], list[st
         if name not in names:
             notes.append(f"{name} is not a notebook of this course: ignored")
         elif len(paths) > 1:
-            paths.sort(key=lambda q: (len(q.parts), str(q)))
             notes.append(f"{name} was uploaded {len(paths)} times: graded {paths[0].relative_to(submission)}")
     return {n: ps[0] for n, ps in found.items() if n in names}, notes
 
@@ -153,14 +152,9 @@ def run(root: Path) -> int:
             notes.append("no notebook of this course was found in the submission (upload the .ipynb files, e.g. "
                          + ", ".join(sorted(names)[:2]) + ")")
         argv = [str(tmp / "submissions"), "--out", str(tmp / "out"), "--solutions", str(course / "solutions"),
-                "--key", config["key"], "--jobs", str(config.get("jobs", 1))]
-        for flag in ("timeout", "notebook_timeout", "memory"):
-            if flag in config:
-                argv += [f"--{flag.replace('_', '-')}", str(config[flag])]
-        if config.get("hidden"):
-            argv += ["--hidden", str(course / "hidden")]
-        for d in config.get("imports", []):
-            argv += ["--import-path", str(root / "source" / d)]
+                "--key", config["key"], *(f"--{k.replace('_', '-')}={config[k]}" for k in LIMITS),
+                *(["--hidden", str(course / "hidden")] if config["hidden"] else []),
+                *(f"--import-path={root / 'source' / d}" for d in config["imports"])]
         try:
             rc = grade(argv)
         except Exception as e:  # noqa: BLE001 - Gradescope needs a results.json whatever happened
@@ -178,13 +172,9 @@ def run(root: Path) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(prog="python -m mgpu_helpers.tools.grading.gradescope",
                                  description="run_autograder: grade ROOT/submission into ROOT/results/results.json")
     ap.add_argument("root", type=Path, nargs="?", default=Path("/autograder"), help="Gradescope's /autograder")
-    return run(ap.parse_args(argv).root)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(ap.parse_args().root))

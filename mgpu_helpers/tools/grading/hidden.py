@@ -58,17 +58,5 @@ class HiddenProxy(Check):
     kernel the hidden cases arrive as data, never as code. ``id`` is set per instance, so it never registers."""
 
     def __init__(self, base: Check, cases, judge=None):
-        self.base, self.id, self.function = base, base.id, base.function
-        self._cases, self._judge = cases, judge or base.judge
-
-    def cases(self, rng):
-        return self._cases(rng)
-
-    def run(self, fn, case):
-        return self.base.run(fn, case)
-
-    def judge(self, case, result):
-        return self._judge(case, result)
-
-    def describe(self, case):
-        return self.base.describe(case)
+        self.id, self.function, self.cases = base.id, base.function, cases
+        self.run, self.describe, self.judge = base.run, base.describe, judge or base.judge

@@ -1,7 +1,8 @@
 """pytest plugin for the sandboxed nbval process (``-p mgpu_helpers.tools.grading.nbplugin``), never the kernel.
 
 It writes one JSON line per cell to ``--mgpu-report-fd``: pytest's outcome, the kernel's ``execute_reply``
-status, the error, the bytes of output, and whether the cell timed out, the kernel died or a cap was hit.
+status, the error, the bytes of output, and the first ``event`` that ended the run there: "output-limit",
+"kernel-died", "timeout" or "process-limit".
 It hardens nbval for untrusted code: a dead kernel is noticed at once, not at the cell timeout; output beyond
 the caps, or tasks near ``--mgpu-max-tasks`` (the sandbox's RLIMIT_NPROC: a fork bomb) left after a cell, kill
 the kernel; the run stops at the first such cell; the notebook file is deleted once collected (the kernel
@@ -9,6 +10,7 @@ cannot read the stored outputs) and this process is non-dumpable (the kernel can
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -47,18 +49,10 @@ def _tasks() -> int:
     namespace; without one, the host's, of which only the kernel's own user's count."""
     n, me = 0, os.getuid()
     for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.stat(f"/proc/{pid}").st_uid == me:
-                    n += len(os.listdir(f"/proc/{pid}/task"))
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == me:
+                n += len(os.listdir(f"/proc/{pid}/task"))
     return n
-
-
-def _output_bytes(msg) -> int:
-    """What the cell shows (streams, displays, errors); the protocol's own messages are free."""
-    return len(json.dumps(msg["content"], ensure_ascii=False, default=str)) if msg["msg_type"] in OUTPUTS else 0
 
 
 def _patch_nbval():
@@ -69,14 +63,15 @@ def _patch_nbval():
     original_get = RunningKernel.get_message
 
     def _count(self, cur, msg):
-        n = _output_bytes(msg)
+        # what the cell shows (streams, displays, errors); the protocol's own messages are free
+        n = len(json.dumps(msg["content"], ensure_ascii=False, default=str)) if msg["msg_type"] in OUTPUTS else 0
         cur["bytes"] += n
         _state["total"] += n
         if msg["msg_type"] == "error":
             cur["ename"] = str(msg["content"].get("ename", ""))[:100]
             cur["evalue"] = str(msg["content"].get("evalue", ""))[:300]
         if cur["bytes"] > _state["cap"] or _state["total"] > _state["cap_total"]:
-            cur["capped"] = True
+            cur["event"] = cur["event"] or "output-limit"
             self.km.signal_kernel(signal.SIGKILL)  # nbval then fails the cell and the run stops
             raise Empty
 
@@ -84,7 +79,7 @@ def _patch_nbval():
         # nbval reads a cell's output only after its execute_reply: read it while waiting, so a flood is
         # counted (and stopped) as it happens instead of piling up in memory until the cell ends.
         pending = self.__dict__.setdefault("_mgpu_pending", deque())
-        while not cur["capped"]:
+        while cur["event"] != "output-limit":
             try:
                 msg = self.kc.get_iopub_msg(timeout=0)
             except Empty:
@@ -103,54 +98,42 @@ def _patch_nbval():
                 if getter == self.kc.get_shell_msg:
                     _drain(self, cur)
                 if not self.is_alive():
-                    cur["died"] = True
+                    cur["event"] = cur["event"] or "kernel-died"
                     raise
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
 
-    def get_message(self, stream, timeout=None):
+    def get_message(self, stream, timeout=None):  # nbval's await_reply reads "shell" through it too
         cur = _state["cell"]
-        if cur is None or stream != "iopub":
+        if cur is None:
             return original_get(self, stream, timeout=timeout)
+        if stream == "shell":
+            try:
+                msg = _wait(self, self.kc.get_shell_msg, timeout, cur)
+            except Empty:
+                cur["event"] = cur["event"] or "timeout"
+                raise
+            if msg["msg_type"] == "execute_reply":  # the cell's: the run stops at the first one that hangs
+                cur["status"] = msg["content"]["status"]
+            return msg
         pending = self.__dict__.get("_mgpu_pending")
         if pending:
             return pending.popleft()  # already counted
-        if cur["capped"]:
+        if cur["event"] == "output-limit":
             raise Empty
         msg = _wait(self, self.kc.get_iopub_msg, timeout, cur)
         _count(self, cur, msg)
         return msg
 
-    def await_reply(self, msg_id, timeout=None):
-        cur = _state["cell"]
-        while True:
-            if cur is None:
-                msg = original_get(self, "shell", timeout=timeout)
-            else:
-                try:
-                    msg = _wait(self, self.kc.get_shell_msg, timeout, cur)
-                except Empty:
-                    cur["timeout"] = not (cur["died"] or cur["capped"])
-                    raise
-            if msg["parent_header"].get("msg_id") == msg_id:
-                if cur is not None:
-                    cur["status"] = msg["content"]["status"]
-                if msg["content"]["status"] == "aborted":
-                    raise RuntimeError("Kernel aborted execution request")
-                return
-
     RunningKernel.get_message = get_message
-    RunningKernel.await_reply = await_reply
 
 
 def pytest_collection_finish(session):
     if _state["out"] is None:
         return
     for path in {str(item.path) for item in session.items}:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -159,7 +142,7 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     cur = {"cell": item.cell_num, "status": None, "ename": None, "evalue": None, "bytes": 0, "failure": None,
-           "timeout": False, "died": False, "capped": False, "dead_at_start": False, "tasks": False, "reports": {}}
+           "event": None, "reports": {}}
     _state["cell"] = cur
     try:
         yield
@@ -169,15 +152,11 @@ def pytest_runtest_protocol(item, nextitem):
         setup, call = r.get("setup", "missing"), r.get("call", "missing")
         cur["outcome"] = call if setup == "passed" else ("error" if setup == "failed" else setup)
         if _state["tasks"] and _tasks() >= _state["tasks"] * 3 // 4:
-            cur["tasks"] = True
-            kernel = getattr(item.parent, "kernel", None)
-            if kernel is not None:
-                try:
-                    kernel.km.signal_kernel(signal.SIGKILL)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
+            cur["event"] = cur["event"] or "process-limit"
+            with contextlib.suppress(Exception):  # no kernel, or already gone
+                item.parent.kernel.km.signal_kernel(signal.SIGKILL)
         _state["out"].write(json.dumps(cur, sort_keys=True) + "\n")
-        if cur["timeout"] or cur["died"] or cur["capped"] or cur["tasks"]:
+        if cur["event"]:
             # Nothing later in this run can count (nbval xfails every cell after a timeout): stop now, and
             # let the grader re-run the rest with this exercise stubbed.
             item.session.shouldstop = "mgpu-grade: the kernel is gone or timed out"
@@ -185,26 +164,18 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    cur = _state["cell"]
-    if cur is not None:
-        kernel = getattr(item.parent, "kernel", None)
-        cur["dead_at_start"] = kernel is None or not kernel.is_alive()
+    kernel = getattr(item.parent, "kernel", None)
+    if _state["cell"] is not None and item.cell_num > 0 and (kernel is None or not kernel.is_alive()):
+        _state["cell"]["event"] = "kernel-died"  # between cells (a thread of the learner's, say)
     yield
 
 
-def pytest_runtest_logreport(report):
-    cur = _state["cell"]
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: the report as the skipping plugin leaves it
+def pytest_runtest_makereport(item, call):
+    cur, rep = _state["cell"], (yield).get_result()
     if cur is None:
         return
-    if hasattr(report, "wasxfail"):  # only PASSED counts: an xfail or xpass is recorded as such
-        cur["reports"][report.when] = "xfailed" if report.skipped else "xpassed"
-    else:
-        cur["reports"][report.when] = report.outcome
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    cur, rep = _state["cell"], outcome.get_result()
-    if cur is not None and rep.failed and call.excinfo is not None and cur["failure"] is None:
+    # only PASSED counts: an xfail or xpass is recorded as such
+    cur["reports"][rep.when] = ("xfailed" if rep.skipped else "xpassed") if hasattr(rep, "wasxfail") else rep.outcome
+    if rep.failed and call.excinfo is not None and cur["failure"] is None:
         cur["failure"] = str(call.excinfo.value)[:300]

@@ -1,10 +1,20 @@
 """Write the results: OUT/grades.csv, OUT/<student>/feedback.md, OUT/<student>/results.json (Gradescope),
-OUT/summary.png. Everything is sorted and free of timestamps, so a re-run writes identical files."""
+OUT/summary.png. Everything is sorted and free of timestamps, so a re-run writes identical files.
+
+A class split over SLURM array tasks: ``mgpu-grade SUB --out OUT_K --shard K/N``, then ``mgpu-grade merge
+OUT_1 ... OUT_N --out OUT`` (GRADING.md, "A SLURM cluster"). Students are ordered by a keyed hash and dealt
+round-robin; merge copies each student's files as the shard wrote them and rebuilds grades.csv and summary.png.
+"""
 from __future__ import annotations
 
 import csv
+import hashlib
+import hmac
 import json
-from collections import defaultdict
+import shutil
+import sys
+from itertools import groupby
+from operator import attrgetter
 from pathlib import Path
 
 from .score import Row
@@ -27,32 +37,23 @@ def _label(r: Row) -> str:
     return f"exercise {r.exercise}"
 
 
-def _indent(msg: str) -> str:
-    return msg.replace("\n", "\n  ")
-
-
 def feedback(student: str, rows: list[Row]) -> str:
     total, most = sum(r.points for r in rows), sum(r.max_points for r in rows)
     out = [f"# Feedback for {student}", "", f"**Total: {total} / {most} points**", "",
            "Only the code in your exercise cells is graded: it runs in a fresh copy of the course notebook, and "
            "each check also runs your function on inputs chosen by the grader.", ""]
-    by_nb: dict[str, list[Row]] = defaultdict(list)
-    for r in rows:
-        by_nb[r.notebook].append(r)
-    for nb, nrows in by_nb.items():
+    for nb, nrows in groupby(rows, key=attrgetter("notebook")):
+        nrows = list(nrows)
         out += [f"## {nb}: {sum(r.points for r in nrows)} / {sum(r.max_points for r in nrows)}", ""]
-        good = [r for r in nrows if r.status == "passed"]
-        bad = [r for r in nrows if r.status != "passed"]
-        if good:
-            out += ["What passed:", ""] + [f"- {_label(r)} ({r.points}/{r.max_points}): {_indent(r.message)}"
-                                           for r in good] + [""]
-        if bad:
-            out += ["What to fix:", ""] + [f"- {_label(r)} (0/{r.max_points}, {r.status}): {_indent(r.message)}"
-                                           for r in bad] + [""]
+        for title, passed in (("What passed:", True), ("What to fix:", False)):
+            mine = [r for r in nrows if (r.status == "passed") == passed]
+            if mine:
+                out += [title, ""] + [f"- {_label(r)} ({r.points}/{r.max_points}{'' if passed else ', ' + r.status}): "
+                                      + r.message.replace("\n", "\n  ") for r in mine] + [""]
     return "\n".join(out).rstrip() + "\n"
 
 
-def gradescope(rows: list[Row], isolation: str = "") -> dict:
+def gradescope(rows: list[Row], isolation: str) -> dict:
     """Gradescope's results.json: per test name, score, max_score, status, output and visibility (hidden
     checks' rows are shown once grades are published); the total score; ``output``: what isolated the run."""
     tests = [{"name": f"{r.notebook}: {_label(r)}", "score": r.points, "max_score": r.max_points,
@@ -87,17 +88,84 @@ def summary_plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def write_all(rows: list[Row], out: Path, isolation: str = "") -> None:
+def write_all(rows: list[Row], out: Path, isolation: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "grades.csv")
-    by_student: dict[str, list[Row]] = defaultdict(list)
-    for r in rows:
-        by_student[r.student].append(r)
-    for s, srows in sorted(by_student.items()):
-        d = out / s
-        d.mkdir(exist_ok=True)
-        (d / "feedback.md").write_text(feedback(s, srows), encoding="utf-8")
-        (d / "results.json").write_text(json.dumps(gradescope(srows, isolation), indent=2, ensure_ascii=False) + "\n",
-                                        encoding="utf-8")
+    for s, srows in groupby(sorted(rows, key=attrgetter("student")), key=attrgetter("student")):
+        srows = list(srows)
+        (out / s).mkdir(exist_ok=True)
+        (out / s / "feedback.md").write_text(feedback(s, srows), encoding="utf-8")
+        (out / s / "results.json").write_text(json.dumps(gradescope(srows, isolation), indent=2, ensure_ascii=False)
+                                              + "\n", encoding="utf-8")
     if rows:
         summary_plot(rows, out / "summary.png")
+
+
+MARKER = "shard.json"
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """"K/N" -> (K, N) with 1 <= K <= N (SLURM's $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT, arrays from 1)."""
+    k, sep, n = text.partition("/")
+    if not (sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise ValueError(f"--shard {text}: K/N with 1 <= K <= N, e.g. --shard 3/8")
+    return int(k), int(n)
+
+
+def partition(students: list[str], key: bytes, n: int) -> list[list[str]]:
+    """The class dealt into n slices: every student exactly once, the same slices for the same key and class."""
+    order = sorted(students, key=lambda s: (hmac.new(key, b"shard\0" + s.encode(), hashlib.sha256).digest(), s))
+    return [sorted(order[i::n]) for i in range(n)]
+
+
+def write_marker(out: Path, k: int, n: int, students: list[str], key: bytes) -> None:
+    slices = partition(students, key, n)
+    # "key" names the key without revealing it: merge refuses shards graded with different keys
+    tag = hmac.new(key, b"mgpu-grade shard tag", hashlib.sha256).hexdigest()[:16]
+    (out / MARKER).write_text(json.dumps({"shard": k, "of": n, "key": tag, "students": slices[k - 1],
+                                          "slices": slices}, indent=1) + "\n")
+
+
+def merge(dirs: list[Path], out: Path) -> int:
+    """Write the class's grades from the shards' output folders; 0, or 1 when a shard is missing."""
+    markers, problems = {}, []
+    for d in dirs:
+        try:
+            markers[d] = json.loads((d / MARKER).read_text())
+        except (OSError, ValueError):
+            problems.append(f"{d}: no {MARKER} (the shard did not finish)")
+    if not markers:
+        print("mgpu-grade merge: no finished shard among " + ", ".join(map(str, dirs)), file=sys.stderr)
+        return 2
+    first = next(iter(markers.values()))
+    if any((m["of"], m["key"], m["slices"]) != (first["of"], first["key"], first["slices"]) for m in markers.values()):
+        print("mgpu-grade merge: these shards come from different splits (another --shard N, key or class): "
+              "re-run them with the same key on the same submissions", file=sys.stderr)
+        return 2
+    got = {m["shard"]: d for d, m in markers.items()}
+    missing = [k for k in range(1, first["of"] + 1) if k not in got]
+    for k in missing:
+        names = first["slices"][k - 1]
+        problems.append(f"shard {k}/{first['of']} missing: {len(names)} student(s) NOT graded: {', '.join(names)}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    for k in sorted(got):
+        d = got[k]
+        with open(d / "grades.csv", newline="", encoding="utf-8") as f:
+            rows += [Row(r["student"], r["notebook"], r["exercise"], int(r["points"]), int(r["max_points"]),
+                         r["status"], r["message"], hidden=" hidden: " in r["exercise"]) for r in csv.DictReader(f)]
+        for s in first["slices"][k - 1]:
+            if (d / s).is_dir():
+                shutil.copytree(d / s, out / s, dirs_exist_ok=True)
+    rows.sort(key=attrgetter("student"))  # stable: each student's rows keep the order one run gives them
+    write_csv(rows, out / "grades.csv")
+    if rows:
+        summary_plot(rows, out / "summary.png")
+    (out / "MISSING.txt").unlink(missing_ok=True)
+    if problems:
+        (out / "MISSING.txt").write_text("\n".join(problems) + "\n")
+        print("\n".join(f"mgpu-grade merge: {p}" for p in problems), file=sys.stderr)
+    print(f"mgpu-grade merge: {len(got)}/{first['of']} shards, {len({r.student for r in rows})} students -> {out}"
+          + (f"; {sum(len(first['slices'][k - 1]) for k in missing)} students missing (see MISSING.txt)"
+             if missing else ""))
+    return 1 if problems else 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import nbformat
 
 from .assemble import CourseNotebook, Submission, assemble, clean_source
-from .execute import Limits, RunResult, default_processes, run_job, work_dir
+from .execute import Limits, RunResult, run_job, work_dir
 
 
 @dataclass
@@ -83,16 +83,8 @@ def _events(run: RunResult, layout, exercises) -> tuple[int, str] | None:
         if r is None:
             found.append((c, "notebook-timeout" if run.timed_out else "error"))
             break
-        if r["capped"]:
-            found.append((c, "output-limit"))
-        elif r["died"] or (r["dead_at_start"] and c > 0):
-            found.append((c, "kernel-died"))
-        elif r["timeout"]:
-            found.append((c, "timeout"))
-        elif r.get("tasks"):
-            found.append((c, "process-limit"))
-        elif r["outcome"] == "error":
-            found.append((c, "error"))
+        if r["event"] or r["outcome"] == "error":
+            found.append((c, r["event"] or "error"))
     for ex in exercises:
         h = layout.harvest[ex]
         if h in run.records and ex not in run.results:
@@ -108,7 +100,7 @@ def _catastrophe(kind: str, ex: str, ctx: Context, run: RunResult) -> tuple[str,
         "kernel-died": ("kernel-died", f"the kernel died while running exercise {ex}: os._exit, a crash, or running "
                         f"out of memory (the limit is {lim.memory / 2**30:g} GiB) ends it"),
         "process-limit": ("process-limit", f"exercise {ex} left too many processes or threads running (the sandbox "
-                          f"allows {lim.processes or default_processes()} in all; a fork bomb?)"),
+                          f"allows {lim.processes} in all; a fork bomb?)"),
         "output-limit": ("output-limit", f"a cell of exercise {ex} printed more than {lim.output_cap} bytes "
                          f"(or the notebook more than {lim.output_cap_total})"),
         "sabotage": ("failed", f"the grader's cell after exercise {ex} did not run: code in the exercise changed "
@@ -136,12 +128,14 @@ def _cell_problem(r: dict | None) -> str:
     return _first_line(r["failure"] or "the cell failed")
 
 
+def _oom(text: str) -> bool:
+    return "MemoryError" in text or "can't allocate memory" in text
+
+
 def _status(ok: bool, msg: str) -> str:
-    if ok:
-        return "passed"
-    if "not implemented yet" in msg:
-        return "not-implemented"
-    return "memory-limit" if "MemoryError" in msg or "can't allocate memory" in msg else "failed"
+    if ok or "not implemented yet" in msg:
+        return "passed" if ok else "not-implemented"
+    return "memory-limit" if _oom(msg) else "failed"
 
 
 def _normal(ex, spec, run, layout, verdict) -> tuple[str, str]:
@@ -151,8 +145,7 @@ def _normal(ex, spec, run, layout, verdict) -> tuple[str, str]:
     if ok and cell_ok:
         return "passed", msg
     span = [run.records.get(c) or {} for c in range(layout.exercise[ex], layout.span_end(ex) + 1)]
-    if any("MemoryError" in f"{r.get('ename')} {r.get('evalue')}" or "can't allocate memory" in (r.get("evalue") or "")
-           for r in span):
+    if any(_oom(f"{r.get('ename')} {r.get('evalue')}") for r in span):
         return "memory-limit", f"{msg} (the memory limit was hit)"
     if not ok:
         return ("error" if verdict.get("error") else _status(ok, msg)), msg
@@ -190,8 +183,7 @@ def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, su
     while pending:  # each run but the last stubs one more exercise
         work = job / str(len(stubbed))
         nb, layout = assemble(course, sub.sources, stubbed, work_dir(work))
-        run = run_job(work, course.name, nbformat.writes(nb), grade_in, [e.id for e in course.exercises],
-                      ctx.limits, ctx.keep, ctx.import_paths, ctx.mpl_cache, ctx.extra)
+        run = run_job(work, course.name, nbformat.writes(nb), grade_in, [e.id for e in course.exercises], ctx)
         event = _events(run, layout, pending)
         done = [ex for ex in pending if event is None or layout.span_end(ex) < event[0]]
         tasks = [{"exercise": ex, "module": ctx.modules[course.name], "seed": seeds[ex][0],
