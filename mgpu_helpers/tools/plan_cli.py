@@ -135,9 +135,9 @@ def process_pool(workers):
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from mgpu_helpers.runtime.launch import _cores
+    from mgpu_helpers.runtime.launch import cores
     return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
-                               initargs=(max(1, _cores() // workers),))
+                               initargs=(max(1, cores() // workers),))
 
 
 def _plans_of(a, s, prec, ck, k):
