@@ -123,28 +123,29 @@ class Check:
 
     # A function whose run timed out (a hung rank) is not run again by the same check id on the same function
     # object: that would pay the timeout twice. Re-running its cell makes a new object, which runs again.
-    def _timeouts(self, fn: Callable) -> dict:  # {check id: message}
+    def _run(self, fn: Callable, case: dict) -> Any:
         try:
-            return _TIMED_OUT.setdefault(fn, {})
+            timed_out = _TIMED_OUT.setdefault(fn, {})  # {check id: message}
         except TypeError:  # not weak-referenceable
-            return {}
-
-    def _call(self, fn: Callable, case: dict) -> Any:
-        before = self._timeouts(fn).get(self.id)
-        if before is not None:
-            raise CheckFailure(before + "\n  (this function timed out in an earlier run of this check and is not "
-                               "run again; fix it and re-run its cell)")
+            timed_out = {}
+        if self.id in timed_out:
+            raise TimeoutError(timed_out[self.id] + "\n  (this function timed out in an earlier run of this check "
+                               "and is not run again; fix it and re-run its cell)")
         try:
             return self.run(fn, case)
+        except TimeoutError as e:
+            timed_out[self.id] = str(e)
+            raise
+
+    def _call(self, fn: Callable, case: dict) -> Any:
+        try:
+            return self._run(fn, case)
         except CheckFailure:
             raise
         except Exception as e:  # the learner's code raised: show it, with the traceback chained below
             if is_stub(e):
                 raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
-            failure = CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}")
-            if isinstance(e, TimeoutError):
-                self._timeouts(fn)[self.id] = str(failure)
-            raise failure from e
+            raise CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}") from e
 
     def judge_one(self, i: int, n: int, case: dict, result: Any) -> None:
         where = f"Exercise {self.id} ✗ {self.function}, case {i + 1} of {n} ({self.describe(case)}):\n  "
@@ -195,17 +196,11 @@ class Check:
         out = []
         with one_thread():
             for case in self.make_cases(seed):
-                before = self._timeouts(fn).get(self.id)
-                if before is not None:  # timed out already (in the check cell, or an earlier case): not again
-                    out.append({"ok": False, "error": f"TimeoutError: {before}", "traceback": ""})
-                    continue
                 try:
-                    out.append({"ok": True, "result": self.run(fn, case)})
+                    out.append({"ok": True, "result": self._run(fn, case)})
                 except Exception as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
                     out.append({"ok": False, "error": f"{type(e).__name__}: {e}",
                                 "traceback": "".join(traceback.format_exception(e))[-4000:]})
-                    if isinstance(e, TimeoutError):
-                        self._timeouts(fn)[self.id] = f"{type(e).__name__}: {e}"
         return out
 
     def judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:

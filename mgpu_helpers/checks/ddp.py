@@ -71,23 +71,17 @@ def _learner_rank(rank, world_size, fn, case):
             "mismatch": ledger.finish()}
 
 
-def _local_grads(case):  # each rank's own gradients, by rank
-    return [_named_grads(_backward(case, rank)) for rank in range(case["world_size"])]
-
-
 def _references(case) -> list[dict]:
     """Each rank's own gradients. Computed in a rank of its own where there are GPUs: a backward pass in
     this process would start autograd's GPU threads on a CUDA build, and ranks forked after that fail."""
-    if torch.cuda.device_count() == 0:
-        return _local_grads(case)
-    return run_ranks(lambda rank, world, c: _local_grads(c), 1, case, backend="gloo", timeout=15)[0]
+    local = lambda _, __, c: [_named_grads(_backward(c, r)) for r in range(c["world_size"])]  # noqa: E731
+    return run_ranks(local, 1, case, backend="gloo", timeout=15)[0] if torch.cuda.device_count() else local(0, 1, case)
 
 
 def _expected_buckets(sizes: list[int], cap: int, close_at_cap: bool = False, after: bool = False) -> list[int]:
-    """Greedy packing in parameter order: start a new bucket when adding the next gradient would make
-    the current one exceed ``cap``; a gradient larger than ``cap`` therefore gets a bucket of its own.
-    (``close_at_cap``: the off-by-one that also closes a bucket that would be exactly at the cap;
-    ``after``: DDP's own rule, which closes a bucket once it has reached the cap.)"""
+    """Greedy packing in parameter order: a new bucket when the next gradient would take the current one over
+    ``cap`` (so one larger than ``cap`` gets its own). ``close_at_cap``: the off-by-one that also closes a bucket
+    exactly at the cap; ``after``: DDP's own rule, which closes a bucket once it has reached the cap."""
     buckets: list[int] = []
     for n in sizes:
         if buckets and (buckets[-1] < cap if after else (buckets[-1] + n < cap if close_at_cap
