@@ -20,9 +20,8 @@ from ..runtime.comm_log import CommLog
 
 
 def _rank_12_1(rank, world, fn, case):
-    """One steady step of the notebook's model sharded by the learner's ``fn(model, mesh)`` as this rank:
-    its peak (the profiler's), bytes it received in all-gathers, the forward's issue order, and whether
-    the blocks and the root are ``fully_shard`` units."""
+    """One steady step of the model sharded by ``fn(model, mesh)`` as this rank: its peak, bytes all-gathered,
+    the forward's issue order, and whether the blocks and the root are ``fully_shard`` units."""
     m = measure(rank, world, {}, categories=False, seed=case["seed"], shard_fn=fn, keep=True)
     model = m["model"]
     return {"root": isinstance(model, FSDPModule), "blocks": [isinstance(b, FSDPModule) for b in blocks(model)],
@@ -185,10 +184,9 @@ def _saved(path, world) -> dict:
 
 
 def _baseline(case, optimizer="loaded", load_nothing=False):
-    """One process, the whole batch: (parameters after ``before`` steps, after ``before + after``). From the
-    load on, Adam goes on with its state and the saved lr (``"loaded"``), with its state but the fresh
-    optimizer's lr (``"lr lost"``), or restarts (``"fresh"``; ``"initialised"``: the zero state
-    ``get_state_dict`` gives a fresh optimizer)."""
+    """One process, the whole batch: (parameters after ``before`` steps, after ``before + after``). From the load
+    on, Adam goes on with its state and the saved lr (``"loaded"``), its state but the fresh lr (``"lr lost"``), or
+    restarts (``"fresh"``; ``"initialised"``: the zero state ``get_state_dict`` gives a fresh optimizer)."""
     model = make_model(**MODEL_12_2, seed=case["seed"] + (1 if load_nothing else 0), device="cpu").to(DTYPE)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     if not load_nothing:
@@ -209,12 +207,10 @@ def _baseline(case, optimizer="loaded", load_nothing=False):
 class ShardedCheckpointCheck(Check):
     id, function, points = "12.2", "ShardedCheckpoint", 3
 
-    def cases(self, rng):
-        lr = lambda: round(rng.uniform(2e-3, 5e-3), 5)  # noqa: E731 - a decayed lr, set before saving
-        return [{"save_on": 2, "load_on": 4, "before": rng.randint(2, 3), "after": 2, "seed": rng.randrange(2**31),
-                 "lr": lr()},
-                {"save_on": 3, "load_on": 2, "before": rng.randint(1, 2), "after": 2, "seed": rng.randrange(2**31),
-                 "lr": lr(), "reorder": True}]
+    def cases(self, rng):  # lr: a decayed one, set before saving
+        return [{"save_on": n, "load_on": m, "before": rng.randint(*before), "after": 2, "seed": rng.randrange(2**31),
+                 "lr": round(rng.uniform(2e-3, 5e-3), 5), **extra}
+                for n, m, before, extra in ((2, 4, (2, 3), {}), (3, 2, (1, 2), {"reorder": True}))]
 
     def run(self, cls, case):
         path = tempfile.mkdtemp(prefix="mgpu-ckpt-")
