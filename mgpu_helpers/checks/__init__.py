@@ -7,7 +7,6 @@ from .base import *  # noqa: F401,F403  the machinery, for `from mgpu_helpers.ch
 def load_checks(module: str) -> None:
     """Register the checks of a notebook whose helper module is ``module`` (``mgpu_helpers.ddp`` ->
     ``mgpu_helpers.checks.ddp``); a module of the course's own without checks is imported as it is."""
-    import importlib
     import importlib.util
     importlib.import_module(module)
     package, _, lesson = module.rpartition(".")

@@ -22,9 +22,8 @@ def group_of(case, t) -> int:
 
 
 def scripted_run(case, scale, step, get_scale, counter) -> dict:
-    """Train a small MLP with SGD (two parameter groups) for ``case["script"]`` steps ("ok", "inf" or
-    "nan": an overflowing gradient element injected after backward, into parameter ``where``); record the
-    scaler's decisions, and whether the weights moved at each step (whatever ``step`` returned)."""
+    """Train a small MLP with SGD (two groups) through ``case["script"]`` ("ok", or an "inf"/"nan" put into parameter
+    ``where``'s gradient after backward); record the scaler's decisions and whether the weights moved at each step."""
     widths, g = case["widths"], torch.Generator().manual_seed(case["seed"] + 1)
     model = mlp(widths, seed=case["seed"])
     params = list(model.parameters())
@@ -47,9 +46,8 @@ def scripted_run(case, scale, step, get_scale, counter) -> dict:
 
 
 def gradscaler_run(case, unscale=True) -> dict:
-    """The reference: ``torch.amp.GradScaler("cpu")`` on the same script. ``unscale=False`` re-multiplies
-    the unscaled gradients by the scale before stepping: what stepping without unscaling gives;
-    ``unscale="first group"`` does so for every group but the first."""
+    """The reference: ``torch.amp.GradScaler("cpu")`` on the same script. ``unscale=False`` re-multiplies the unscaled
+    gradients by the scale before stepping (no unscaling); ``unscale="first group"``: all groups but the first."""
     gs = torch.amp.GradScaler("cpu", init_scale=case["init_scale"], growth_factor=case["growth_factor"],
                               backoff_factor=case["backoff_factor"], growth_interval=case["growth_interval"])
 
@@ -81,9 +79,8 @@ FIRST_GROUP = ("only param_groups[0] was unscaled and checked: loop over every g
 
 
 def _decisions(case, mistake=None) -> dict:
-    """GradScaler's rule in plain Python, with one planted slip (for naming mistakes only; the expected
-    values come from GradScaler itself). nan-blind: once a nan reached the weights every later gradient
-    is nan too, which it also misses, so only injected infs still count as overflows."""
+    """GradScaler's rule with one planted slip, to name mistakes (the expected values are GradScaler's). nan-blind:
+    once a nan reached the weights every later gradient is nan too, so only injected infs count as overflows."""
     scale, count, rec = case["init_scale"], 0, {"scale": [], "clean_steps": []}
     for event in case["script"]:
         rec["scale"].append(scale)
@@ -174,7 +171,6 @@ class LossScalerCheck(Check):
                                    f"{'/'.join(script[:t + 1])}): {a!r}, expected {b!r}"
                                    + (f": {_matches(named)}" if named else ""))
         expect_equal(result["final_scale"], want["final_scale"], "get_scale() after the last step")
-        expect_equal(len(result["stepped"]), len(want["stepped"]), "the number of steps recorded")
         expect(bool(torch.isfinite(result["params"]).all()), "the parameters contain inf/nan: optimizer.step() ran "
                "with non-finite gradients (skip the step when any gradient is inf or nan)")
         expect_close(result["params"], want["params"], "the parameters after the script", rtol=1e-5, atol=1e-6,
@@ -198,8 +194,7 @@ def _batch8(case):
 
 
 def watch_steps(opt, params) -> list:
-    """The fp32 gradients ``opt.step()`` is given, one flat tensor per call (an optimizer pre-hook): what
-    the optimizer saw, compared bit for bit -- Adam's update hides a gradient's scale, this does not."""
+    """The fp32 gradients ``opt.step()`` is given, one flat tensor per call: Adam's update hides their scale."""
     seen, params = [], list(params)
     opt.register_step_pre_hook(lambda *_: seen.append(None if any(p.grad is None for p in params)
                                                       else flat(p.grad for p in params)))
@@ -207,10 +202,8 @@ def watch_steps(opt, params) -> list:
 
 
 def library_step(case, mistake=None) -> dict:
-    """The library way: an fp32 model (the same weights), ``torch.autocast`` to the 16-bit type,
-    ``GradScaler`` with a fixed scale, ``unscale_`` → ``clip_grad_norm_`` → ``step``. ``mistake`` plants
-    one: "clip first" (clip before unscale_), "no unscale" (scaled loss, plain step), "16-bit loss",
-    "16-bit unscale" (the scaled gradients divided in their 16-bit type, then made fp32)."""
+    """The library way: the fp32 model under ``torch.autocast``, ``GradScaler``, ``unscale_`` → ``clip_grad_norm_`` →
+    ``step``; ``mistake``: "clip first", "no unscale", "16-bit loss" or "16-bit unscale" (divided in 16 bits)."""
     model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]]).float()
     opt, (x, y) = make_optimizer(case["optimizer"], model.parameters(), lr=case["lr"]), _batch8(case)
     seen = watch_steps(opt, model.parameters())
@@ -236,8 +229,7 @@ def library_step(case, mistake=None) -> dict:
 
 
 def _unscale16_differs(case) -> bool:
-    """Whether dividing this case's scaled 16-bit gradients in 16 bits loses bits (a value lands among
-    the subnormals), i.e. whether the check can tell unscaling in 16 bits from unscaling in fp32."""
+    """Whether unscaling this case's 16-bit gradients in 16 bits loses bits (a value lands among the subnormals)."""
     model = mlp(case["widths"], seed=case["seed"]).to(DTYPES16[case["dtype"]])
     x, y = _batch8(case)
     (F.cross_entropy(model(x.to(DTYPES16[case["dtype"]])).float(), y) * case["loss_scale"]).backward()
@@ -283,8 +275,7 @@ class MixedStepCheck(Check):
             loss = fn(model, master, opt, x, y, case["loss_scale"], case["max_norm"])
         b = mt.breakdown()  # the tracker files the master (the optimizer's parameters) under parameters
         counters = nbytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
-        return {"loss": scalar(loss), "model": flat(model.parameters()), "master": flat(master),
-                "step_grads": seen,
+        return {"loss": scalar(loss), "model": flat(model.parameters()), "master": flat(master), "step_grads": seen,
                 "model_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                 "bytes": {"parameters": b["parameters"] - nbytes(master), "gradients": b["gradients"],
                           "optimizer_state": b["optimizer_state"] - counters + nbytes(master)}}

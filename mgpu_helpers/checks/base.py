@@ -1,12 +1,11 @@
-"""How exercises are checked: a check runs the learner's function on fresh random inputs, compares the result
-with PyTorch, a single-process baseline or a measurement, and prints ``Exercise 4.1 ✓ average_gradients: 3/3
-cases`` or raises :class:`CheckFailure` saying what differed and which known mistake it matches.
+"""How exercises are checked: a check runs the learner's function on fresh random inputs, compares the result with
+PyTorch, a single-process baseline or a measurement, and prints ``Exercise 4.1 ✓ average_gradients: 3/3 cases``
+or raises :class:`CheckFailure` saying what differed and which known mistake it matches.
 
-Three steps, so that a grader keeps the verdict out of the learner's kernel: ``cases(rng)`` (plain data drawn
-from a seed), ``run(fn, case)`` (the learner's code on one case: plain data or CPU tensors) and
-``judge(case, result)`` (raises; never calls learner code). A notebook runs all three in the kernel
-(``check_4_1(average_gradients)``); the grader runs ``judge`` in a process that never runs learner code.
-What a learner sees (stubs, tracebacks, hints, timeouts): AUTHORING.md, "Checks".
+Three steps, so that a grader keeps the verdict out of the learner's kernel: ``cases(rng)`` (plain data drawn from
+a seed), ``run(fn, case)`` (the learner's code on one case: plain data or CPU tensors) and ``judge(case, result)``
+(raises; never calls learner code). A notebook runs all three (``check_4_1(average_gradients)``); the grader runs
+``judge`` in a process that never runs learner code. What a learner sees: AUTHORING.md, "Checks".
 """
 from __future__ import annotations
 
@@ -43,13 +42,12 @@ def one_thread():
         torch.set_num_threads(before)
 
 
-# Only the stub's ``raise NotImplementedError("Exercise 4.1: ...")`` means "not started": torch's own (an
-# nn.ModuleList called like a module, an op with no kernel) is a bug whose traceback the learner needs.
 _PACKAGE = str(Path(__file__).resolve().parent)
 
 
 def is_stub(e: BaseException | str) -> bool:
-    """Whether an exception (or its "Type: message" text, as the grader records it) is a stub's."""
+    """Whether an exception (or its "Type: message" text, as the grader records it) is a stub's: torch's own
+    NotImplementedError (an nn.ModuleList called like a module, an op with no kernel) is a bug to show."""
     text = f"{type(e).__name__}: {e}" if isinstance(e, BaseException) else e
     return text.startswith("NotImplementedError: ") and bool(STUB.match(text[len("NotImplementedError: "):]))
 
@@ -101,8 +99,7 @@ class Check:
 
     # --- driving ------------------------------------------------------------------------------------
     def make_cases(self, seed: int | None = None) -> list[dict]:
-        # Fresh inputs unless a seed is given (the grader's). A seed's draw never changes, so it is drawn once
-        # per process and handed out as a copy: 6.2's and 11.1's draws search for their telling cases.
+        # Unseeded: fresh inputs. A seed's draw is made once per process, then copied (6.2's and 11.1's draws search).
         if seed is None:
             return self.cases(random.Random(int.from_bytes(os.urandom(4), "little")))
         drawn = self.__dict__.setdefault("_drawn", {})
@@ -123,28 +120,29 @@ class Check:
 
     # A function whose run timed out (a hung rank) is not run again by the same check id on the same function
     # object: that would pay the timeout twice. Re-running its cell makes a new object, which runs again.
-    def _timeouts(self, fn: Callable) -> dict:  # {check id: message}
+    def _run(self, fn: Callable, case: dict) -> Any:
         try:
-            return _TIMED_OUT.setdefault(fn, {})
+            timed_out = _TIMED_OUT.setdefault(fn, {})  # {check id: message}
         except TypeError:  # not weak-referenceable
-            return {}
-
-    def _call(self, fn: Callable, case: dict) -> Any:
-        before = self._timeouts(fn).get(self.id)
-        if before is not None:
-            raise CheckFailure(before + "\n  (this function timed out in an earlier run of this check and is not "
-                               "run again; fix it and re-run its cell)")
+            timed_out = {}
+        if self.id in timed_out:
+            raise TimeoutError(timed_out[self.id] + "\n  (this function timed out in an earlier run of this check "
+                               "and is not run again; fix it and re-run its cell)")
         try:
             return self.run(fn, case)
+        except TimeoutError as e:
+            timed_out[self.id] = str(e)
+            raise
+
+    def _call(self, fn: Callable, case: dict) -> Any:
+        try:
+            return self._run(fn, case)
         except CheckFailure:
             raise
         except Exception as e:  # the learner's code raised: show it, with the traceback chained below
             if is_stub(e):
                 raise CheckFailure(f"Exercise {self.id} ✗ {self.function}: not implemented yet ({e})") from None
-            failure = CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}")
-            if isinstance(e, TimeoutError):
-                self._timeouts(fn)[self.id] = str(failure)
-            raise failure from e
+            raise CheckFailure(self._raised(f"{type(e).__name__}: {e}") + f"\n  on case: {self.describe(case)}") from e
 
     def judge_one(self, i: int, n: int, case: dict, result: Any) -> None:
         where = f"Exercise {self.id} ✗ {self.function}, case {i + 1} of {n} ({self.describe(case)}):\n  "
@@ -195,17 +193,11 @@ class Check:
         out = []
         with one_thread():
             for case in self.make_cases(seed):
-                before = self._timeouts(fn).get(self.id)
-                if before is not None:  # timed out already (in the check cell, or an earlier case): not again
-                    out.append({"ok": False, "error": f"TimeoutError: {before}", "traceback": ""})
-                    continue
                 try:
-                    out.append({"ok": True, "result": self.run(fn, case)})
+                    out.append({"ok": True, "result": self._run(fn, case)})
                 except Exception as e:  # noqa: BLE001 - any failure is the learner's, recorded as such
                     out.append({"ok": False, "error": f"{type(e).__name__}: {e}",
                                 "traceback": "".join(traceback.format_exception(e))[-4000:]})
-                    if isinstance(e, TimeoutError):
-                        self._timeouts(fn)[self.id] = f"{type(e).__name__}: {e}"
         return out
 
     def judge_all(self, seed: int, results: list[dict]) -> tuple[bool, str]:
@@ -275,8 +267,7 @@ def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
 
 def expect_close(actual: Any, expected: Any, what: str, *, mistakes: dict[str, Any] | None = None,
                  hint: str = "", rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    """Fail unless ``actual`` ≈ ``expected``; if ``actual`` matches one of ``mistakes`` (name → the value
-    that mistake would produce), say so by name."""
+    """Fail unless ``actual`` ≈ ``expected``, naming each of ``mistakes`` (name → the value it gives) it matches."""
     if _close(actual, expected, rtol, atol):
         return
     named = [name for name, wrong in (mistakes or {}).items() if _close(actual, wrong, rtol, atol)]
@@ -321,8 +312,7 @@ def plain(x: Any, _depth: int = 0) -> Any:
 
 
 def scalar(x: Any) -> Any:
-    """A returned number as plain data (a 1-element tensor's item); anything else but a string or None becomes
-    its description ("a list"), for messages."""
+    """A returned number as plain data (a 1-element tensor's item); other objects as their description ("a list")."""
     if isinstance(x, torch.Tensor) and x.numel() == 1:
         return x.item()
     return x if x is None or isinstance(x, (bool, int, float, str)) else describe_value(x)
@@ -383,11 +373,9 @@ _SKIPPED = SimpleNamespace(wait=lambda *args, **kwargs: True, is_completed=lambd
 
 
 class CollectiveLedger:
-    """Inside each rank of a distributed check: the learner's collectives, guarded against ranks that make
-    different ones. Before each, the ranks compare (operation, call number, bytes, tag) in one small all_gather;
-    once they differ, the learner's collectives return at once, so the function ends instead of hanging, and
-    :meth:`finish` hands every rank's calls to :func:`collective_mismatch`. ``with ledger.watching():`` watches
-    ``dist.<op>(...)``; a comm hook calls :meth:`admit`. ``tag``: a number the ranks must agree on (a micro-step)."""
+    """Inside each rank: before each of the learner's collectives the ranks compare (op, call number, bytes, tag: e.g.
+    a micro-step) in one all_gather; once they differ, collectives return at once (no hang) and :meth:`finish` gives
+    every rank's calls. ``with ledger.watching():`` watches ``dist.<op>(...)``; a comm hook calls :meth:`admit`."""
 
     def __init__(self):
         import torch.distributed as dist

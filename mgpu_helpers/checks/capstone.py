@@ -50,9 +50,8 @@ class Check11_1(RemembersVerdict):
 
     @staticmethod
     def _separating(rng):
-        """For each wrong idea of "fits", a capacity on which it alone of them picks a wrong plan, before any
-        case where they coincide, so that each mistake is named alone: plans' exact device totals, one byte
-        above them, and their allocated peaks."""
+        """For each wrong idea of "fits", a capacity (a device total, one byte above it, or a peak) on which it
+        alone picks a wrong plan, before any case where they coincide: each mistake is named alone."""
         plans = candidate_plans()
         points = sorted({b for p in plans for b in (p.device_bytes, p.device_bytes + 1, p.peak_bytes)})
         right = {c: _summary(_cheapest(plans, lambda p: p.device_bytes <= c)) for c in points}

@@ -71,23 +71,16 @@ def _learner_rank(rank, world_size, fn, case):
             "mismatch": ledger.finish()}
 
 
-def _local_grads(case):  # each rank's own gradients, by rank
-    return [_named_grads(_backward(case, rank)) for rank in range(case["world_size"])]
-
-
 def _references(case) -> list[dict]:
     """Each rank's own gradients. Computed in a rank of its own where there are GPUs: a backward pass in
     this process would start autograd's GPU threads on a CUDA build, and ranks forked after that fail."""
-    if torch.cuda.device_count() == 0:
-        return _local_grads(case)
-    return run_ranks(lambda rank, world, c: _local_grads(c), 1, case, backend="gloo", timeout=15)[0]
+    local = lambda _, __, c: [_named_grads(_backward(c, r)) for r in range(c["world_size"])]  # noqa: E731
+    return run_ranks(local, 1, case, backend="gloo", timeout=15)[0] if torch.cuda.device_count() else local(0, 1, case)
 
 
 def _expected_buckets(sizes: list[int], cap: int, close_at_cap: bool = False, after: bool = False) -> list[int]:
-    """Greedy packing in parameter order: start a new bucket when adding the next gradient would make
-    the current one exceed ``cap``; a gradient larger than ``cap`` therefore gets a bucket of its own.
-    (``close_at_cap``: the off-by-one that also closes a bucket that would be exactly at the cap;
-    ``after``: DDP's own rule, which closes a bucket once it has reached the cap.)"""
+    """Greedy packing in parameter order, no bucket over ``cap`` unless one gradient is. ``close_at_cap``: the
+    off-by-one that closes a bucket exactly at the cap too; ``after``: DDP's rule, closing one once it reached it."""
     buckets: list[int] = []
     for n in sizes:
         if buckets and (buckets[-1] < cap if after else (buckets[-1] + n < cap if close_at_cap
@@ -124,11 +117,9 @@ class _AverageCheck(Check):
             flat = lambda d: torch.cat([d[n].reshape(-1) for n in used])  # noqa: E731
             mistakes = {k: flat(v) for k, v in self.mistakes(case, locals_[r], target, world).items()}
             bad = [n for n in used if not torch.allclose(grads[n], target[n], rtol=1e-4, atol=1e-6)]
-            if not bad:
-                continue
             good = [n for n in used if n not in bad]
             named = [k for k, v in mistakes.items() if torch.allclose(flat(grads), v, rtol=1e-4, atol=1e-6)]
-            if not named and good:  # some parameters right, others not: say which
+            if bad and good and not named:  # some parameters right, others not: say which
                 d = max((grads[n] - target[n]).abs().max().item() for n in bad)
                 raise CheckFailure(f"{what}: {', '.join(bad)} differ (max |difference| {d:.3g}); "
                                    f"{', '.join(good)} match. {self.advice}")
@@ -168,14 +159,6 @@ class Check42(_AverageCheck):
                     break
         return out
 
-    def _bucket_mistakes(self, sizes, cap) -> dict:
-        return {"one all_reduce per parameter (no bucketing)": sizes,
-                "closed a bucket that would have been exactly at the cap (>= instead of >): a bucket may "
-                "reach the cap, only exceeding it starts a new one": _expected_buckets(sizes, cap, close_at_cap=True),
-                "closed each bucket only once it reached the cap (DDP's rule), so buckets overshoot it; here a "
-                "bucket must never exceed the cap": _expected_buckets(sizes, cap, after=True),
-                self.forgot_last: _expected_buckets(sizes, cap)[:-1]}
-
     def mistakes(self, case, local, target, world) -> dict:
         out = super().mistakes(case, local, target, world)
         last = sum(_expected_buckets(_grad_bytes(case), case["cap"])[:-1])  # where the last bucket starts
@@ -185,9 +168,15 @@ class Check42(_AverageCheck):
 
     def judge(self, case, result):
         super().judge(case, result)  # the ranks' collectives and the gradients first, then the packing
-        sizes = _grad_bytes(case)
-        buckets, mistakes = _expected_buckets(sizes, case["cap"]), self._bucket_mistakes(sizes, case["cap"])
-        hint = f"Greedy packing of {sizes} bytes under a cap of {case['cap']} bytes gives buckets of {buckets} bytes."
+        sizes, cap = _grad_bytes(case), case["cap"]
+        buckets = _expected_buckets(sizes, cap)
+        mistakes = {"one all_reduce per parameter (no bucketing)": sizes,
+                    "closed a bucket that would have been exactly at the cap (>= instead of >): a bucket may reach "
+                    "the cap, only exceeding it starts a new one": _expected_buckets(sizes, cap, close_at_cap=True),
+                    "closed each bucket only once it reached the cap (DDP's rule), so buckets overshoot it; here a "
+                    "bucket must never exceed the cap": _expected_buckets(sizes, cap, after=True),
+                    self.forgot_last: buckets[:-1]}
+        hint = f"Greedy packing of {sizes} bytes under a cap of {cap} bytes gives buckets of {buckets} bytes."
         for r, got in enumerate(result):
             expect_type(got["returned"], int, f"rank {r}: {self.function}", "an int: the number of all_reduce calls")
             expect_equal(got["returned"], len(buckets), f"rank {r}: the number of collectives returned",

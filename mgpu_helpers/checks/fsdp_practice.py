@@ -20,9 +20,8 @@ from ..runtime.comm_log import CommLog
 
 
 def _rank_12_1(rank, world, fn, case):
-    """One steady step of the notebook's model sharded by the learner's ``fn(model, mesh)`` as this rank:
-    its peak (the profiler's), bytes it received in all-gathers, the forward's issue order, and whether
-    the blocks and the root are ``fully_shard`` units."""
+    """One steady step of the model sharded by ``fn(model, mesh)`` as this rank: its peak, bytes all-gathered,
+    the forward's issue order, and whether the blocks and the root are ``fully_shard`` units."""
     m = measure(rank, world, {}, categories=False, seed=case["seed"], shard_fn=fn, keep=True)
     model = m["model"]
     return {"root": isinstance(model, FSDPModule), "blocks": [isinstance(b, FSDPModule) for b in blocks(model)],
@@ -69,17 +68,15 @@ class ShardForBudgetCheck(Check):
         p_rank = max(range(len(result)), key=lambda i: result[i]["peak"])  # the first rank at the highest
         g_rank = max(range(len(result)), key=lambda i: result[i]["gathered"])
         peak, gathered = result[p_rank]["peak"], result[g_rank]["gathered"]
-        missed = []
-        if peak > case["budget"]:
-            missed.append(f"the memory budget was missed: rank {p_rank} peaks at {peak:,} bytes, "
-                          f"{peak - case['budget']:,} above the budget of {case['budget']:,} "
-                          "(reshard_after_forward=False keeps every block unsharded from its forward to its "
-                          "backward; prefetching two blocks ahead holds two more units while computing)")
-        if gathered > case["comm_budget"]:
-            missed.append(f"the communication budget was missed: rank {g_rank} all-gathers {gathered:,} bytes "
-                          f"per step, {gathered - case['comm_budget']:,} above the budget of "
-                          f"{case['comm_budget']:,} (reshard_after_forward=True all-gathers every block again, "
-                          "over all ranks, in backward)")
+        missed = [why for over, why in (
+            (peak > case["budget"], f"the memory budget was missed: rank {p_rank} peaks at {peak:,} bytes, "
+             f"{peak - case['budget']:,} above the budget of {case['budget']:,} (reshard_after_forward=False keeps "
+             "every block unsharded from its forward to its backward; prefetching two blocks ahead holds two more "
+             "units while computing)"),
+            (gathered > case["comm_budget"], f"the communication budget was missed: rank {g_rank} all-gathers "
+             f"{gathered:,} bytes per step, {gathered - case['comm_budget']:,} above the budget of "
+             f"{case['comm_budget']:,} (reshard_after_forward=True all-gathers every block again, over all ranks, "
+             "in backward)")) if over]
         expect(not missed, "; and ".join(missed))
         rows = knob_sweep(4, MODEL["blocks"])
         ahead = {r["forward_order"] for r in rows if r["prefetch"] == 1 and r["reshard_after_forward"] is not False}
@@ -107,10 +104,6 @@ ROWS, LR = 12, 1e-2  # 12 rows split evenly over 2, 3 or 4 ranks
 DTYPE = torch.float64
 
 
-def _batch(case, step):
-    return make_batch(ROWS, MODEL_12_2["d_in"], MODEL_12_2["classes"], case["seed"] + 100 + step)
-
-
 def _sharded(seed, reorder=False):
     """The FSDP2 model and its Adam; ``reorder``: the optimizer lists the parameters in reverse (a run resumed
     from code that builds its param groups in another order: state keyed by name survives it, by position not)."""
@@ -122,7 +115,8 @@ def _sharded(seed, reorder=False):
 def _train(model, opt, case, steps, first):
     world, rank = (dist.get_world_size(), dist.get_rank()) if isinstance(model, FSDPModule) else (1, 0)  # 1: the judge
     for s in range(first, first + steps):
-        x, y = (t.tensor_split(world)[rank].to(rank_device()) for t in _batch(case, s))
+        batch = make_batch(ROWS, MODEL_12_2["d_in"], MODEL_12_2["classes"], case["seed"] + 100 + s)
+        x, y = (t.tensor_split(world)[rank].to(rank_device()) for t in batch)
         F.cross_entropy(model(x.to(DTYPE)), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -133,8 +127,7 @@ def _full(t):
 
 
 def _gathered_values(comm) -> int:
-    """Bytes of float64 (the model's dtype here) this rank received in collectives: DCP's own planning
-    moves bytes and ints, so any float64 gathered means some rank assembled whole parameters."""
+    """Bytes of float64 (the model's dtype) this rank received: DCP's own planning moves only bytes and ints."""
     return sum(o for op, dtype, _, o in comm.calls if dtype == "float64")
 
 
@@ -185,10 +178,8 @@ def _saved(path, world) -> dict:
 
 
 def _baseline(case, optimizer="loaded", load_nothing=False):
-    """One process, the whole batch: (parameters after ``before`` steps, after ``before + after``). From the
-    load on, Adam goes on with its state and the saved lr (``"loaded"``), with its state but the fresh
-    optimizer's lr (``"lr lost"``), or restarts (``"fresh"``; ``"initialised"``: the zero state
-    ``get_state_dict`` gives a fresh optimizer)."""
+    """One process, the whole batch: parameters at the load and at the end. From the load Adam goes on with its state
+    and lr (``"loaded"``), its state only (``"lr lost"``), or restarts (``"fresh"``, ``"initialised"``)."""
     model = make_model(**MODEL_12_2, seed=case["seed"] + (1 if load_nothing else 0), device="cpu").to(DTYPE)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     if not load_nothing:
@@ -209,12 +200,10 @@ def _baseline(case, optimizer="loaded", load_nothing=False):
 class ShardedCheckpointCheck(Check):
     id, function, points = "12.2", "ShardedCheckpoint", 3
 
-    def cases(self, rng):
-        lr = lambda: round(rng.uniform(2e-3, 5e-3), 5)  # noqa: E731 - a decayed lr, set before saving
-        return [{"save_on": 2, "load_on": 4, "before": rng.randint(2, 3), "after": 2, "seed": rng.randrange(2**31),
-                 "lr": lr()},
-                {"save_on": 3, "load_on": 2, "before": rng.randint(1, 2), "after": 2, "seed": rng.randrange(2**31),
-                 "lr": lr(), "reorder": True}]
+    def cases(self, rng):  # lr: a decayed one, set before saving
+        return [{"save_on": n, "load_on": m, "before": rng.randint(*before), "after": 2, "seed": rng.randrange(2**31),
+                 "lr": round(rng.uniform(2e-3, 5e-3), 5), **extra}
+                for n, m, before, extra in ((2, 4, (2, 3), {}), (3, 2, (1, 2), {"reorder": True}))]
 
     def run(self, cls, case):
         path = tempfile.mkdtemp(prefix="mgpu-ckpt-")
@@ -238,7 +227,6 @@ class ShardedCheckpointCheck(Check):
              "never only rank 0 -- the ranks that did not call it waited for it"}
 
     def judge(self, case, result):
-        expect(isinstance(result, dict) and "saved" in result, "expected what was saved and loaded")
         saved, n = result["saved"], case["save_on"]
         expect(saved["metadata"] or saved["files"], "nothing was written to path: save must write the "
                "checkpoint into the directory it is given (dcp.save(state, checkpoint_id=path))")
@@ -259,8 +247,6 @@ class ShardedCheckpointCheck(Check):
         expect(not saved["partial"], f"only some ranks' shards are in the checkpoint ({len(saved['partial'])} of the "
                f"model's tensors incomplete, e.g. {saved['partial'][0] if saved['partial'] else ''}): every rank must call save, and dcp.save -- each of the {n} ranks writes its own "
                "shards (only rank 0 saved?)")
-        expect({"loaded", "final", "exp_avg"} <= set(result), "expected rank 0's parameters after the load and "
-               "at the end")
         expect(not result["load_gathered"], f"a rank gathered whole parameters while loading "
                f"({result['load_gathered']:,} bytes): load into get_state_dict's sharded template with dcp.load "
                "-- each rank reads its own shards -- and put it back with set_state_dict")

@@ -52,8 +52,6 @@ class TrainingStateBytes(Check):
             mistakes.pop("Adam keeps TWO states per parameter (exp_avg and exp_avg_sq)")
         if case["precision"] != "mixed":
             mistakes = {k: v for k, v in mistakes.items() if "master" not in k}
-        if case["precision"] == "fp32":
-            mistakes.pop("used fp32 (4 bytes) for the 16-bit weights and gradients")
         split = " (the total is right: the split between categories is not)" if (
             result != expected and sum(result.values()) == sum(expected.values())) else ""
         expect_equal(result, expected, "bytes by category", mistakes=mistakes,

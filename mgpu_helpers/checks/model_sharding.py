@@ -6,6 +6,7 @@ from itertools import combinations
 
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 
 from ..memory import make_batch
 from ..model_sharding import (StepRecorder, Stuck, make_mlp, make_model, param_bytes, parameter_bytes_formula,
@@ -42,21 +43,6 @@ def _other_splits(n_layers, p):
             [list(range(a, b)) for a, b in zip(at_end, at_end[1:])],
         "stage starts at rank * (n_layers // world_size): neighbouring stages overlap":
             [list(range(r * per, r * per + per + (r < extra))) for r in range(p)]}
-
-
-def _expect_stages(owned, case):
-    p, n = case["world_size"], case["n_layers"]
-    want = [list(range(a, b)) for a, b in stage_bounds(n, p)]
-    if owned == want:
-        return
-    expect(p == 1 or owned[-1] != want[-1] or any(owned[:-1]), f"only the last stage's parameters have a .grad; "
-           f"ranks 0..{p - 2} have .grad None: the gradient was never sent back (each stage must backward its saved "
-           "outputs with the gradient it receives from the next rank, then send its input's gradient on)")
-    named = [name for name, split in _other_splits(n, p).items() if split == owned]
-    seen = "; ".join(f"rank {r}: {o}" for r, o in enumerate(owned))
-    raise CheckFailure(f"the layers with a gradient on each rank are {seen}; expected {want} (contiguous, the "
-                       f"first {n % p} rank(s) one layer more)" + (f": it matches a common mistake: {named[0]}"
-                                                                   if named else ""))
 
 
 def _deadlock(result):
@@ -99,7 +85,12 @@ class PipelineStep(RemembersVerdict):
         loss = single_process_step(model, x, y)
         ref = [q.grad for q in model.parameters()]
         owned = [[i for i in range(n) if res["grads"][2 * i] is not None] for res in result]
-        _expect_stages(owned, case)
+        want = [list(range(a, b)) for a, b in stage_bounds(n, p)]
+        expect(p == 1 or owned[-1] != want[-1] or any(owned[:-1]), f"only the last stage's parameters have a .grad; "
+               f"ranks 0..{p - 2} have .grad None: the gradient was never sent back (each stage must backward its "
+               "saved outputs with the gradient it receives from the next rank, then send its input's gradient on)")
+        expect_equal(owned, want, "the layers with a gradient on each rank", mistakes=_other_splits(n, p),
+                     hint=f"Stages are contiguous, the first {n % p} rank(s) one layer more.")
         for r in reversed(range(p)):  # from the loss backwards: the first rank that differs is where it went wrong
             res = result[r]
             got = torch.cat([res["grads"][k].flatten() for i in owned[r] for k in (2 * i, 2 * i + 1)])
@@ -140,8 +131,7 @@ def _tp_rank(rank, world, fn, case):
     except ValueError as e:
         return {"raised": f"ValueError: {e}"}
     del dense  # what the rank's module keeps alive is what it costs
-    shapes = {name: tuple(q.shape) for name, q in mod.named_parameters()}
-    out = {"shapes": shapes, "param_bytes": param_bytes(mod)}
+    out = {"shapes": {name: tuple(q.shape) for name, q in mod.named_parameters()}, "param_bytes": param_bytes(mod)}
     g = torch.Generator().manual_seed(case["seed"] + 1)
     x = torch.randn(case["batch"], case["d"], generator=g).to(rank_device()).requires_grad_()
     gy = torch.randn(case["batch"], case["d"], generator=g).to(rank_device())
@@ -157,23 +147,11 @@ def _tp_rank(rank, world, fn, case):
             "grads": {name: plain(q.grad) for name, q in mod.named_parameters()}}
 
 
-def _dense_reference(case):
-    dense = make_mlp(case["d"], case["h"], case["seed"])
-    g = torch.Generator().manual_seed(case["seed"] + 1)
-    x = torch.randn(case["batch"], case["d"], generator=g).to(rank_device()).requires_grad_()  # as _tp_rank's
-    gy = torch.randn(case["batch"], case["d"], generator=g).to(rank_device())
-    y = dense(x)
-    (y * gy).sum().backward()
-    return dense, x, gy, y.detach()
-
-
 def _partial(dense, x, gy, rank, world):
-    """Rank ``rank``'s partial output (bias excluded) and partial input gradient."""
-    part = dense.fc1.out_features // world
-    rows = slice(rank * part, (rank + 1) * part)
-    xr, w1, b1, w2 = (t.detach() for t in (x, dense.fc1.weight, dense.fc1.bias, dense.fc2.weight))
-    xr.requires_grad_()  # the dense MLP's own .grad stays the reference
-    out = torch.relu(xr @ w1[rows].T + b1[rows]) @ w2[:, rows].T
+    """Rank ``rank``'s partial output (bias excluded) and partial input gradient: the reference with no all_reduce."""
+    from .references import TensorParallelMLP
+    tp, xr = TensorParallelMLP(dense, rank, world), x.detach().requires_grad_()  # x's own .grad stays the reference
+    out = F.linear(torch.relu(tp.fc1(xr)), tp.fc2.weight)
     (out * gy).sum().backward()
     return out.detach(), xr.grad
 
@@ -219,7 +197,12 @@ class ParallelMLPCheck(RemembersVerdict):
         for r, res in enumerate(result):
             expect("error" not in res, f"rank {r}'s forward or backward raised {res.get('error')}"
                    + (f" -- Hint: {self.hint(res['error'])}" if "error" in res and self.hint(res["error"]) else ""))
-        dense, x, gy, y = _dense_reference(case)
+        dense, g = make_mlp(case["d"], case["h"], case["seed"]), torch.Generator().manual_seed(case["seed"] + 1)
+        x = torch.randn(case["batch"], case["d"], generator=g).to(rank_device()).requires_grad_()  # as _tp_rank's
+        gy = torch.randn(case["batch"], case["d"], generator=g).to(rank_device())
+        y = dense(x)
+        (y * gy).sum().backward()
+        y = y.detach()
         full, formula = parameter_bytes_formula(d, h, 1), parameter_bytes_formula(d, h, n)
         shard = {"W1": 4 * d * part, "b1": 4 * part, "W2": 4 * d * part}  # a view costs its whole tensor: N×
         views = {formula + sum((n - 1) * shard[k] for k in ks) for i in (1, 2, 3) for ks in combinations(shard, i)}
