@@ -129,9 +129,12 @@ def _plan(world_size, backend, threads, cpu_backend=False):
     """(what init_process_group is given, fall-back note, start method, torch threads per rank)."""
     backend, note = _choose_backend(backend, world_size, cpu_backend=cpu_backend)
     method = _start_method(backend, threads)
+    return backend, note, method, threads or (1 if method == "fork" else max(1, _cores() // world_size))
+
+
+def _cores():
     # Affinity, not cpu_count(): containers and taskset often grant fewer cores than the host has.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return backend, note, method, threads or (1 if method == "fork" else max(1, cores // world_size))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def describe(world_size=2, backend="auto", threads=None):
