@@ -2,10 +2,9 @@
 
     python -m mgpu_helpers.tools.lab [--port 8888] [--root notebooks] [--open 00_setup.ipynb] [--no-browser]
 
-Unlike plain ``jupyter lab``, it runs as root (containers, cloud GPU boxes); it opens the system browser only
-where there is a display, never a text browser in the terminal; it prints one URL, token included, on the port
-Jupyter bound; Ctrl-C, a closed terminal or the launcher's death stops JupyterLab and its kernels (its own session:
-Ctrl-C does not ask "Shutdown this Jupyter server?"); an ``overrides.json`` keeps Jupyter's news pop-up away.
+Unlike ``jupyter lab``: runs as root (containers); opens the system browser only with a display, never a text one;
+prints one URL (token included, the port Jupyter bound); Ctrl-C, a closed terminal or its death stop JupyterLab and
+its kernels (its own session: no "Shutdown this Jupyter server?"); ``overrides.json`` keeps the news pop-up away.
 """
 from __future__ import annotations
 
@@ -26,8 +25,6 @@ from pathlib import Path
 from .grading.execute import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# Settings every learner gets: no news pop-up, no update check.
 OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
 
 
