@@ -49,8 +49,7 @@ def install_overrides(prefix: str = sys.prefix) -> Path:
 
 
 def lab_command(root: Path, port: int, config: Path, extra: list[str] = ()) -> list[str]:
-    """The ``jupyter lab`` command line; the token travels in a private config file (mode 600), not on
-    the command line, where any user of the machine could read it."""
+    """The ``jupyter lab`` command line; the token is in a private config file (mode 600): any user can read argv."""
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--config={config}", f"--ServerApp.root_dir={root}",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=50", "--ServerApp.ip=localhost",
            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.news_url="]
@@ -103,7 +102,6 @@ def input_problem(a) -> str | None:
         return f"--root {a.root} is not a directory"
     if not (a.root / a.open).is_file():
         return f"--open {a.open}: no such notebook in {a.root}"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,14 +151,13 @@ def stop(proc, timeout: float = 5.0) -> None:
     """SIGTERM to JupyterLab's process group (it shuts its kernels down), SIGKILL if it lingers."""
     if proc.poll() is not None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):  # it has just exited
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 if __name__ == "__main__":

@@ -277,8 +277,7 @@ def render_text(r):
 
 
 def save_plot(r, path):
-    """Device total per plan, stacked by line; plans that do not fit are faded and hatched, the cheapest plan
-    that fits is named in the title."""
+    """Device totals per plan, stacked by line (faded, hatched: does not fit; the title: the cheapest that fits)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

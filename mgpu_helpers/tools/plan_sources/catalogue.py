@@ -121,8 +121,7 @@ def _changed(new: dict, old: dict) -> dict:
 
 
 def trains(cfg, checkpointing: bool = False) -> str | None:
-    """transformers' own step on the CPU (real tensors), with its own ``gradient_checkpointing_enable()`` if
-    ``checkpointing``: None if it trains, else why not (one line)."""
+    """transformers' own CPU step (its own checkpointing if ``checkpointing``): None if it trains, else why not."""
     from transformers import AutoModelForCausalLM
     try:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
