@@ -6,6 +6,7 @@ loss scaling) and 6.2 (fp32 master weights) are checked in ``checks.amp``.
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
+from torch.utils.benchmark.utils.common import set_torch_threads
 
 from .memory import mlp
 from .runtime.plots import stacked_bars, unit_for
@@ -118,12 +119,8 @@ def saved_for_backward(widths, batch: int, seed: int = 0) -> list[dict]:
 
 def compare_precisions(widths, batch: int, device=None) -> dict[str, dict]:
     """``step_memory`` for every precision, by name."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops: a second thread only spin-waits on a busy machine
-    try:
+    with set_torch_threads(1):  # small ops: a second thread only spin-waits on a busy machine
         return {p: step_memory(widths, batch, p, device) for p in PRECISIONS}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def plot_precisions(results: dict[str, dict[str, dict]], title: str = "Peak of forward + backward"):

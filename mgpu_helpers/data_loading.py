@@ -77,9 +77,7 @@ def worker_memory(num_workers: int):
     it = iter(DataLoader(SlowDataset(64, 0.0), batch_size=8, num_workers=num_workers))
     next(it)
     mems = [p.memory_full_info() for p in psutil.Process().children() if p.pid not in before]
-    out = {"processes": len(mems), "rss": [m.rss for m in mems], "uss": [m.uss for m in mems]}
-    del it
-    return out
+    return {"processes": len(mems), "rss": [m.rss for m in mems], "uss": [m.uss for m in mems]}  # `it` ends its workers
 
 
 def pin_memory_on_this_machine():
@@ -110,8 +108,7 @@ def in_flight(num_workers: int, prefetch_factor: int, batch_size: int = 4, wait:
         time.sleep(0.02)
         if counter.value != last:
             last, stable_since = counter.value, time.perf_counter()
-    del it
-    return last // batch_size - 1  # minus the batch already taken
+    return last // batch_size - 1  # minus the batch already taken; `it`, freed on return, ends the workers
 
 
 def _script(rank, world, n=10):

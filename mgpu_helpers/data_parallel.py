@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.benchmark.utils.common import set_torch_threads
 
 from .memory import make_optimizer
 from .runtime.launch import rank_device, script_args, torchrun_main
@@ -173,20 +174,17 @@ def time_replicate(hiddens=(128, 256, 512, 1024), layers=4, batch=32, repeat=3):
 
 def gil_demo(n=2):
     """Seconds for n replicas' forwards in turn vs in n threads: the GIL serialises tiny ops, big matmuls release it."""
-    threads, out = torch.get_num_threads(), {}
+    out = {}
     # One intra-op thread per replica, as one GPU each; per thread, so each worker sets it too (else torch's
     # intra-op threads fill the cores and leave the Python threads nothing to run in parallel on).
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(n, initializer=torch.set_num_threads, initargs=(1,)) as pool, torch.no_grad():
-            for name, layer, x in (("Python-bound (100 tiny layers)", lambda: nn.Sequential(
-                    *[nn.Linear(8, 8) for _ in range(100)]), torch.randn(2, 8)),
-                    ("kernel-bound (one big matmul)", lambda: nn.Linear(1024, 1024), torch.randn(512, 1024))):
-                ms = [layer() for _ in range(n)]
-                out[name] = {"sequential_s": _best_of(lambda: [m(x) for m in ms]),
-                             "threads_s": _best_of(lambda: list(pool.map(lambda m: m(x), ms)))}
-    finally:
-        torch.set_num_threads(threads)
+    with set_torch_threads(1), torch.no_grad(), \
+            ThreadPoolExecutor(n, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        for name, layer, x in (("Python-bound (100 tiny layers)", lambda: nn.Sequential(
+                *[nn.Linear(8, 8) for _ in range(100)]), torch.randn(2, 8)),
+                ("kernel-bound (one big matmul)", lambda: nn.Linear(1024, 1024), torch.randn(512, 1024))):
+            ms = [layer() for _ in range(n)]
+            out[name] = {"sequential_s": _best_of(lambda: [m(x) for m in ms]),
+                         "threads_s": _best_of(lambda: list(pool.map(lambda m: m(x), ms)))}
     return out
 
 

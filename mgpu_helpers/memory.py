@@ -32,13 +32,10 @@ def make_batch(n: int, d_in: int, classes: int, seed: int = 1, device=None) -> t
 
 def make_optimizer(name: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
     # foreach=True is CUDA's default; keep it on every device so CPU and GPU figures match.
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, foreach=True)
-    raise ValueError(f"unknown optimizer {name!r}: use 'sgd', 'momentum' or 'adam'")
+    kwargs = {"sgd": {}, "momentum": {"momentum": 0.9, "foreach": True}, "adam": {"foreach": True}}
+    if name not in kwargs:
+        raise ValueError(f"unknown optimizer {name!r}: use 'sgd', 'momentum' or 'adam'")
+    return (torch.optim.Adam if name == "adam" else torch.optim.SGD)(params, lr=lr, **kwargs[name])
 
 
 def nbytes(tensors) -> int:

@@ -194,8 +194,7 @@ def scenario_inputs(case):
 
 @contextlib.contextmanager
 def scenario(case: dict):
-    """``with scenario(case) as (step, tracker):`` a tracker already holding a baseline and an earlier, larger
-    peak, and a training-like step to measure."""
+    """``with scenario(case) as (step, tracker):`` a step to measure; a tracker with a baseline and a higher peak."""
     model, (x, y) = scenario_inputs(case)
 
     def step():

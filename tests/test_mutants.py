@@ -15,7 +15,7 @@ import torch
 
 from mgpu_helpers.checks import REGISTRY, load_checks
 from mgpu_helpers.tools.authoring import (exec_cell, mgpu, exercise_source, mutant_fails_every_seed, mutant_verdict, mutate,
-                                          solution_verdict, stub_verdict, sweep_seeds)
+                                          stub_verdict, sweep_seeds)
 from mutants import EXERCISES
 from testkit import marked
 
@@ -54,7 +54,7 @@ def test_solution_passes_and_stub_fails(ex):
     """Under the fast tier's two seeds and an unseeded draw; the stub says it is not done."""
     function = EXERCISES[ex].function
     for seed in (None, 0, 1):
-        ok, msg = solution_verdict(_nb(ex), ex, function, seed=seed)
+        ok, msg = mutant_verdict(_nb(ex), ex, function, [], seed=seed)  # the solution, as written
         assert ok and msg.startswith(f"Exercise {ex} ✓ {function}: "), f"seed {seed}: {msg}"
     ok, msg = stub_verdict(_nb(ex), ex, function)
     assert not ok and "not implemented yet" in msg and f"Exercise {ex}" in msg, msg

@@ -44,11 +44,7 @@ def trace(rank, world_size, kind="fsdp", knobs=None, model_kw=None, warmup=2):
         step()
         if cuda:
             torch.cuda.synchronize()
-    return _spans(prof.profiler.kineto_results.events(), cuda)
-
-
-def _spans(events, cuda):
-    events = list(events)
+    events = list(prof.profiler.kineto_results.events())
     phases = {e.name()[3:-3]: (e.start_ns(), e.end_ns(), e.start_thread_id())
               for e in events if e.name().startswith("## ")}
     t0, main = phases["forward"][0], phases["forward"][2]

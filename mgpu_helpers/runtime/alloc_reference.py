@@ -63,7 +63,6 @@ class AllocationReference:
         self._times = [t for t, _ in allocs]
         self.timeline = list(zip(self._times, itertools.accumulate(n for _, n in allocs)))
         self._done = True
-        return False
 
     def live_at(self, t_ns: int, inclusive: bool = False) -> int:
         """Live bytes after the events before ``t_ns`` (``inclusive``: at or before)."""

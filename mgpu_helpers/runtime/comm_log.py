@@ -13,11 +13,6 @@ _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
-def _kind(name: str) -> str:  # c10d names vary: reduce_scatter_, _reduce_scatter_base_, reduce_scatter_tensor...
-    n = name.replace("_", "")
-    return next((k for k in _KINDS if k.replace("_", "") in n), name)
-
-
 class CommLog(TorchDispatchMode):
     """``with CommLog() as c:`` records each collective in ``c.calls``: ``(op, dtype, bytes in, bytes out)`` (an
     all-gather: in = this rank's shard, out = the whole unit; a reduce-scatter the reverse). ``c.order``: the
@@ -37,8 +32,9 @@ class CommLog(TorchDispatchMode):
             nb = [t.numel() * t.element_size() for t in ts]
             # (output, input) for _allgather_base_ and _reduce_scatter_base_; in place for all-reduce
             out, inp = (nb[0], nb[1]) if len(nb) > 1 else (sum(nb), sum(nb))
-            self.calls.append((_kind(func._opname), str(ts[0].dtype).replace("torch.", "") if ts else "-",
-                               inp, out))
+            n = func._opname.replace("_", "")  # c10d names vary: reduce_scatter_, _reduce_scatter_base_...
+            kind = next((k for k in _KINDS if k.replace("_", "") in n), func._opname)
+            self.calls.append((kind, str(ts[0].dtype).replace("torch.", "") if ts else "-", inp, out))
             self.order += "G" if self.calls[-1][0] == "all_gather" else ""
         elif func in _MATMULS:
             self.order += "m"

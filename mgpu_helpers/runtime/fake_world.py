@@ -1,9 +1,6 @@
-"""One fake process group: be rank ``rank`` of ``world_size`` ranks inside this process.
-
-torch's fake process group (``torch.testing._internal.distributed.fake_pg``) returns from every collective at once,
-moving no data: shapes and allocations are real, values not. Right for memory accounting, useless for training."""
-from __future__ import annotations
-
+"""``with fake_world(world_size, rank=0):`` be one rank of a world inside this process. torch's fake process group
+(``torch.testing._internal.distributed.fake_pg``) returns from every collective at once, moving no data: shapes
+and allocations are real, values not. Right for memory accounting, useless for training."""
 import contextlib
 
 import torch.distributed as dist

@@ -46,11 +46,9 @@ def stacked_bars(bars: Mapping[str, Mapping[str, int]], title: str = "", ax=None
 
 
 def timeline(samples: Sequence[tuple[str, int, Mapping[str, int]]], title: str = "", ax=None):
-    """Stacked area of a tracker timeline, with phase boundaries marked and named."""
+    """Stacked area of a tracker timeline (never empty: entry takes a sample), phase boundaries marked and named."""
     import matplotlib.pyplot as plt
     ax = ax or plt.subplots(figsize=(9, 3.8))[1]
-    if not samples:
-        return ax
     div, unit = unit_for(max(s[1] for s in samples))
     xs = list(range(len(samples)))
     cats = [c for c in COLORS if any(s[2].get(c, 0) for s in samples)]

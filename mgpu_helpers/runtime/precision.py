@@ -1,15 +1,13 @@
-"""The reduced precision a lesson trains in on this device, decided in one place.
+"""The reduced precision a lesson trains in on this device, decided in one place::
 
-    p = training_precision()                        # this process's device: cuda if visible, else cpu
-    print(p.why)                                    # one line: what was chosen and why
+    p = training_precision()          # this process's device: cuda if visible, else cpu; p.why says what and why
     scaler = torch.amp.GradScaler(p.device_type, enabled=p.needs_scaler)
-    with torch.autocast(p.device_type, dtype=p.dtype):
-        loss = model(x)...
+    with torch.autocast(p.device_type, dtype=p.dtype): ...
 
-Compute capability 8.0 or newer (A100, H100, L4, ...): native bf16, so bf16 autocast and no loss scaling (bf16
-has fp32's exponent range). Older NVIDIA GPUs (T4 = 7.5, V100 = 7.0): fp16 autocast with the then required
-``torch.amp.GradScaler`` (small fp16 gradients round to zero); ``torch.cuda.is_bf16_supported()`` answers True
-there, counting emulation (torch/cuda/__init__.py). ROCm GPUs and CPUs: bf16, no scaler.
+Compute capability 8.0 or newer (A100, H100, L4): native bf16, no loss scaling (bf16 has fp32's exponent range).
+Older NVIDIA GPUs (T4 = 7.5, V100 = 7.0): fp16 autocast with the GradScaler it requires (small fp16 gradients round
+to zero); ``torch.cuda.is_bf16_supported()`` says True there, counting emulation (torch/cuda/__init__.py). ROCm
+GPUs and CPUs: bf16, no scaler.
 """
 from __future__ import annotations
 

@@ -86,8 +86,7 @@ class MemoryTracker(TorchDispatchMode):
             self._claim([v for s in self.optimizer.state.values() for v in s.values()], "optimizer_state",
                         add=True)
 
-    # ---- the accounting: every change makes one timeline sample ----------------------------------
-    def _sample(self):
+    def _sample(self):  # every change of the accounting makes one timeline sample
         self._timeline.append((self._phase, self._total, dict(self._cats)))
         if self._total > self._phase_peaks.get(self._phase, -1):
             self._phase_peaks[self._phase] = self._total
@@ -232,7 +231,6 @@ class MemoryTracker(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        return False
 
     def mark(self, label: str) -> None:
         """Label the samples from now on (``"forward"`` until the first mark)."""

@@ -26,18 +26,6 @@ STAGE = {"DDP (DistributedDataParallel)": 0, "ZeRO-1 (ZeroRedundancyOptimizer)":
 MODEL_STATE = ("parameters", "gradients", "optimizer_state", "buckets")
 
 
-def _ddp(model):
-    """Real ``DistributedDataParallel``, its buckets' bytes in ``bucket_bytes``."""
-    # init_sync=False: the ranks built the same weights, and gloo's worker would free the initial broadcast's
-    # copy whenever it likes, inside this count
-    with MemoryTracker() as mt:  # what the constructor allocates and keeps: the buckets
-        ddp = DDP(model, init_sync=False)
-    ddp.bucket_bytes = mt.current_bytes
-    if dist.get_backend() == "fake":  # its all-reduce's future holds no tensor, which DDP's reducer asserts:
-        ddp.register_comm_hook(None, noop_hook)  # hand the bucket back untouched, as an in-place all-reduce would
-    return ddp
-
-
 def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
     """(model, optimizer to track, step function) for ``method`` on this rank (a key of ``STAGE``)."""
     dev = rank_device()
@@ -52,7 +40,13 @@ def build(method: str, widths, seed=0, lr=1e-3, reduce_scatter_fn=None):
         zero = Zero2(model, torch.optim.Adam, reduce_scatter_fn, lr=lr, foreach=True)
         return model, zero.optimizer, zero.step
     if method.startswith(("DDP", "ZeRO-1")):  # ZeroRedundancyOptimizer is used over DDP: DDP all-reduces
-        model = _ddp(model)
+        # init_sync=False: the ranks built the same weights, and gloo's worker would free the initial broadcast's
+        # copy whenever it likes, inside this count
+        with MemoryTracker() as mt:  # what the constructor allocates and keeps: the buckets (``bucket_bytes``)
+            model = DDP(model, init_sync=False)
+        model.bucket_bytes = mt.current_bytes
+        if dist.get_backend() == "fake":  # its all-reduce's future holds no tensor, which DDP's reducer asserts:
+            model.register_comm_hook(None, noop_hook)  # the bucket back untouched, as an in-place all-reduce would
     if method.startswith("ZeRO-1"):
         zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=lr, foreach=True)
         return model, zero.optim, zero.step

@@ -140,11 +140,6 @@ def verdict(check: Callable, fn: Callable, seed: int | None = None) -> tuple[boo
     return True, buf.getvalue().strip()
 
 
-def solution_verdict(nb_path, exercise: str, function: str, seed: int | None = None) -> tuple[bool, str]:
-    """The check's verdict on the solution notebook's exercise cell, as written."""
-    return mutant_verdict(nb_path, exercise, function, [], seed)
-
-
 def stub_verdict(nb_path, exercise: str, function: str) -> tuple[bool, str]:
     """The check's verdict on the released stub of that cell."""
     from ..checks import REGISTRY
@@ -153,7 +148,7 @@ def stub_verdict(nb_path, exercise: str, function: str) -> tuple[bool, str]:
 
 
 def mutant_verdict(nb_path, exercise: str, function: str, edits, seed: int | None = 7) -> tuple[bool, str]:
-    """The check's verdict on the solution with textual ``edits`` [(old, new), ...] planted in it."""
+    """The check's verdict on the solution with textual ``edits`` [(old, new), ...] planted in it (none: as written)."""
     from ..checks import REGISTRY
     src = exercise_source(nb_path, exercise)
     for old, new in edits:

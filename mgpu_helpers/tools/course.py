@@ -18,37 +18,6 @@ def _problems(sol: Path) -> list[str]:
     return [pr for p in course_notebooks(sol) for pr in validate(nbformat.read(str(p), as_version=4), p.name)]
 
 
-def cmd_release(sol: Path, out: Path, check: bool) -> int:
-    problems = _problems(sol)
-    if problems:  # never release a notebook whose schema is broken
-        print("\n".join(problems))
-        return 1
-    expected = {p.name: dumps(release_notebook(nbformat.read(str(p), as_version=4))) for p in course_notebooks(sol)}
-    if check:
-        drift = sorted(n for n, text in expected.items()
-                       if not (out / n).exists() or (out / n).read_text(encoding="utf-8") != text)
-        extra = sorted({p.name for p in out.glob("*.ipynb")} - set(expected))
-        for n in drift:
-            print(f"drift: {out.name}/{n} differs from the release of {sol.name}/{n}")
-        for n in extra:
-            foreign = "" if Path(n).match(NOTEBOOK_GLOB) else \
-                " (not a course notebook's name: release leaves it; remove it)"
-            print(f"drift: {out.name}/{n} has no source in {sol.name}/{foreign}")
-        if drift or extra:
-            print("notebooks/ is out of date: run `mgpu-course release`")
-            return 1
-        print(f"notebooks/ is up to date ({len(expected)} notebooks)")
-        return 0
-    out.mkdir(parents=True, exist_ok=True)
-    for n, text in expected.items():
-        (out / n).write_text(text, encoding="utf-8")
-    for p in course_notebooks(out):  # a course notebook whose source is gone; any other file stays
-        if p.name not in expected:
-            p.unlink()
-    print(f"released {len(expected)} notebooks to {out}")
-    return 0
-
-
 def input_problem(a) -> str | None:
     """What is wrong with the command line, in one line (None: nothing)."""
     if a.cmd != "execute" or not a.notebooks:
@@ -97,7 +66,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mgpu-course: error: {problem}", file=sys.stderr)
         return 2
     if a.cmd == "release":
-        return cmd_release(a.solutions, a.out, a.check)
+        sol, out = a.solutions, a.out
+        problems = _problems(sol)
+        if problems:  # never release a notebook whose schema is broken
+            print("\n".join(problems))
+            return 1
+        expected = {p.name: dumps(release_notebook(nbformat.read(str(p), as_version=4))) for p in course_notebooks(sol)}
+        if a.check:
+            drift = sorted(n for n, text in expected.items()
+                           if not (out / n).exists() or (out / n).read_text(encoding="utf-8") != text)
+            extra = sorted({p.name for p in out.glob("*.ipynb")} - set(expected))
+            for n in drift:
+                print(f"drift: {out.name}/{n} differs from the release of {sol.name}/{n}")
+            for n in extra:
+                foreign = "" if Path(n).match(NOTEBOOK_GLOB) else \
+                    " (not a course notebook's name: release leaves it; remove it)"
+                print(f"drift: {out.name}/{n} has no source in {sol.name}/{foreign}")
+            if drift or extra:
+                print("notebooks/ is out of date: run `mgpu-course release`")
+                return 1
+            print(f"notebooks/ is up to date ({len(expected)} notebooks)")
+            return 0
+        out.mkdir(parents=True, exist_ok=True)
+        for n, text in expected.items():
+            (out / n).write_text(text, encoding="utf-8")
+        for p in course_notebooks(out):  # a course notebook whose source is gone; any other file stays
+            if p.name not in expected:
+                p.unlink()
+        print(f"released {len(expected)} notebooks to {out}")
+        return 0
     if a.cmd == "execute":
         from nbclient import NotebookClient
         for p in a.notebooks or course_notebooks(a.solutions):

@@ -2,10 +2,9 @@
 
     python -m mgpu_helpers.tools.lab [--port 8888] [--root notebooks] [--open 00_setup.ipynb] [--no-browser]
 
-Unlike plain ``jupyter lab``, it runs as root (containers, cloud GPU boxes); it opens the system browser only
-where there is a display, never a text browser in the terminal; it prints one URL, token included, on the port
-Jupyter bound; Ctrl-C, a closed terminal or the launcher's death stops JupyterLab and its kernels (its own session:
-Ctrl-C does not ask "Shutdown this Jupyter server?"); an ``overrides.json`` keeps Jupyter's news pop-up away.
+Unlike ``jupyter lab``: runs as root (containers); opens the system browser only with a display, never a text one;
+prints one URL (token included, the port Jupyter bound); Ctrl-C, a closed terminal or its death stop JupyterLab and
+its kernels (its own session: no "Shutdown this Jupyter server?"); ``overrides.json`` keeps the news pop-up away.
 """
 from __future__ import annotations
 
@@ -26,8 +25,6 @@ from pathlib import Path
 from .grading.execute import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# Settings every learner gets: no news pop-up, no update check.
 OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}
 
 
@@ -52,8 +49,7 @@ def install_overrides(prefix: str = sys.prefix) -> Path:
 
 
 def lab_command(root: Path, port: int, config: Path, extra: list[str] = ()) -> list[str]:
-    """The ``jupyter lab`` command line; the token travels in a private config file (mode 600), not on
-    the command line, where any user of the machine could read it."""
+    """The ``jupyter lab`` command line; the token is in a private config file (mode 600): any user can read argv."""
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--config={config}", f"--ServerApp.root_dir={root}",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=50", "--ServerApp.ip=localhost",
            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.news_url="]
@@ -106,7 +102,6 @@ def input_problem(a) -> str | None:
         return f"--root {a.root} is not a directory"
     if not (a.root / a.open).is_file():
         return f"--open {a.open}: no such notebook in {a.root}"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,14 +151,13 @@ def stop(proc, timeout: float = 5.0) -> None:
     """SIGTERM to JupyterLab's process group (it shuts its kernels down), SIGKILL if it lingers."""
     if proc.poll() is not None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):  # it has just exited
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 if __name__ == "__main__":

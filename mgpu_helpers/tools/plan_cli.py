@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 from torch import nn
@@ -30,6 +32,7 @@ from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batc
 from mgpu_helpers.tools.plan_sources.base import first_line
 from mgpu_helpers.planner import OPTIMIZERS, TRACED_LAYOUTS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
 from mgpu_helpers.planner.dynamic import DATA_DEPENDENT, DynamicSizes
+from mgpu_helpers.runtime.launch import cores
 from mgpu_helpers.runtime.plots import fmt_bytes, unit_for
 
 COST = ("cost: the course's relative step time (1.00 = one GPU, no checkpointing, one micro-batch): +0.33 "
@@ -132,10 +135,6 @@ def settings(a):
 
 def process_pool(workers):
     """Spawned workers, each with its share of the cores' torch threads (with one per core each, they spin-wait)."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    from mgpu_helpers.runtime.launch import cores
     return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
                                initargs=(max(1, cores() // workers),))
 
@@ -277,8 +276,7 @@ def render_text(r):
 
 
 def save_plot(r, path):
-    """Device total per plan, stacked by line; plans that do not fit are faded and hatched, the cheapest plan
-    that fits is named in the title."""
+    """Device totals per plan, stacked by line (faded, hatched: does not fit; the title: the cheapest that fits)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

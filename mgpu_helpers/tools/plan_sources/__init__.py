@@ -59,8 +59,7 @@ def function_source(spec: str) -> Source:
 
 
 def resolve(spec: str, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
-    """A model from what the user typed: an existing path (HF config), a built-in name, or module:function.
-    ``attn`` and ``moe_imbalance`` concern Hugging Face models only (``hf``)."""
+    """A model from what the user typed: a path (HF config), a built-in name or module:function; ``attn``: HF only."""
     path = Path(spec)
     if path.exists():
         return hf_source(path, attn, moe_imbalance)

@@ -30,8 +30,7 @@ def first_line(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def quiet():
-    """stderr stays the user's: the libraries' warnings and logs while tracing (transformers' advice, the
-    fake-tensor mode's log of an op it refuses) are not the plan; a failure is the one line main prints."""
+    """stderr stays the user's while tracing: libraries' warnings and logs are not the plan (a failure: one line)."""
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     with warnings.catch_warnings():

@@ -75,23 +75,18 @@ def _shrink(d: dict) -> dict:
             out[k] = [t if t < VOCAB - 8 else VOCAB - 1 for t in v if isinstance(t, int)]
         else:
             out[k] = v
-    _mamba_heads(out)
+    width = out.get("hidden_size", WIDTH)  # Mamba-2 mixers need heads x head size = expand x width (their validation)
+    for heads, size, expand in (("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("num_heads", "head_dim", "expand"),
+                                ("mamba_num_heads", "mamba_head_dim", "mamba_expand")):
+        if isinstance(out.get(heads), int) and isinstance(out.get(size), int) and isinstance(out.get(expand), int) \
+                and any(k in out for k in ("ssm_state_size", "state_size", "mamba_d_state")):
+            out[heads] = max(1, out[expand] * width // out[size])
+            if "mamba_d_ssm" in out:  # Falcon-H1's inner width, when given
+                out["mamba_d_ssm"] = out[heads] * out[size]
     return out
 
 
 _UNSET = {"attn_layer_indices": [1], "head_dim": HEAD_DIM, "num_experts_per_tok": TOP_K, "n_routed_experts": EXPERTS}
-
-
-def _mamba_heads(d: dict) -> None:
-    """Mamba-2 mixers need heads x head size = expand x width (the families' own validation)."""
-    width = d.get("hidden_size", WIDTH)
-    for heads, size, expand in (("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("num_heads", "head_dim", "expand"),
-                                ("mamba_num_heads", "mamba_head_dim", "mamba_expand")):
-        if isinstance(d.get(heads), int) and isinstance(d.get(size), int) and isinstance(d.get(expand), int) \
-                and any(k in d for k in ("ssm_state_size", "state_size", "mamba_d_state")):
-            d[heads] = max(1, d[expand] * width // d[size])
-            if "mamba_d_ssm" in d:  # Falcon-H1's inner width, when given
-                d["mamba_d_ssm"] = d[heads] * d[size]
 
 
 def tiny_config(model_type: str):
@@ -126,8 +121,7 @@ def _changed(new: dict, old: dict) -> dict:
 
 
 def trains(cfg, checkpointing: bool = False) -> str | None:
-    """transformers' own step on the CPU (real tensors), with its own ``gradient_checkpointing_enable()`` if
-    ``checkpointing``: None if it trains, else why not (one line)."""
+    """transformers' own CPU step (its own checkpointing if ``checkpointing``): None if it trains, else why not."""
     from transformers import AutoModelForCausalLM
     try:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -200,11 +194,11 @@ def failure_class(message: str) -> str:
     return next((f"failed: {k}" for k, needles in kinds.items() if any(n in message for n in needles)), "failed: other")
 
 
-def plan_catalogue(types=None, workers: int = 2) -> list:
+def plan_catalogue(workers: int = 2) -> list:
     """Every family planned, ``workers`` processes at once (``plan_cli.process_pool``)."""
     from mgpu_helpers.tools.plan_cli import process_pool
     with process_pool(workers) as pool:
-        return list(pool.map(plan_family, list(types or causal_lm_types()), chunksize=4))
+        return list(pool.map(plan_family, causal_lm_types(), chunksize=4))
 
 
 def counts(results) -> dict:

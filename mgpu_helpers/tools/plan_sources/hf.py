@@ -82,20 +82,17 @@ class UserStep(nn.Module):
 
 @contextlib.contextmanager
 def _one_sequence_per_row():
-    """Make transformers' mask code answer on fake tensors as it does on the planner's real tokens (one unpadded
-    sequence per row): no packed sequences, a padding mask of all ones, not a traced graph. It reads values a
-    fake tensor lacks, so the trace would build a (batch, 1, seq, seq) mask the real step never passes, and
-    attention would then expand grouped key/value heads and skip ``is_causal``."""
+    """transformers' mask code answers on fake tensors as on the planner's real tokens (one unpadded sequence per
+    row: no packed sequences, a padding mask of all ones, not a traced graph); else, reading values a fake tensor
+    lacks, it builds a (batch, 1, seq, seq) mask, and attention expands grouped key/value heads, skips is_causal."""
     masking = sys.modules.get("transformers.masking_utils")
     is_tracing = getattr(masking, "is_tracing", None)
     patches = {"find_packed_sequence_indices": lambda *args, **kwargs: None,
                "fast_all": lambda tensor: True,  # every padding mask of the planned batch is all ones
                # compiling, exporting or capturing still count; a fake tensor alone does not
                "is_tracing": lambda tensor=None: is_tracing(None)}
-    with contextlib.ExitStack() as stack:
-        for k, v in patches.items():
-            if hasattr(masking, k):  # older transformers lack some
-                stack.enter_context(mock.patch.object(masking, k, v))
+    patches = {k: v for k, v in patches.items() if hasattr(masking, k)}  # older transformers lack some
+    with mock.patch.multiple(masking, **patches) if patches else contextlib.nullcontext():
         yield
 
 
@@ -115,13 +112,6 @@ def _experts(cfg):
     return None
 
 
-def _default_attention(cfg) -> str:
-    """What ``from_config`` picks without ``attn_implementation``: sdpa where the family supports it, else eager."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
-    return "the one it picks" if cls is None else "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
-
-
 def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -> Source:
     transformers, cfg = read_config(path)
     build_attn = "sdpa" if attn in _FLASH else attn  # planned as SDPA's flash kernel (planner.cuda)
@@ -137,7 +127,10 @@ def hf_source(path: Path, attn: str | None = None, moe_imbalance: float = 1.0) -
         model.train()  # a training step: dropout on, checkpointing active (transformers' models check it)
         return UserStep(model)
     model_fn.flash = attn in _FLASH
-    picked = attn or f"{_default_attention(cfg)} (transformers' default for {cfg.model_type})"
+    # what from_config picks without attn_implementation: sdpa where the family supports it, else eager
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    default = "the one it picks" if cls is None else "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    picked = attn or f"{default} (transformers' default for {cfg.model_type})"
     step = (f"the model's own loss, model(input_ids=x, labels=x).loss; its own gradient_checkpointing_enable(); "
             f"AdamW; attention: {picked}" + (" (planned as torch's flash kernel)" if attn in _FLASH else ""))
     assumptions = [UNPADDED]
