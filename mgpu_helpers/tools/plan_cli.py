@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
 from mgpu_helpers.planner import budget as db
+from mgpu_helpers.tools import plan_layouts
 from mgpu_helpers.tools.plan_sources import ATTENTION, PlanInputError, make_batch, output_loss, quiet, resolve
 from mgpu_helpers.tools.plan_sources.base import first_line
 from mgpu_helpers.planner import OPTIMIZERS, TRACED_LAYOUTS, ZERO_STAGES, plan_from_trace, step_cost, trace_step
@@ -80,17 +81,7 @@ def parse_args(argv):
                     help="expandable = PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     ap.add_argument("--jobs", type=int, default=0, help="processes tracing at once (default: one per CPU core, at "
                     "most one per trace, for models of >= 1B parameters; 1: trace in this process)")
-    lay = ap.add_argument_group("layouts (tools/plan_layouts.py: any of these searches TP x PP x HSDP layouts "
-                                "of a Llama-shaped CONFIG at a fixed --global-batch)")
-    for flag, what in (("--tp", "tensor-parallel degrees"), ("--pp", "pipeline stages"),
-                       ("--cp", "context-parallel degrees"),
-                       ("--ep", "expert-parallel degrees of a MoE CONFIG (borrow dp_shard x cp ranks)"),
-                       ("--dp-replicate", "HSDP replicas"),
-                       ("--dp-shard", "FSDP2 shard groups to keep (default: whatever fills the GPUs)"),
-                       ("--microbatches", "pipeline micro-batches (default: pp, 2pp, 4pp)"),
-                       ("--global-batch", "samples per step over all GPUs")):
-        lay.add_argument(flag, help=f"{what}, comma-separated")
-    lay.add_argument("--schedule", help="gpipe, 1f1b, interleaved (comma-separated; default 1f1b)")
+    plan_layouts.add_arguments(ap)
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--plot", metavar="FILE", help="save a bar chart of the device totals")
     return ap.parse_args(argv)
@@ -310,7 +301,6 @@ def save_plot(r, path):
 
 def main(argv=None):
     a = parse_args(argv)
-    from mgpu_helpers.tools import plan_layouts
     layouts = plan_layouts.wanted(a)
     try:
         r = plan_layouts.run(a, _ints) if layouts else run(a)

@@ -16,6 +16,20 @@ from mgpu_helpers.tools.plan_sources import PlanInputError
 FLAGS = ("tp", "pp", "cp", "ep", "dp_replicate", "dp_shard", "schedule", "microbatches", "global_batch")
 
 
+def add_arguments(ap):
+    lay = ap.add_argument_group("layouts (tools/plan_layouts.py: any of these searches TP x PP x HSDP layouts "
+                                "of a Llama-shaped CONFIG at a fixed --global-batch)")
+    for flag, what in (("--tp", "tensor-parallel degrees"), ("--pp", "pipeline stages"),
+                       ("--cp", "context-parallel degrees"),
+                       ("--ep", "expert-parallel degrees of a MoE CONFIG (borrow dp_shard x cp ranks)"),
+                       ("--dp-replicate", "HSDP replicas"),
+                       ("--dp-shard", "FSDP2 shard groups to keep (default: whatever fills the GPUs)"),
+                       ("--microbatches", "pipeline micro-batches (default: pp, 2pp, 4pp)"),
+                       ("--global-batch", "samples per step over all GPUs")):
+        lay.add_argument(flag, help=f"{what}, comma-separated")
+    lay.add_argument("--schedule", help="gpipe, 1f1b, interleaved (comma-separated; default 1f1b)")
+
+
 def wanted(a) -> bool:
     return any(getattr(a, f, None) is not None for f in FLAGS)
 
