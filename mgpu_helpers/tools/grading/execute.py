@@ -453,14 +453,6 @@ def _readonly(new):
         mount(None, mp, None, flags)
 
 
-def _loopback_up():
-    import fcntl
-    import struct
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        flags = struct.unpack("16sH14s", fcntl.ioctl(s, 0x8913, struct.pack("16sH14s", b"lo", 0, b"")))[1]
-        fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", flags | 1, b""))  # IFF_UP
-
-
 def isolate(spec: dict, base: str, uid: int = 0) -> None:
     """Pivot into the allowlisted root (see the module docstring); ``uid``: the kernel's user, if not root."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the host
@@ -491,8 +483,12 @@ def isolate(spec: dict, base: str, uid: int = 0) -> None:
     rw = [mp for mp, opts in _mounts() if mp not in WRITABLE and "ro" not in opts.split(",")]
     if rw:
         raise RuntimeError(f"could not make {', '.join(rw)} read-only")
-    if spec.get("net"):
-        _loopback_up()
+    if spec.get("net"):  # the new network namespace's loopback is down: SIOCGIFFLAGS, then SIOCSIFFLAGS with IFF_UP
+        import fcntl
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            flags = struct.unpack("16sH14s", fcntl.ioctl(s, 0x8913, struct.pack("16sH14s", b"lo", 0, b"")))[1]
+            fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", flags | 1, b""))
 
 
 # --- inside the sandbox: running nbval (steps 2 and 3) -----------------------------------------------
