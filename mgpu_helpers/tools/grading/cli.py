@@ -41,17 +41,6 @@ def resolve_module(name: str) -> str:
     return f"mgpu_helpers.{name}" if name and "." not in name and find_spec(f"mgpu_helpers.{name}") else name
 
 
-def grader_key(arg: str | None, out: Path) -> bytes:
-    """--key, else $MGPU_GRADE_KEY, else OUT/.mgpu-grade-key (made on the first run; OUT exists)."""
-    if arg or os.environ.get("MGPU_GRADE_KEY"):
-        return (arg or os.environ["MGPU_GRADE_KEY"]).encode()
-    path = out / ".mgpu-grade-key"
-    if not path.exists():
-        path.write_text(secrets.token_hex(32) + "\n")
-        path.chmod(0o600)
-    return path.read_text().strip().encode()
-
-
 def parse(argv):
     ap = argparse.ArgumentParser(prog="mgpu-grade", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,7 +114,12 @@ def input_problem(a) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["merge"]:
-        return merge_main(argv[1:])
+        ap = argparse.ArgumentParser(prog="mgpu-grade merge", description="the class's grades.csv, feedback and "
+                                     "summary plot from the output folders of its --shard K/N runs")
+        ap.add_argument("shards", type=Path, nargs="+", help="the shards' --out folders")
+        ap.add_argument("--out", type=Path, required=True)
+        m = ap.parse_args(argv[1:])
+        return merge(m.shards, m.out)
     a = parse(argv)
     problem = input_problem(a)
     if problem:
@@ -140,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     from .judge import Judge
 
     out = a.out.resolve()
-    key = grader_key(a.key, out)
+    key_file = out / ".mgpu-grade-key"  # made on the first run, where neither --key nor $MGPU_GRADE_KEY is given
+    if not (a.key or os.environ.get("MGPU_GRADE_KEY") or key_file.exists()):
+        key_file.write_text(secrets.token_hex(32) + "\n")
+        key_file.chmod(0o600)
+    key = (a.key or os.environ.get("MGPU_GRADE_KEY") or key_file.read_text().strip()).encode()
     hidden = load_hidden(a.hidden)
     known = {e.id for nb in course for e in nb.exercises}
     for ex in sorted(set(hidden) - known):
@@ -243,15 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mgpu-grade: {len(students)} students, {len(course)} notebooks, {len(rows)} checks graded -> {out}"
           + (f"; {len(errors)} grader errors (see grades.csv)" if errors else ""))
     return 1 if errors else 0
-
-
-def merge_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="mgpu-grade merge", description="the class's grades.csv, feedback and "
-                                 "summary plot from the output folders of its --shard K/N runs")
-    ap.add_argument("shards", type=Path, nargs="+", help="the shards' --out folders")
-    ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args(argv)
-    return merge(a.shards, a.out)
 
 
 if __name__ == "__main__":

@@ -111,8 +111,7 @@ def _without_namespaces(why: str) -> Isolation:
 
 
 def _own_user_works() -> str:
-    """"" when root can start python as an unused unprivileged user and it imports the sandbox (the interpreter
-    and the environment are readable by every user); else why not."""
+    """"" when root can run python as an unused unprivileged user that imports the sandbox; else why not."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "not root"
     try:
@@ -123,8 +122,7 @@ def _own_user_works() -> str:
     return "" if r.returncode == 0 else f"another user cannot import the package: {tail}"
 
 
-def _as_kernel_user(args: list[str], **kw):
-    """``python args`` as the kernel's own user would run (own_user mode): an unused unprivileged uid."""
+def _as_kernel_user(args: list[str], **kw):  # python, as the kernel's own user (own_user mode)
     uid = UID_BASE + os.getpid()
     return subprocess.run([sys.executable, *args], user=uid, group=uid, extra_groups=[], capture_output=True,
                           timeout=60, cwd="/", **kw)
@@ -199,8 +197,7 @@ SYSTEM_PREFIXES = ("/", "/usr", "/usr/local")
 
 
 def needed_paths(import_paths: list[str]) -> list[str]:
-    """The allowlist of the kernel's file system beyond the system's (isolate): the interpreter and its
-    standard library, the environment, the package directory alone and the course's import paths."""
+    """The kernel's allowlist beyond SYSTEM: interpreter, stdlib, environment, package directory, import paths."""
     import site
     import sysconfig
 
@@ -227,8 +224,7 @@ def needed_paths(import_paths: list[str]) -> list[str]:
 
 
 def hidden_from_kernel() -> list[str]:
-    """Directories inside the kept package that the kernel must not see: the judges' references (the answers
-    a check compares against), wherever the package is installed. isolate covers each with an empty tmpfs."""
+    """The judges' references (the answers), inside the kept package: isolate covers each with an empty tmpfs."""
     from ...checks import references
     return [os.path.realpath(os.path.dirname(references.__file__))]
 
@@ -257,8 +253,7 @@ class RunResult:
 
 
 def course_files(solutions: Path, cap: int = 64 * 2**20) -> dict[str, bytes]:
-    """The course's data files (``solutions/assets/``), copied next to every notebook as ``assets/``.
-    Only that directory: anything else next to the solutions may be solutions."""
+    """``solutions/assets/``, copied next to every notebook; nothing else there: it may be solutions."""
     files, total = {}, 0
     for p in sorted((solutions / "assets").rglob("*")) if (solutions / "assets").is_dir() else []:
         if p.is_file() and not p.is_symlink():
@@ -382,9 +377,6 @@ class Root:
     def __init__(self, new):
         self.new, self.bound = new, []
 
-    def covered(self, path):
-        return any(path == b or path.startswith(b.rstrip("/") + "/") for b in self.bound)
-
     def _target(self, path, is_dir):
         t = self.new + path
         os.makedirs(t if is_dir else os.path.dirname(t), exist_ok=True)
@@ -398,7 +390,7 @@ class Root:
         parts, cur = path.strip("/").split("/"), ""
         for i, part in enumerate(parts):
             cur += "/" + part
-            if self.covered(cur):
+            if any(cur == b or cur.startswith(b.rstrip("/") + "/") for b in self.bound):
                 return
             if os.path.islink(cur):  # recreate the link, then place what it points to
                 link = os.readlink(cur)
@@ -461,24 +453,6 @@ def _readonly(new):
         mount(None, mp, None, flags)
 
 
-def _pivot(new):
-    nr = PIVOT_ROOT.get(platform.machine())
-    if nr is None:
-        raise RuntimeError(f"pivot_root: unknown syscall number on {platform.machine()}")
-    os.chdir(new)
-    _check(_libc.syscall(nr, b".", b"."), "pivot_root")  # new root on top, the old one stacked under it
-    _check(_libc.umount2(b".", MNT_DETACH), "umount old root")
-    os.chdir("/")
-
-
-def _loopback_up():
-    import fcntl
-    import struct
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        flags = struct.unpack("16sH14s", fcntl.ioctl(s, 0x8913, struct.pack("16sH14s", b"lo", 0, b"")))[1]
-        fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", flags | 1, b""))  # IFF_UP
-
-
 def isolate(spec: dict, base: str, uid: int = 0) -> None:
     """Pivot into the allowlisted root (see the module docstring); ``uid``: the kernel's user, if not root."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the host
@@ -499,20 +473,29 @@ def isolate(spec: dict, base: str, uid: int = 0) -> None:
     os.makedirs(root.new + "/proc")
     mount("proc", root.new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # of the new pid namespace
     _readonly(root.new)
-    _pivot(root.new)
+    nr = PIVOT_ROOT.get(platform.machine())
+    if nr is None:
+        raise RuntimeError(f"pivot_root: unknown syscall number on {platform.machine()}")
+    os.chdir(root.new)
+    _check(_libc.syscall(nr, b".", b"."), "pivot_root")  # new root on top, the old one stacked under it
+    _check(_libc.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
     rw = [mp for mp, opts in _mounts() if mp not in WRITABLE and "ro" not in opts.split(",")]
     if rw:
         raise RuntimeError(f"could not make {', '.join(rw)} read-only")
-    if spec.get("net"):
-        _loopback_up()
+    if spec.get("net"):  # the new network namespace's loopback is down: SIOCGIFFLAGS, then SIOCSIFFLAGS with IFF_UP
+        import fcntl
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            flags = struct.unpack("16sH14s", fcntl.ioctl(s, 0x8913, struct.pack("16sH14s", b"lo", 0, b"")))[1]
+            fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", flags | 1, b""))
 
 
 # --- inside the sandbox: running nbval (steps 2 and 3) -----------------------------------------------
 
 
 def _drop_privileges(memory, tasks=None, uid=0):
-    """preexec_fn of pytest (and so of the kernel): no capabilities, no way back, bounded address space
-    and (in the namespaces) a bounded number of processes and threads."""
+    """preexec_fn of pytest and so of the kernel: no capabilities, no way back, bounded memory and tasks."""
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if tasks:

@@ -56,8 +56,7 @@ exec "${{MGPU_AUTOGRADER_PYTHON:-{venv}/bin/python}}" -m mgpu_helpers.tools.grad
 
 
 def constraints() -> str:
-    """name==version of what grading runs on here: Gradescope installs the same (torch: setup.sh, from the CPU
-    index)."""
+    """name==version of what grading runs on here, for Gradescope to install (torch: setup.sh, CPU index)."""
     lines = []
     for name in PINNED:
         with contextlib.suppress(metadata.PackageNotFoundError):

@@ -50,9 +50,8 @@ def _spec(exercise: str, work: str) -> dict:
 
 
 def prime(exercise: str, work: str) -> None:
-    """Before the check cell: make it use the grader's seed and record what the learner's function
-    returns, so the harvest need not run the public cases a second time (the naive way: run_all again).
-    The check's printed line is unchanged: its number of cases never depends on the seed (nbval)."""
+    """Before the check cell: make it use the grader's seed and record what the learner's function returns, so
+    the harvest need not run the public cases again. Its printed line (nbval's) never depends on the seed."""
     seed, chk, log = _spec(exercise, work)["seed"], REGISTRY[exercise], []
     _LOGS[exercise] = log
     make_cases, run = chk.make_cases, chk.run
@@ -125,8 +124,7 @@ def _verdict(check, seed, results, head):
     return bool(ok), str(msg)
 
 
-def _alike(verdict: list, task: dict, error: bool) -> dict:
-    """The same verdict for the public check and its hidden ones."""
+def _alike(verdict: list, task: dict, error: bool) -> dict:  # for the public check and its hidden ones
     return {"public": verdict, "hidden": {n: verdict for n in task["hidden_seeds"]}, "error": error}
 
 
@@ -162,8 +160,7 @@ def serve(config: dict) -> None:
 
 
 class Judge:
-    """Client of one judge process, started at once (it imports the checks meanwhile); restarted after a crash
-    or a timeout."""
+    """Client of one judge process, started at once (it imports the checks meanwhile); restarted when it fails."""
 
     def __init__(self, import_paths: list[str], modules: list[str], hidden: str | None, log: Path):
         self.config = {"import_paths": import_paths, "modules": modules, "hidden": hidden}

@@ -45,8 +45,7 @@ def pytest_configure(config):
 
 
 def _tasks() -> int:
-    """Processes and threads of this user (RLIMIT_NPROC's count) in /proc: the sandbox's own in its pid
-    namespace; without one, the host's, of which only the kernel's own user's count."""
+    """Tasks of this user in /proc, as RLIMIT_NPROC counts them (the sandbox's pid namespace, or the host's)."""
     n, me = 0, os.getuid()
     for pid in os.listdir("/proc"):
         with contextlib.suppress(OSError):

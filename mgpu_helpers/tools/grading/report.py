@@ -54,8 +54,7 @@ def feedback(student: str, rows: list[Row]) -> str:
 
 
 def gradescope(rows: list[Row], isolation: str) -> dict:
-    """Gradescope's results.json: per test name, score, max_score, status, output and visibility (hidden
-    checks' rows are shown once grades are published); the total score; ``output``: what isolated the run."""
+    """Gradescope's results.json; hidden checks' rows show once grades are published; ``output``: the isolation."""
     tests = [{"name": f"{r.notebook}: {_label(r)}", "score": r.points, "max_score": r.max_points,
               "status": "passed" if r.status == "passed" else "failed",
               "visibility": "after_published" if r.hidden else "visible",

@@ -154,11 +154,6 @@ def _normal(ex, spec, run, layout, verdict) -> tuple[str, str]:
                       f"the notebook did not pass: {_cell_problem(rec)}.")
 
 
-def untouched(source: str | None, stub: str) -> bool:
-    """The learner's exercise cell is the release's stub, but for nbval markers and surrounding blank lines."""
-    return source is not None and clean_source(source).strip() == clean_source(stub).strip()
-
-
 def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, sub: Submission,
                    job: Path) -> list[Row]:
     hidden = {e.id: ctx.hidden.get(e.id, []) for e in course.exercises}
@@ -172,7 +167,7 @@ def grade_notebook(ctx: Context, judge, student: str, course: CourseNotebook, su
             settle(e.id, (sub.status, sub.message))
         elif e.id in sub.problems:
             settle(e.id, sub.problems[e.id])
-        elif untouched(sub.sources.get(e.id), e.stub):
+        elif sub.sources[e.id].strip() == clean_source(e.stub).strip():  # the release's stub (sources are clean)
             # Its check fails on the stub (each check's tests prove it): nothing needs to run, and a notebook
             # with nothing else (a class mid-course submits every notebook) is not run at all.
             settle(e.id, ("not-implemented", f"Exercise {e.id} ✗ {e.function}: not implemented yet"))
