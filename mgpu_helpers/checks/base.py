@@ -7,7 +7,6 @@ a seed), ``run(fn, case)`` (the learner's code on one case: plain data or CPU te
 (raises; never calls learner code). A notebook runs all three (``check_4_1(average_gradients)``); the grader runs
 ``judge`` in a process that never runs learner code. What a learner sees: AUTHORING.md, "Checks".
 """
-from __future__ import annotations
 
 import contextlib
 import copy

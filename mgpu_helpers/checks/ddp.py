@@ -1,6 +1,5 @@
 """Checks of notebook 04: 4.1 average gradients with all_reduce, 4.2 bucketed all_reduce; against the mean
 of each rank's own gradients (what torch DDP computes), in one process."""
-from __future__ import annotations
 
 import itertools
 from collections import OrderedDict

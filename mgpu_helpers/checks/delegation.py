@@ -1,7 +1,6 @@
 """Did the learner's answer use the course's own code? (``course_code_used``) It would fail anyway (the package holds
 no answers); this names the reason instead of a confusing difference. Static: it follows what the learner's function
 or class names (the notebook's own helpers too) and reports the first course object outside ``Check.may_use``."""
-from __future__ import annotations
 
 import functools
 import inspect

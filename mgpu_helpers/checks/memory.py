@@ -1,5 +1,4 @@
 """Checks of notebook 01: 1.1 training-state bytes (against one real step, measured), 1.2 activation bytes."""
-from __future__ import annotations
 
 import random
 

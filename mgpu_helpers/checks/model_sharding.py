@@ -1,6 +1,5 @@
 """Checks of notebook 09: 9.1 a GPipe step over send/recv (against one process on the whole batch, the step
 clock recorded), 9.2 the tensor-parallel MLP (against the dense MLP, all_reduces counted); and the script."""
-from __future__ import annotations
 
 from itertools import combinations
 
