@@ -14,9 +14,6 @@ from .base import (Check, CheckFailure, CollectiveLedger, collective_mismatch, e
                    expect_equal, expect_type, plain)
 
 
-# Every case is a fixed edge case with random sizes: world sizes 1 to 3, uneven shards, a parameter the forward
-# never uses (its .grad stays None), and for 4.2 a bucket exactly at the cap.
-
 class _SkipsUnused(nn.Sequential):
     def forward(self, x):  # the module named "unused" gets no input, so its parameters get no .grad
         for name, m in self.named_children():

@@ -237,8 +237,6 @@ class ParallelMLPCheck(RemembersVerdict):
             expect_equal(bwd[0], 1, "all_reduce calls per rank in backward (f)")
 
 
-# --- the script ---------------------------------------------------------------------------------------
-
 def script(rank, world):
     """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding``: the references, judged by 9.1 and 9.2
     on every rank (a wrong result raises)."""
