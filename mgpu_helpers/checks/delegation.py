@@ -13,11 +13,8 @@ PACKAGE = __name__.split(".")[0]        # mgpu_helpers
 
 
 def _course_module(name: str | None, may_use) -> str | None:
-    if not name or not (name == PACKAGE or name.startswith(PACKAGE + ".")):
-        return None
-    if any(name == m or name.startswith(m + ".") for m in may_use):
-        return None
-    return name
+    within = lambda package: bool(name) and (name == package or name.startswith(package + "."))  # noqa: E731
+    return name if within(PACKAGE) and not any(map(within, may_use)) else None
 
 
 def _name_of(value, may_use) -> str | None:
