@@ -1,6 +1,5 @@
 """Checks of notebook 05: 5.1 accumulation = one big batch, 5.2 DDP accumulation that all-reduces once; against
 a single process on the big batch, collectives counted."""
-from __future__ import annotations
 
 import torch
 import torch.nn.functional as F

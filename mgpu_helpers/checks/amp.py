@@ -1,7 +1,6 @@
 """Notebook 06's checks: 6.1 a dynamic loss scaler against ``torch.amp.GradScaler``, 6.2 a mixed-precision step
 with fp32 master weights against an fp32 model under ``torch.autocast``. The named mistakes are those torch calls
 used wrongly, or GradScaler's rule with one planted slip (``_decisions``): no working scaler lives here."""
-from __future__ import annotations
 
 import torch
 import torch.nn.functional as F

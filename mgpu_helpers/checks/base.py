@@ -7,7 +7,6 @@ a seed), ``run(fn, case)`` (the learner's code on one case: plain data or CPU te
 (raises; never calls learner code). A notebook runs all three (``check_4_1(average_gradients)``); the grader runs
 ``judge`` in a process that never runs learner code. What a learner sees: AUTHORING.md, "Checks".
 """
-from __future__ import annotations
 
 import contextlib
 import copy
@@ -83,7 +82,6 @@ class Check:
             if cls.__module__ in sys.modules:  # `from mgpu_helpers.checks.ddp import check_4_1`
                 setattr(sys.modules[cls.__module__], "check_" + cls.id.replace(".", "_"), check)
 
-    # --- to implement -------------------------------------------------------------------------------
     def cases(self, rng: random.Random) -> list[dict]:
         raise NotImplementedError
 
@@ -97,7 +95,6 @@ class Check:
         """A short description of a case for failure messages (default: its items)."""
         return ", ".join(f"{k}={v}" for k, v in case.items() if not k.startswith("_") and k != "seed")
 
-    # --- driving ------------------------------------------------------------------------------------
     def make_cases(self, seed: int | None = None) -> list[dict]:
         # Unseeded: fresh inputs. A seed's draw is made once per process, then copied (6.2's and 11.1's draws search).
         if seed is None:
@@ -184,7 +181,6 @@ class Check:
 
     passed = passes  # a RemembersVerdict check answers from its last verdict on the function
 
-    # --- grading split: run in the learner's kernel, judge elsewhere -----------------------------------
     def run_all(self, fn: Callable, seed: int) -> list[dict]:
         """Results of the learner's function on the seed's cases, as plain data (for the grader)."""
         used = course_code_used(fn, self.may_use)
@@ -250,8 +246,6 @@ def run_learner_ranks(target: Callable, world_size: int, *args, **kwargs) -> lis
                 raise NotImplementedError(message) from None
         raise
 
-
-# --- comparison helpers that name the mistake --------------------------------------------------------
 
 def _as_tensor(x: Any) -> torch.Tensor:
     return x.detach().to("cpu", torch.float64) if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.float64)
@@ -363,8 +357,6 @@ def flat(tensors) -> torch.Tensor:
     """The tensors flattened into one, to compare a model's parameters or gradients at once."""
     return torch.cat([t.detach().flatten() for t in tensors])
 
-
-# --- distributed checks: the ranks' collectives, matched as they happen -------------------------------
 
 _OPS = ("all_reduce", "broadcast", "barrier")  # what a ledger watches (a comm hook admits all_reduce)
 

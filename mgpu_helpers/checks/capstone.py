@@ -1,5 +1,4 @@
 """Check of notebook 11: 11.1 the cheapest plan that fits a card, over the planner's own plans."""
-from __future__ import annotations
 
 import random
 

@@ -1,6 +1,5 @@
 """Check of notebook 07: 7.1 segments of k blocks under checkpointing; gradients against the plain step, the peak
 against ``predict_peak`` (exact, proven against the tracker), the recomputed blocks recorded."""
-from __future__ import annotations
 
 import torch
 import torch.nn.functional as F

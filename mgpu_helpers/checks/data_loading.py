@@ -1,5 +1,4 @@
 """Check of notebook 10: 10.1 the indices of each rank, against torch's DistributedSampler itself."""
-from __future__ import annotations
 
 from .base import Check, expect_equal, expect_type
 

@@ -1,6 +1,5 @@
 """Check of notebook 03: 3.1 a DataParallel step over CPU replicas, against one device's step on the
 whole batch (PyTorch itself)."""
-from __future__ import annotations
 
 import threading
 

@@ -1,6 +1,5 @@
 """Checks of notebook 04: 4.1 average gradients with all_reduce, 4.2 bucketed all_reduce; against the mean
 of each rank's own gradients (what torch DDP computes), in one process."""
-from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
@@ -14,9 +13,6 @@ from ..runtime.launch import rank_device, run_ranks
 from .base import (Check, CheckFailure, CollectiveLedger, collective_mismatch, expect, expect_close,
                    expect_equal, expect_type, plain)
 
-
-# Every case is a fixed edge case with random sizes: world sizes 1 to 3, uneven shards, a parameter the forward
-# never uses (its .grad stays None), and for 4.2 a bucket exactly at the cap.
 
 class _SkipsUnused(nn.Sequential):
     def forward(self, x):  # the module named "unused" gets no input, so its parameters get no .grad

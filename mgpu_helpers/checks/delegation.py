@@ -1,7 +1,6 @@
 """Did the learner's answer use the course's own code? (``course_code_used``) It would fail anyway (the package holds
 no answers); this names the reason instead of a confusing difference. Static: it follows what the learner's function
 or class names (the notebook's own helpers too) and reports the first course object outside ``Check.may_use``."""
-from __future__ import annotations
 
 import functools
 import inspect
@@ -14,11 +13,8 @@ PACKAGE = __name__.split(".")[0]        # mgpu_helpers
 
 
 def _course_module(name: str | None, may_use) -> str | None:
-    if not name or not (name == PACKAGE or name.startswith(PACKAGE + ".")):
-        return None
-    if any(name == m or name.startswith(m + ".") for m in may_use):
-        return None
-    return name
+    within = lambda package: bool(name) and (name == package or name.startswith(package + "."))  # noqa: E731
+    return name if within(PACKAGE) and not any(map(within, may_use)) else None
 
 
 def _name_of(value, may_use) -> str | None:

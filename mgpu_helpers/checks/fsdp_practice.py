@@ -1,7 +1,6 @@
 """Notebook 12 -- the checks of 12.1 (a ``fully_shard`` policy meeting a memory and a communication budget,
 measured as each of 4 ranks; the forward's issue order against FSDP2's own) and 12.2 (a sharded checkpoint saved
 on N ranks, loaded on M, against one process training on the whole batch; its DCP metadata read)."""
-from __future__ import annotations
 
 import shutil
 import tempfile

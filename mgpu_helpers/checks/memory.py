@@ -1,7 +1,4 @@
 """Checks of notebook 01: 1.1 training-state bytes (against one real step, measured), 1.2 activation bytes."""
-from __future__ import annotations
-
-import random
 
 import torch
 
@@ -13,7 +10,7 @@ from .base import Check, expect, expect_equal, expect_type, plain
 class TrainingStateBytes(Check):
     id, function = "1.1", "training_state_bytes"
 
-    def cases(self, rng: random.Random) -> list[dict]:
+    def cases(self, rng):
         combos = [("adam", "fp32"), ("momentum", "mixed"), ("momentum", "bf16"), ("sgd", "mixed"),
                   ("adam", "bf16"), ("sgd", "fp32")]
         rng.shuffle(combos)  # every combination each time, so no mistake can hide behind the draw
@@ -61,7 +58,7 @@ class TrainingStateBytes(Check):
 class ActivationBytes(Check):
     id, function = "1.2", "activation_bytes"
 
-    def cases(self, rng: random.Random) -> list[dict]:
+    def cases(self, rng):
         # at least one hidden layer, so that every mistake below changes the answer
         return [{"widths": [rng.randint(2, 64) for _ in range(rng.randint(3, 5))], "batch": rng.randint(1, 32),
                  "dtype": dt, "seed": rng.randrange(2**31)} for dt in ("fp32", "bf16", "fp32")]

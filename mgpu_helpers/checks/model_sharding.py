@@ -1,6 +1,5 @@
 """Checks of notebook 09: 9.1 a GPipe step over send/recv (against one process on the whole batch, the step
 clock recorded), 9.2 the tensor-parallel MLP (against the dense MLP, all_reduces counted); and the script."""
-from __future__ import annotations
 
 from itertools import combinations
 
@@ -237,8 +236,6 @@ class ParallelMLPCheck(RemembersVerdict):
             expect_equal(fwd[0], 1, "all_reduce calls per rank in forward (g)")
             expect_equal(bwd[0], 1, "all_reduce calls per rank in backward (f)")
 
-
-# --- the script ---------------------------------------------------------------------------------------
 
 def script(rank, world):
     """``torchrun --nproc-per-node 2 -m mgpu_helpers.checks model_sharding``: the references, judged by 9.1 and 9.2

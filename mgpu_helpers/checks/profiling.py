@@ -1,5 +1,4 @@
 """Checks of notebook 02: 2.1 a peak-memory measurement, 2.2 the phase where a step peaks (against the tracker)."""
-from __future__ import annotations
 
 from ..memory import make_optimizer
 from ..profiling import scenario_inputs, scenario

@@ -1,6 +1,5 @@
 """Notebook 08 -- the checks of exercises 8.1 (ZeRO-1 ``ShardedOptimizer``) and 8.2 (ZeRO-2
 ``reduce_scatter_gradients``): every rank against one process training the same model unsharded."""
-from __future__ import annotations
 
 import warnings
 from unittest import mock

@@ -9,7 +9,6 @@ The course's figures count tensors (``MemoryTracker``, the planner), the same on
 holds what C++ allocates behind no tensor (oneDNN's scratch, gloo's copies). This sees only this thread's
 allocations, and frees of blocks made after entry: a lower bound, and a figure that depends on the machine.
 """
-from __future__ import annotations
 
 import bisect
 import contextlib

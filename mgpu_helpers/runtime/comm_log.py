@@ -1,7 +1,6 @@
 """``CommLog``: the collectives this rank makes, as the dispatcher sees them (``c10d`` / ``_c10d_functional``
 ops: FSDP2's, ``dist.*``, DTensor's). DDP's built-in all-reduce runs in C++, unseen: count it with a comm hook
 (``accumulation.AllReduceCount``)."""
-from __future__ import annotations
 
 from collections import Counter
 

@@ -1,6 +1,5 @@
 """``if not unsolved(activation_bytes): ...`` skips what would crash on a stub, saying which exercise to finish.
 A stub is what release writes, ``raise NotImplementedError("Exercise N.M: ...")``; a wrong answer is no stub."""
-from __future__ import annotations
 
 import inspect
 import re

@@ -1,6 +1,5 @@
 """Memory plots shared by the notebooks and the one byte formatter: one colour per category in every notebook,
 so a learner recognises "optimizer state" at a glance wherever it appears."""
-from __future__ import annotations
 
 from typing import Mapping, Sequence
 

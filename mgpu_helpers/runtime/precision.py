@@ -9,7 +9,6 @@ Older NVIDIA GPUs (T4 = 7.5, V100 = 7.0): fp16 autocast with the GradScaler it r
 to zero); ``torch.cuda.is_bf16_supported()`` says True there, counting emulation (torch/cuda/__init__.py). ROCm
 GPUs and CPUs: bf16, no scaler.
 """
-from __future__ import annotations
 
 import os
 import re

@@ -17,7 +17,6 @@ Why not torch's ``torch.distributed._tools.mem_tracker.MemTracker``, whose desig
 *when* a tensor was made, not its role; counts a pre-entry tensor once touched in place; needs a reset between
 forwards; has no timeline, phases or rounding off CUDA. ``per_module=True`` runs it as ``mt.module_tracker``.
 """
-from __future__ import annotations
 
 import os
 import threading

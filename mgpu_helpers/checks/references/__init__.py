@@ -1,7 +1,6 @@
 """What the judges compare against where torch itself cannot serve, by exercise (imported only inside
 ``Check.judge``, by the tests, the benches and the lesson scripts; masked by the grading sandbox). Nothing here is
 for a notebook."""
-from __future__ import annotations
 
 import contextlib
 
