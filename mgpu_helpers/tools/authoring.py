@@ -2,7 +2,6 @@
 and the mutant harness. Release replaces each solution block by ``raise NotImplementedError("Exercise 4.1:
 <task>")`` at the block's indentation, clears outputs and execution counts, and keeps ids, tags and metadata.
 """
-from __future__ import annotations
 
 import contextlib
 import copy

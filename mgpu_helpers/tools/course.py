@@ -1,7 +1,6 @@
 """`mgpu-course`: the authoring command line: ``mgpu-course release [--check]``, ``execute [NB ...]``,
 ``validate``, ``autograder --out autograder.zip [--hidden DIR] [--key KEY]`` (``mgpu-course COMMAND --help``).
 """
-from __future__ import annotations
 
 import argparse
 import sys

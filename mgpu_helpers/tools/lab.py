@@ -6,7 +6,6 @@ Unlike ``jupyter lab``: runs as root (containers); opens the system browser only
 prints one URL (token included, the port Jupyter bound); Ctrl-C, a closed terminal or its death stop JupyterLab and
 its kernels (its own session: no "Shutdown this Jupyter server?"); ``overrides.json`` keeps the news pop-up away.
 """
-from __future__ import annotations
 
 import argparse
 import contextlib

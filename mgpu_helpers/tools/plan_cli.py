@@ -14,7 +14,6 @@ buffers) with the GPU's capacity. The cheapest plan that fits: fewest GPUs, then
 Exit status: 0 a plan fits, 1 nothing fits, 2 bad input (one line on stderr; MGPU_PLAN_DEBUG=1 shows the
 traceback).
 """
-from __future__ import annotations
 
 import argparse
 import json

@@ -3,7 +3,6 @@ the layouts (TP, PP with its schedule, HSDP / FSDP2, CP, EP, on one mesh) of a L
 by ``planner.search``'s per-rank arithmetic. CONFIG: llama3-8b, llama3-70b, llama3-405b or a Hugging Face
 config.json of a Llama-shaped model, dense or with routed experts (Mixtral's, Qwen-MoE's, DeepSeek's
 names). Any of the layout flags selects this mode."""
-from __future__ import annotations
 
 import json
 import os

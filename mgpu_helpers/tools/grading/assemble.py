@@ -6,7 +6,6 @@ output is the instructor's. The grader's *prime* and *harvest* cells (judge.py) 
 An exercise missing or duplicated in the submission, or "stubbed" (it took the kernel down in an earlier
 run), gets the release's stub instead.
 """
-from __future__ import annotations
 
 import copy
 import json

@@ -11,7 +11,6 @@ OUT/.mgpu-grade-key, created on the first run): keep it to reproduce a grading r
 in one line what isolates learner code here (namespaces; else, as root, the kernel's own user; else none),
 on stdout and in every results.json.
 """
-from __future__ import annotations
 
 import argparse
 import os

@@ -23,7 +23,6 @@ kernel still runs as its own user, in a folder it owns, reading only what every 
 of that user is killed at the end. Not root either: best effort, and the grader says so.
 Standard library only: the sandbox process starts once per notebook.
 """
-from __future__ import annotations
 
 import contextlib
 import ctypes

@@ -7,7 +7,6 @@ GRADING.md ("Gradescope") gives the specification this follows. The zip holds ``
 notebooks, hidden checks, ``grading.json`` with the key and limits: root's alone in the container) and
 ``imports/N/`` (the --import-path folders, which the kernel reads).
 """
-from __future__ import annotations
 
 import contextlib
 import json

@@ -15,7 +15,6 @@ Every ``*.py`` file in DIR may define subclasses of :class:`HiddenCheck`::
 Only the *cases* (data) go into the kernel, where the public check's ``run`` calls the learner's function;
 the verdict is made outside (judge.py). Feedback shows the check's name and message, never this source.
 """
-from __future__ import annotations
 
 import importlib.util
 import inspect

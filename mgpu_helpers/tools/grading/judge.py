@@ -9,7 +9,6 @@ code and imports the checks, hidden ones included, as the grading starts. It loa
 ``Check.judge_all(seed, results)``, which regenerates the cases and computes the reference itself, so forged
 results still have to be right. Tasks and verdicts travel as JSON lines over stdin/stdout.
 """
-from __future__ import annotations
 
 import contextlib
 import io

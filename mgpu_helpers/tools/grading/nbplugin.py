@@ -8,7 +8,6 @@ the caps, or tasks near ``--mgpu-max-tasks`` (the sandbox's RLIMIT_NPROC: a fork
 the kernel; the run stops at the first such cell; the notebook file is deleted once collected (the kernel
 cannot read the stored outputs) and this process is non-dumpable (the kernel cannot open its fds).
 """
-from __future__ import annotations
 
 import contextlib
 import ctypes

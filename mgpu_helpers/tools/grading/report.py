@@ -5,7 +5,6 @@ A class split over SLURM array tasks: ``mgpu-grade SUB --out OUT_K --shard K/N``
 OUT_1 ... OUT_N --out OUT`` (GRADING.md, "A SLURM cluster"). Students are ordered by a keyed hash and dealt
 round-robin; merge copies each student's files as the shard wrote them and rebuilds grades.csv and summary.png.
 """
-from __future__ import annotations
 
 import csv
 import hashlib

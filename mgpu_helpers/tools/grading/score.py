@@ -6,7 +6,6 @@ or process cap, a harvest cell that did not run) ends what the run can say about
 exercise whose code was running gets its status, and the exercises after it are graded in a fresh run with
 that exercise stubbed, so the damage stays with its cause without a kernel per exercise (twice the time).
 """
-from __future__ import annotations
 
 import hashlib
 import hmac

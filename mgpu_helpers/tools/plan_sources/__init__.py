@@ -2,7 +2,6 @@
 :class:`Source` whose ``model_fn`` the planner calls under ``FakeTensorMode``, with the batch it takes (shapes
 and dtypes only) and a loss. Bad input is a :class:`PlanInputError`: one line saying what to fix (exit 2).
 """
-from __future__ import annotations
 
 import importlib
 import os

@@ -1,6 +1,5 @@
 """What every source of a model for ``mgpu-plan`` gives (:class:`Source`) and how it says no
 (:class:`PlanInputError`): the lowest module of ``plan_sources``, imported by the others."""
-from __future__ import annotations
 
 import contextlib
 import logging

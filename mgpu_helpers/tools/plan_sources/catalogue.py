@@ -3,7 +3,6 @@ against (tests/test_plan_catalogue.py). :func:`tiny_config` shrinks the family's
 name, keeping what makes the family (grouped heads, sliding windows, layer patterns, shared experts); nothing is
 downloaded. A family that fails transformers' own CPU step (:func:`trains`) is skipped, not blamed on the planner.
 """
-from __future__ import annotations
 
 import contextlib
 import io

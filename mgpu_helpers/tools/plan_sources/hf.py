@@ -3,7 +3,6 @@
 :class:`UserStep` is ``model(input_ids=x, labels=x).loss`` (the model's own loss, which upcasts the logits to
 fp32), with the model's own ``gradient_checkpointing_enable()``, AdamW and the attention transformers picks.
 """
-from __future__ import annotations
 
 import contextlib
 import difflib
