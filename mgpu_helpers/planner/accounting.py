@@ -2,10 +2,8 @@
 step, plus the calibrated scratch a GPU's kernels take inside one op, which no tensor owns.
 
 A fake tensor's storage lives on ``meta`` whatever device it claims, so ``FakeTracker`` counts meta storages of
-tensors that claim the planned device, with the tracker's categories, rules and rounding (a CPU plan equals
-the tracker on a real step). It records the allocator's requests in order (``events``) and, with
-``kernels="cuda"``, adds cuDNN's, flash attention's and split reductions' scratch as transients (a CPU
-kernel's, oneDNN's, depends on the CPU: not the plan's).
+tensors that claim the planned device (a CPU plan equals the tracker on a real step). With ``kernels="cuda"``
+it adds GPU kernels' scratch as transients (a CPU kernel's, oneDNN's, depends on the CPU: not the plan's).
 """
 from __future__ import annotations
 
@@ -155,11 +153,8 @@ def reduce_workspace(func, args) -> int:
     acc = 8 if x.dtype in (torch.float64, torch.complex64) else 4
     kept = [d for d in range(x.dim()) if d not in dims and x.shape[d] > 1]
     fastest = not kept or max(d for d in dims if x.shape[d] > 1) > max(kept)  # the innermost dim is reduced
-    vec = 1
-    if not fastest:  # lanes take neighbouring outputs, vectorised by 4 where the innermost output dim allows
-        vec = 4
-        while x.shape[max(kept)] % vec:
-            vec //= 2
+    # lanes take neighbouring outputs, vectorised by 4 where the innermost output dim allows
+    vec = 1 if fastest else math.gcd(4, x.shape[max(kept)])
     dim0, dim1 = (inputs, outputs) if fastest else (outputs // vec, inputs)
     real = [d for d in range(x.dim()) if x.shape[d] > 1]  # reduced dims next to each other merge into one
     groups = sum(1 for i, d in enumerate(real) if d in dims and (i == 0 or real[i - 1] not in dims))
