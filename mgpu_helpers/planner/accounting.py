@@ -121,15 +121,14 @@ def flash_backward_workspace(func, args) -> int:
 
 def cudnn_workspace(func, args) -> int:
     """Bytes cuDNN takes and frees inside one GPU convolution (forward or backward): a calibrated line."""
-    conv = func is torch.ops.aten.convolution.default  # else convolution_backward(grad_output, input, weight, ...)
-    x, w, out = (args[0], args[1], None) if conv else (args[1], args[2], args[0])
-    biggest = max(x.numel(), out.numel() if out is not None else 0) * x.element_size()
-    if out is None:  # forward: the output's size from the arguments
-        stride, padding, dilation = args[3], args[4], args[5]
+    if func is torch.ops.aten.convolution.default:  # forward: the output's size from the arguments
+        x, w, (stride, padding, dilation) = args[0], args[1], args[3:6]
         spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
                    zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
-        biggest = max(biggest, x.shape[0] * w.shape[0] * math.prod(spatial) * x.element_size())
-    return int(CUDNN_WORKSPACE_FRACTION * biggest) + CUDNN_WORKSPACE_EXTRA
+        out = x.shape[0] * w.shape[0] * math.prod(spatial)
+    else:  # convolution_backward(grad_output, input, weight, ...)
+        x, out = args[1], args[0].numel()
+    return int(CUDNN_WORKSPACE_FRACTION * max(x.numel(), out) * x.element_size()) + CUDNN_WORKSPACE_EXTRA
 
 
 # H100 SXM's and H200's 132 SMs of 2048 threads (A100: 108): more SMs split a reduction over more blocks.
