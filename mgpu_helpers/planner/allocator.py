@@ -123,7 +123,6 @@ class CachingAllocator:
         self._insert(small, b)
 
     def _join(self, small, left, right):
-        """``left`` takes ``right``'s bytes; ``right`` leaves the segment's chain of blocks."""
         left.size += right.size
         left.next = right.next
         if right.next is not None:

@@ -64,7 +64,6 @@ def _from_timeline(t, state, phases, config, n_params, layout, method):
 
 
 def _worst(plans):
-    """One Plan from per-rank plans: the worst rank's figures, every rank's peak."""
     peaks = tuple(p.peak_bytes for p in plans)
     r = max(range(len(peaks)), key=peaks.__getitem__)
     return replace(plans[r], rank_peaks=peaks, worst_rank=r)

@@ -34,7 +34,6 @@ STEPS = 3  # the measured step is the last
 
 
 def mesh_of(device):
-    """A 1-D mesh over the whole group on ``device``'s type."""
     from torch.distributed.device_mesh import DeviceMesh
     return DeviceMesh(torch.device(device).type, list(range(dist.get_world_size())))
 
