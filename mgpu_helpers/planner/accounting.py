@@ -175,9 +175,7 @@ def reduce_workspace(func, args) -> int:
     if not split_y or per_thread < 256 or grid > target:
         return 0
     ctas = max(min(-(-target // grid), -(-per_thread // 16)), -(-per_thread // 256))
-    if ctas <= 1:
-        return 0
-    return acc * outputs * ctas * (1 if fastest else width * vec)
+    return acc * outputs * ctas * (1 if fastest else width * vec) if ctas > 1 else 0
 
 
 _CUBLAS = frozenset(getattr(torch.ops.aten, op).default for op in ("mm", "addmm", "bmm", "baddbmm", "addmv", "mv"))
