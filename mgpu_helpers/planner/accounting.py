@@ -2,10 +2,8 @@
 step, plus the calibrated scratch a GPU's kernels take inside one op, which no tensor owns.
 
 A fake tensor's storage lives on ``meta`` whatever device it claims, so ``FakeTracker`` counts meta storages of
-tensors that claim the planned device, with the tracker's categories, rules and rounding (a CPU plan equals
-the tracker on a real step). It records the allocator's requests in order (``events``) and, with
-``kernels="cuda"``, adds cuDNN's, flash attention's and split reductions' scratch as transients (a CPU
-kernel's, oneDNN's, depends on the CPU: not the plan's).
+tensors that claim the planned device (a CPU plan equals the tracker on a real step). With ``kernels="cuda"``
+it adds GPU kernels' scratch as transients (a CPU kernel's, oneDNN's, depends on the CPU: not the plan's).
 """
 from __future__ import annotations
 
@@ -123,15 +121,14 @@ def flash_backward_workspace(func, args) -> int:
 
 def cudnn_workspace(func, args) -> int:
     """Bytes cuDNN takes and frees inside one GPU convolution (forward or backward): a calibrated line."""
-    conv = func is torch.ops.aten.convolution.default  # else convolution_backward(grad_output, input, weight, ...)
-    x, w, out = (args[0], args[1], None) if conv else (args[1], args[2], args[0])
-    biggest = max(x.numel(), out.numel() if out is not None else 0) * x.element_size()
-    if out is None:  # forward: the output's size from the arguments
-        stride, padding, dilation = args[3], args[4], args[5]
+    if func is torch.ops.aten.convolution.default:  # forward: the output's size from the arguments
+        x, w, (stride, padding, dilation) = args[0], args[1], args[3:6]
         spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
                    zip(x.shape[2:], w.shape[2:], stride, padding, dilation)]
-        biggest = max(biggest, x.shape[0] * w.shape[0] * math.prod(spatial) * x.element_size())
-    return int(CUDNN_WORKSPACE_FRACTION * biggest) + CUDNN_WORKSPACE_EXTRA
+        out = x.shape[0] * w.shape[0] * math.prod(spatial)
+    else:  # convolution_backward(grad_output, input, weight, ...)
+        x, out = args[1], args[0].numel()
+    return int(CUDNN_WORKSPACE_FRACTION * max(x.numel(), out) * x.element_size()) + CUDNN_WORKSPACE_EXTRA
 
 
 # H100 SXM's and H200's 132 SMs of 2048 threads (A100: 108): more SMs split a reduction over more blocks.
@@ -155,11 +152,8 @@ def reduce_workspace(func, args) -> int:
     acc = 8 if x.dtype in (torch.float64, torch.complex64) else 4
     kept = [d for d in range(x.dim()) if d not in dims and x.shape[d] > 1]
     fastest = not kept or max(d for d in dims if x.shape[d] > 1) > max(kept)  # the innermost dim is reduced
-    vec = 1
-    if not fastest:  # lanes take neighbouring outputs, vectorised by 4 where the innermost output dim allows
-        vec = 4
-        while x.shape[max(kept)] % vec:
-            vec //= 2
+    # lanes take neighbouring outputs, vectorised by 4 where the innermost output dim allows
+    vec = 1 if fastest else math.gcd(4, x.shape[max(kept)])
     dim0, dim1 = (inputs, outputs) if fastest else (outputs // vec, inputs)
     real = [d for d in range(x.dim()) if x.shape[d] > 1]  # reduced dims next to each other merge into one
     groups = sum(1 for i, d in enumerate(real) if d in dims and (i == 0 or real[i - 1] not in dims))
@@ -181,9 +175,7 @@ def reduce_workspace(func, args) -> int:
     if not split_y or per_thread < 256 or grid > target:
         return 0
     ctas = max(min(-(-target // grid), -(-per_thread // 16)), -(-per_thread // 256))
-    if ctas <= 1:
-        return 0
-    return acc * outputs * ctas * (1 if fastest else width * vec)
+    return acc * outputs * ctas * (1 if fastest else width * vec) if ctas > 1 else 0
 
 
 _CUBLAS = frozenset(getattr(torch.ops.aten, op).default for op in ("mm", "addmm", "bmm", "baddbmm", "addmv", "mv"))

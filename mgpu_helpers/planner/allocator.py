@@ -84,8 +84,8 @@ class CachingAllocator:
         self._tail[small] = b
         return b
 
-    def malloc(self, key, nbytes: int) -> int:
-        """Allocate ``nbytes`` for ``key``; returns the block's size (what memory_allocated adds)."""
+    def malloc(self, key, nbytes: int) -> None:
+        """Allocate ``nbytes`` for ``key`` (a block of at least that size, what memory_allocated adds)."""
         size = round_size(nbytes)
         small = size <= SMALL
         pool = self._pools[small]
@@ -109,7 +109,6 @@ class CachingAllocator:
         self.allocated += b.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        return b.size
 
     def free(self, key) -> None:
         small, b = self._live.pop(key)
@@ -123,7 +122,6 @@ class CachingAllocator:
         self._insert(small, b)
 
     def _join(self, small, left, right):
-        """``left`` takes ``right``'s bytes; ``right`` leaves the segment's chain of blocks."""
         left.size += right.size
         left.next = right.next
         if right.next is not None:

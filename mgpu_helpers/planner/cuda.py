@@ -89,8 +89,7 @@ def _math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     dtype = q.dtype
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask: the inputs' dtype
         attn_mask = torch.where(attn_mask, q.new_zeros(()), q.new_full((), float("-inf")))
-    upcast = dtype in _HALF and not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
-    if upcast:
+    if dtype in _HALF and not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed():
         q, k, v = q.float(), k.float(), v.float()
     hq, lq, d = q.shape[1:]
     sf = (scale if scale is not None else d ** -0.5) ** 0.5  # both operands scaled by its square root
@@ -174,12 +173,10 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, offs, bias, out_dtype):
         ctx.save_for_backward(a, b)
-        if a.dim() == 2 and b.dim() == 3:      # (tokens, k) x (groups, k, n): one group per expert
-            shape = (a.shape[0], b.shape[-1])
-        elif a.dim() == 2 and b.dim() == 2:    # (m, tokens) x (tokens, n): the weights' gradient
+        if a.dim() == 2 and b.dim() == 2:  # (m, tokens) x (tokens, n): the weights' gradient, one per group
             shape = (offs.shape[0], a.shape[0], b.shape[-1])
-        else:                                   # (groups, m, k) x (k, n) jagged along n, or x (groups, k, n)
-            shape = (a.shape[0], a.shape[1], b.shape[-1])
+        else:  # (tokens, k) x (groups, k, n), one group per expert; (groups, m, k) x (k, n) or x (groups, k, n)
+            shape = (*a.shape[:-1], b.shape[-1])
         return a.new_empty(shape, dtype=out_dtype or a.dtype)
 
     @staticmethod

@@ -3,8 +3,7 @@
 FSDP2's memory is no rule of thumb over an unsharded step (padded flat all-gather buffers, unsharded storages
 freed and re-grown with ``UntypedStorage.resize_``, prefetching, ``MixedPrecisionPolicy``'s copies), so the
 planner runs it on a model built under ``FakeTensorMode``, in a fake process group (``init_process_group("fake")``)
-of the planned world size and rank, and counts the second step. Ranks whose shards are equal in every
-parameter share one trace (:func:`rank_groups`).
+of the planned world size and rank, and counts the second step (:func:`rank_groups`: one trace per equal shards).
 """
 from __future__ import annotations
 
@@ -94,11 +93,8 @@ class FSDPFakeTracker(FakeTracker):
 
 def shard_rows(sizes, world_size, rank):
     """Rows of dim 0 that ``rank`` holds of each parameter (``torch.chunk``'s split, as FSDP2 shards)."""
-    out = []
-    for rows in sizes:
-        chunk = -(-rows // world_size)
-        out.append(max(0, min(chunk, rows - rank * chunk)))
-    return tuple(out)
+    chunks = [-(-rows // world_size) for rows in sizes]
+    return tuple(max(0, min(c, rows - rank * c)) for rows, c in zip(sizes, chunks))
 
 
 def rank_groups(model_fn, world_size, fsdp_units="blocks", reshard_after_forward=None):

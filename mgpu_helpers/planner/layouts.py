@@ -4,12 +4,11 @@
 (:func:`zero_mixed`). Figures differ from DeepSpeed's, whose "ZeRO-1 on 8 ranks" is ``zero-mixed``: under
 autocast the fp32 parameters *are* the master, so ZeRO-1 shards only Adam's 8 B/param.
 
-**Methods** (:data:`METHOD`), as torch runs them, with torch's defaults: stage 0 ``DistributedDataParallel``
-(``gradient_as_bucket_view=False``: its buckets are a second copy of every gradient, held from construction;
-``True``: the gradients are views into them, alive all step); stage 1 ``ZeroRedundancyOptimizer`` over DDP
-(whole parameters per rank, greedily: every rank is planned, the worst reported); stage 2 the course's ZeRO-2
-(notebook 08's ``Zero2``, by rule); stage 3 FSDP2 ``fully_shard`` per block + root (``planner.fsdp``: run, not
-ruled). ``world_size=1`` plans the unwrapped step at stages 0-2; stage 3 runs FSDP2 even at one rank.
+**Methods** (:data:`METHOD`), as torch runs them, with torch's defaults: stage 0 ``DistributedDataParallel``;
+stage 1 ``ZeroRedundancyOptimizer`` over DDP (whole parameters per rank, greedily: every rank is planned, the
+worst reported); stage 2 the course's ZeRO-2 (notebook 08's ``Zero2``, by rule); stage 3 FSDP2 ``fully_shard``
+per block + root (``planner.fsdp``: run, not ruled). ``world_size=1`` plans the unwrapped step at stages 0-2;
+stage 3 runs FSDP2 even at one rank.
 """
 from __future__ import annotations
 

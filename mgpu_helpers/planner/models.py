@@ -68,7 +68,6 @@ def _named(model_fn, name: str):
 
 
 def _sized(cls, size: str, name: str):
-    """A ``model_fn`` building ``cls`` at one of :data:`SIZES`."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
     return _named(lambda: cls(*SIZES[size]), f"{name}_{size}")

@@ -64,7 +64,6 @@ def _from_timeline(t, state, phases, config, n_params, layout, method):
 
 
 def _worst(plans):
-    """One Plan from per-rank plans: the worst rank's figures, every rank's peak."""
     peaks = tuple(p.peak_bytes for p in plans)
     r = max(range(len(peaks)), key=peaks.__getitem__)
     return replace(plans[r], rank_peaks=peaks, worst_rank=r)
@@ -106,9 +105,7 @@ def plan_from_trace(trace: Trace, zero_stage: int = 0, world_size: int = 1, **op
     plans = [_from_timeline(*rank_timeline(trace, zero_stage, world_size, r, o["gradient_as_bucket_view"]),
                             trace.phases, config, trace.n_params, layout, method)
              for r in (range(world_size) if zero_stage == 1 and world_size > 1 else [0])]  # stage 1: ranks differ
-    if len(plans) == 1:
-        plans = plans * world_size
-    return _worst(plans)
+    return _worst(plans * world_size if len(plans) == 1 else plans)
 
 
 def plan(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", zero_stage=0, world_size=1,

@@ -28,8 +28,6 @@ FSDP_WARM_UP_STEPS = 1  # the second step is steady: equal to the third, to the 
 
 
 class Checkpointed(nn.Module):
-    """A block whose forward runs under non-reentrant activation checkpointing."""
-
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
@@ -161,10 +159,6 @@ def _check_fake(model):
                 "do not return a model built earlier or load real weights in it")
 
 
-def _local(t):
-    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
-
-
 def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", micro_batches=1,
                checkpointing=False, device=None, round_to=None, fsdp=None, kernels=None) -> Trace:
     """Trace one steady-state training step of ``model_fn()`` on ``batch``, unsharded, under fake tensors.
@@ -225,10 +219,10 @@ def trace_step(model_fn, batch, *, loss_fn, optimizer="adam", precision="fp32", 
             in_blocks = {id(p) for b in blocks for p in b.parameters()}
             unit_numel = max([sum(p.numel() for p in b.parameters()) for b in blocks]
                              + [sum(p.numel() for p in params if id(p) not in in_blocks)])
-            per_param = [[(_local(v).numel(), v.element_size()) for v in opt.state[p].values()
+            local = [getattr(t, "_local_tensor", t) for g in opt.param_groups for t in g["params"]]  # DTensors' shards
+            per_param = [[(getattr(v, "_local_tensor", v).numel(), v.element_size()) for v in opt.state[p].values()
                           if isinstance(v, torch.Tensor) and v.device.type == device.type] if p in opt.state else []
                          for g in opt.param_groups for p in g["params"]]
-            local = [_local(p) for g in opt.param_groups for p in g["params"]]
             sizes = dict(param_sizes=[(p.numel(), p.element_size()) for p in local],
                          state_sizes=[size for sizes in per_param for size in sizes],
                          grad_bytes_per_elem=local[0].element_size() if local else 4, param_state_sizes=per_param,

@@ -16,6 +16,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from ..runtime.alloc_reference import AllocationReference
@@ -34,8 +35,6 @@ STEPS = 3  # the measured step is the last
 
 
 def mesh_of(device):
-    """A 1-D mesh over the whole group on ``device``'s type."""
-    from torch.distributed.device_mesh import DeviceMesh
     return DeviceMesh(torch.device(device).type, list(range(dist.get_world_size())))
 
 
@@ -106,7 +105,6 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
             for n in world_sizes:
                 got = run_ranks(_measure_rank, n, model_fn, batch, loss_fn, method, precision, options, timeout=600)
                 device = "cuda" if "allocator" not in got[0] else "cpu"
-                bar = 0.02 if device == "cuda" else 0.0
                 p = plan(model_fn, batch, loss_fn=loss_fn, precision=precision, world_size=n, device=device,
                          **METHODS[method], **options)
                 # On a GPU max_memory_allocated also holds cuBLAS's two workspaces (mgpu-plan's "alloc")
@@ -118,7 +116,7 @@ def validate(model_fn, batch, *, loss_fn, model, methods=tuple(METHODS), world_s
                     rows.append(dict(model=model, method=method, world=n, precision=precision, rank=r,
                                      measured=m["peak"], planned=planned, error=error,
                                      steady=m["start"] == m["start_prev"], allocator=m.get("allocator"),
-                                     held=abs(error) <= bar))
+                                     held=abs(error) <= (0.02 if device == "cuda" else 0.0)))
     return rows
 
 
