@@ -5,7 +5,6 @@ A fake tensor's storage lives on ``meta`` whatever device it claims, so ``FakeTr
 tensors that claim the planned device (a CPU plan equals the tracker on a real step). With ``kernels="cuda"``
 it adds GPU kernels' scratch as transients (a CPU kernel's, oneDNN's, depends on the CPU: not the plan's).
 """
-from __future__ import annotations
 
 import math
 

@@ -8,7 +8,6 @@ small and large pools of segments never given back, best fit; ``expandable_segme
 per pool by pages and splits any block. Not replayed: other streams, ``max_split_size_mb`` and
 ``roundup_power2_divisions`` (off by default), kernels' workspaces but cuBLAS's (``planner.budget``'s lines).
 """
-from __future__ import annotations
 
 from bisect import bisect_left, insort
 

@@ -5,7 +5,6 @@ reserve (replayed by ``planner.allocator``, else a calibrated fraction); the CUD
 N > 1 GPUs. Each line names its source (:data:`SOURCES`); of a measured range, the upper end is used: an
 under-estimate is the dangerous direction.
 """
-from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field

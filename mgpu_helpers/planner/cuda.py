@@ -6,7 +6,6 @@ mask), so a plan traced on a CPU would follow the CPU's choices. Under :class:`C
 (:func:`cuda_backend` picks the kernel), RMSNorm, dropout, cross-entropy, grouped matmuls and autocast's op
 lists run as CUDA runs them (each function says what differs; ``bench/planner_gpu_diag.py`` checks them).
 """
-from __future__ import annotations
 
 import contextlib
 import functools

@@ -6,7 +6,6 @@ from a mask. :class:`DynamicSizes` answers them, over-estimating memory where a 
 commented). Entered outside ``trace_step``, it sees each op before the fake mode; every op pays a Python call
 through it, so ``mgpu-plan`` traces within it only when a trace without it met such an op (:data:`DATA_DEPENDENT`).
 """
-from __future__ import annotations
 
 import math
 

@@ -5,7 +5,6 @@ freed and re-grown with ``UntypedStorage.resize_``, prefetching, ``MixedPrecisio
 planner runs it on a model built under ``FakeTensorMode``, in a fake process group (``init_process_group("fake")``)
 of the planned world size and rank, and counts the second step (:func:`rank_groups`: one trace per equal shards).
 """
-from __future__ import annotations
 
 import contextlib
 

@@ -10,7 +10,6 @@ worst reported); stage 2 the course's ZeRO-2 (notebook 08's ``Zero2``, by rule);
 per block + root (``planner.fsdp``: run, not ruled). ``world_size=1`` plans the unwrapped step at stages 0-2;
 stage 3 runs FSDP2 even at one rank.
 """
-from __future__ import annotations
 
 import torch
 

@@ -2,7 +2,6 @@
 
 ``decoder(size)`` is a ``model_fn`` for ``planner.plan``, at one of :data:`SIZES` (a toy to Llama-2-13B's).
 """
-from __future__ import annotations
 
 import torch
 import torch.nn.functional as F

@@ -46,7 +46,6 @@ composes the per-rank peak by arithmetic over the same layout: the stage's shard
 FSDP2's ``dp_shard`` chunks), the schedule's in-flight micro-batches times a block's saved activations,
 plus the largest transient (its terms: ``planner.search``).
 """
-from __future__ import annotations
 
 import contextlib
 import math

@@ -4,7 +4,6 @@ The step is ``train_step`` from the steady state (optimizer state made, gradient
 ``MemoryTracker`` counts it from before the model is built, one rank's batch excepted. Stages 0-2 take each
 rank's timeline by rule from one unsharded trace (``planner.layouts``); stage 3 runs FSDP2 (``planner.fsdp``).
 """
-from __future__ import annotations
 
 from dataclasses import dataclass, replace
 

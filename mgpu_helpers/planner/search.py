@@ -83,7 +83,6 @@ autocast within 9 KiB (flash attention, fused RMSNorm), and ``c=4`` its fp32 ste
 the heads are not grouped (grouped heads in fp32 run SDPA's math kernel: refused). FSDP2's bf16 gathers
 (``dp_shard > 1``) are not held against GPUs yet. CP, MoE and EP are held against CPU traces only.
 """
-from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass

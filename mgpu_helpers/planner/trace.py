@@ -3,7 +3,6 @@
 :func:`trace_step` builds the model under ``FakeTensorMode`` (shapes, dtypes and devices, no data) and runs one
 steady-state :func:`train_step`, the code a real run uses, under :class:`FakeTracker`: nothing is allocated.
 """
-from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field

@@ -10,7 +10,6 @@ collective returns once gloo's worker has let go of its tensors (``parallel.sett
 the two agree to the byte; ``allocator`` is what the CPU allocator saw beside them (gloo's copies, oneDNN's
 scratch): it depends on the machine, and no plan promises it.
 """
-from __future__ import annotations
 
 import contextlib
 
