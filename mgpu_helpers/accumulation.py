@@ -13,9 +13,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.benchmark.utils.common import set_torch_threads
 
-from .memory import mlp
+from .memory import mlp, torch_threads
 from .runtime.tracker import MemoryTracker
 
 
@@ -80,7 +79,7 @@ def peak_vs_effective_batch(effective=(16, 32, 64, 128, 256), micro=16, tokens=1
                 del x, y  # before the next one is made
         return mt.peak_bytes
 
-    with set_torch_threads(1):  # tiny ops: a second OpenMP thread only spin-waits on a busy machine
+    with torch_threads(1):  # tiny ops: a second OpenMP thread only spin-waits on a busy machine
         return {"effective": list(effective), "plain": [step(b, 1) for b in effective],
                 "accumulated": [step(micro, b // micro) for b in effective], "micro": micro}
 

@@ -6,9 +6,8 @@ loss scaling) and 6.2 (fp32 master weights) are checked in ``checks.amp``.
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from torch.utils.benchmark.utils.common import set_torch_threads
 
-from .memory import mlp
+from .memory import mlp, torch_threads
 from .runtime.plots import stacked_bars, unit_for
 from .runtime.precision import training_precision
 from .runtime.tracker import MemoryTracker
@@ -119,7 +118,7 @@ def saved_for_backward(widths, batch: int, seed: int = 0) -> list[dict]:
 
 def compare_precisions(widths, batch: int, device=None) -> dict[str, dict]:
     """``step_memory`` for every precision, by name."""
-    with set_torch_threads(1):  # small ops: a second thread only spin-waits on a busy machine
+    with torch_threads(1):  # small ops: a second thread only spin-waits on a busy machine
         return {p: step_memory(widths, batch, p, device) for p in PRECISIONS}
 
 

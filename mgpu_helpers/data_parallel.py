@@ -11,9 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.benchmark.utils.common import set_torch_threads
 
-from .memory import make_optimizer
+from .memory import make_optimizer, torch_threads
 from .runtime.launch import rank_device, script_args, torchrun_main
 from .runtime.plots import stacked_bars
 from .runtime.tracker import MemoryTracker
@@ -177,7 +176,7 @@ def gil_demo(n=2):
     out = {}
     # One intra-op thread per replica, as one GPU each; per thread, so each worker sets it too (else torch's
     # intra-op threads fill the cores and leave the Python threads nothing to run in parallel on).
-    with set_torch_threads(1), torch.no_grad(), \
+    with torch_threads(1), torch.no_grad(), \
             ThreadPoolExecutor(n, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         for name, layer, x in (("Python-bound (100 tiny layers)", lambda: nn.Sequential(
                 *[nn.Linear(8, 8) for _ in range(100)]), torch.randn(2, 8)),

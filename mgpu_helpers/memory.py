@@ -1,6 +1,8 @@
 """Notebook 01 -- where training memory goes, by formula (exercises 1.1 and 1.2, ``checks.memory``) and by
 ``MemoryTracker``; and the builders later faces share: ``mlp``, ``make_batch``, ``make_optimizer``, ``nbytes``.
 """
+import contextlib
+
 import torch
 from torch import nn
 
@@ -44,3 +46,15 @@ def nbytes(tensors) -> int:
     storages = [t.untyped_storage() for t in local if isinstance(t, torch.Tensor)]
     return sum({s.data_ptr(): s.nbytes() for s in storages}.values())
 
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside, restored after. (torch.utils.benchmark's set_torch_threads
+    does the same, but importing it calls torch.cuda.is_available() (torch/utils/cpp_extension.py), which
+    poisons fork: CUDA then fails in every rank the forkserver forks.)"""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

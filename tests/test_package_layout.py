@@ -243,3 +243,19 @@ def test_imports_flip_no_global_state_and_figures_do_not_depend_on_import_order(
         assert runs[order]["before"] == runs[order]["after"], (order, runs[order])
     figures = [r["figures"] for r in runs.values()]
     assert figures[0] == figures[1] == figures[2] and figures[0][0] == figures[0][2], figures
+
+
+def test_what_ranks_import_never_asks_cuda():
+    """A forkserver imports the course's rank modules once and forks every rank from itself: an import that asks
+    CUDA anything (``torch.cuda.is_available()`` calls cudaGetDeviceCount) poisons fork, and every rank on a GPU
+    machine then fails with "CUDA error: initialization error". ``torch.utils.cpp_extension`` asks at import
+    (its CUDA_HOME lookup), on CUDA builds only: so it is kept out too, which a CPU build can see."""
+    code = ("import importlib, sys, torch\n"
+            "def asked(*a, **k): raise AssertionError('CUDA asked at import')\n"
+            "torch.cuda.is_available = torch.cuda.init = asked\n"
+            "from mgpu_helpers.runtime.launch import _RANK_MODULES\n"
+            "for m in _RANK_MODULES: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch.utils.cpp_extension'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", f"a rank module imports torch.utils.cpp_extension: {proc.stdout}"
