@@ -23,22 +23,12 @@ from unittest import mock
 
 import torch
 
+from ..memory import torch_threads
 from ..runtime.exercises import STUB
 from .delegation import course_code_used, refusal
 
 REGISTRY: dict[str, "Check"] = {}
 _TIMED_OUT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # function -> {check id: message}
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Checks use small inputs, for which a second intra-op thread only adds overhead."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 _PACKAGE = str(Path(__file__).resolve().parent)
@@ -164,7 +154,7 @@ class Check:
         if used:
             raise CheckFailure(refusal(self.id, self.function, used))
         cases = self.make_cases(seed)
-        with one_thread():
+        with torch_threads(1):  # small inputs: a second intra-op thread only adds overhead
             for i, case in enumerate(cases):
                 self.judge_one(i, len(cases), case, self._call(fn, case))
         print(f"Exercise {self.id} ✓ {self.function}: {len(cases)}/{len(cases)} cases")
@@ -187,7 +177,7 @@ class Check:
         if used:  # nothing of it is run: the judge reports why
             return [{"ok": False, "course_code": used}]
         out = []
-        with one_thread():
+        with torch_threads(1):
             for case in self.make_cases(seed):
                 try:
                     out.append({"ok": True, "result": self._run(fn, case)})
@@ -200,7 +190,7 @@ class Check:
         """Verdict on results from :meth:`run_all`; never runs learner code."""
         if isinstance(results, list) and results and isinstance(results[0], dict) and results[0].get("course_code"):
             return False, refusal(self.id, self.function, str(results[0]["course_code"])[:200])
-        with one_thread():
+        with torch_threads(1):
             cases = self.make_cases(seed)
             if not isinstance(results, list) or len(results) != len(cases):
                 return False, f"Exercise {self.id} ✗ {self.function}: no results for this check"
