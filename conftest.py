@@ -32,8 +32,9 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers:
         import torch
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // workers))
+
+        from mgpu_helpers.runtime.launch import cores
+        torch.set_num_threads(max(1, cores() // workers))
 
 
 def pytest_collection_modifyitems(session, config, items):
