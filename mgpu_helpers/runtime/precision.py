@@ -25,7 +25,10 @@ class Precision:
     dtype: torch.dtype    # the autocast dtype
     needs_scaler: bool    # fp16: loss scaling is required
     why: str              # one line for the learner
-    name = property(lambda self: {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype])
+
+    @property
+    def name(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
 
 
 def training_precision(device: torch.device | str | None = None) -> Precision:
