@@ -228,6 +228,16 @@ def _fsdp_lr():
     return LR
 
 
+def _adam_mistakes_told_apart(case):
+    """12.2's judge names "Adam restarted" and "the lr was not restored" by its one-process rerun of each; both
+    stay beyond its tolerance (rtol 1e-5, atol 1e-6) of the right run on this case: the mutant cannot pass."""
+    from mgpu_helpers.checks.base import flat
+    from mgpu_helpers.checks.fsdp_practice import _baseline
+    right = flat(_baseline(case)[1])
+    return all(not torch.allclose(flat(_baseline(case, optimizer=o)[1]), right, rtol=1e-5, atol=1e-6)
+               for o in ("fresh", "initialised", "lr lost"))
+
+
 def _12_1_same(cs):
     """12.1's budgets are the notebook's: a draw changes only the model's and the batch's seed."""
     first = REGISTRY["12.1"].make_cases(0)
@@ -390,6 +400,8 @@ EDGES = {
          lambda cs: all(c["save_on"] != c["load_on"] and c["save_on"] > 1 for c in cs)),
         ("steps before the save and an lr set (optimizer state; lr restored)",
          lambda cs: all(c["before"] >= 1 and c["lr"] != _fsdp_lr() for c in cs)),
+        ("Adam restarted, or at the fresh lr, beyond the judge's tolerance of the right run",
+         lambda cs: all(map(_adam_mistakes_told_apart, cs))),
     ],
 }
 
