@@ -43,21 +43,9 @@ INTERLEAVED = [  # v = 2 chunks per rank, Megatron's order (on CFG8)
 ]
 
 
-def _measured(cfg, layout, planned):
-    """Each rank's peak on real gloo ranks. A tensor a collective used can be freed by gloo's worker thread a
-    moment after the rank moved on (``parallel.settled_collectives`` waits for the Python-level collectives;
-    DTensor's functional ones it cannot see), which only ever adds bytes, at a moment of the thread's
-    choosing: so a rank measured above its plan is measured once more and the lower figure kept. A plan
-    that counts too much, or too little for a rank in both runs, still fails."""
-    measured = measure_layout(cfg, layout, BATCH, SEQ)
-    if any(m > p for m, p in zip(measured, planned)):
-        measured = [min(a, b) for a, b in zip(measured, measure_layout(cfg, layout, BATCH, SEQ))]
-    return measured
-
-
 def _plan_equals_tracker(cfg, layout):
     planned = plan_layout(cfg, layout, BATCH, SEQ)
-    measured = _measured(cfg, layout, planned)
+    measured = measure_layout(cfg, layout, BATCH, SEQ)
     assert planned == measured, f"{layout.describe()}: measured {measured}, planned {planned}"
 
 

@@ -27,7 +27,7 @@ def test_unsolved_notebook_runs_to_the_end(path):
         if errors:  # a hang in full: where each rank was, with its Python stack when it was killed
             e = errors[0]
             told = e["evalue"] if e["ename"] == "RankTimeout" else e["evalue"][:300]
-            crashed.append(f"cell {i}: {e['ename']}: {told}\n{cell.source[:300]}")
+            crashed.append(f"cell {i}: {e['ename']}: {told}\n{cell.source[:300]}\nit printed:\n{shown[-600:]}")
         elif "NotImplementedError" in shown:   # a stub's error printed instead of one line saying what to finish
             crashed.append(f"cell {i} prints a stub's error:\n{shown[-600:]}")
     assert not crashed, f"{path.name}: cells other than checks failed while the exercises are unsolved:\n" + \
