@@ -550,10 +550,10 @@ def rank_step(cfg: LlamaConfig, layout: Layout, rank: int, tokens, targets, trac
             from .fsdp import step_on_shards
             step_on_shards(opt)  # DTensor's foreach sharding propagation is slow under fake tensors; same tensors
         for i in range(STEPS):
-            if i == STEPS - 1 or (peaks is not None and i > 0):
+            if i > 0:  # each steady step counted alone
                 mt.reset_peak()
             pipeline_step(chunks, opt, tokens, targets, layout=layout, pp_rank=pp_rank, p2p=p2p, d=cfg.d)
-            if peaks is not None and i > 0:
+            if i > 0 and peaks is not None:
                 peaks.append(mt.peak_bytes)
     return mt
 
