@@ -583,7 +583,7 @@ def main(job, jobfd):
            # a kernel's start (importing torch) is not the learner's: on busy cores it took over nbval's 60 s
            # default and every cell errored; the notebook's own timeout bounds it
            f"--nbval-kernel-startup-timeout={max(60, int(spec['notebook_timeout']))}",
-           "-p", "no:cacheprovider", "-p", "nbval", "-p", "mgpu_helpers.tools.grading.nbplugin",
+           "-p", "no:cacheprovider", "-p", "mgpu_helpers.tools.grading.nbplugin", "-p", "nbval",
            f"--mgpu-report-fd={wfd}",
            f"--mgpu-output-cap={spec['output_cap']}", f"--mgpu-output-cap-total={spec['output_cap_total']}",
            *([f"--mgpu-max-tasks={tasks}"] if tasks else []),

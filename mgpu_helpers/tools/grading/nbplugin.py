@@ -14,10 +14,16 @@ import ctypes
 import json
 import os
 import signal
+import sys
 import time
 from queue import Empty
 
 import pytest
+
+# Imported before nbval (-p order): nbformat imports jsonschema, whose "iri" format checker imports rfc3987-syntax,
+# which compiles its grammars on import -- 1.3 s of CPU in every notebook's process, for a format no notebook
+# schema uses (python-jsonschema/jsonschema#1428). Without it jsonschema leaves that format unchecked.
+sys.modules.setdefault("rfc3987_syntax", None)
 
 _state: dict = {"cell": None, "total": 0, "cap": 1 << 20, "cap_total": 8 << 20, "out": None, "tasks": None}
 POLL = 0.1  # seconds between liveness (and output) checks of the kernel while waiting for a message
