@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -530,11 +530,9 @@ def pipeline_step(chunks: list, opt, tokens, targets, *, layout: Layout, pp_rank
     opt.zero_grad(set_to_none=True)
 
 
-def rank_step(cfg: LlamaConfig, layout: Layout, rank: int, tokens, targets, tracker, *, mesh, device, fake=False,
-              peaks=None):
+def rank_step(cfg: LlamaConfig, layout: Layout, rank: int, tokens, targets, tracker, *, mesh, device, fake=False):
     """Build rank ``rank``'s stage under ``tracker`` (entered before the model exists, as planner.validation
-    measures), apply the layout, run :data:`STEPS` steps; returns the tracker (its peak: the last step's).
-    ``peaks``: a list to which each steady step's own peak (every step after the first) is appended."""
+    measures), apply the layout, run :data:`STEPS` steps; returns the tracker (its peak: the last step's)."""
     pp_rank = layout.coords(rank)[0]
     sizes = stage_layers(cfg.layers, layout.pp * layout.virtual_stages)  # chunk c: global stage c pp + pp_rank
     p2p = _P2P(mesh if layout.pp > 1 else None, fake, hold=layout.schedule == "interleaved")
@@ -550,11 +548,9 @@ def rank_step(cfg: LlamaConfig, layout: Layout, rank: int, tokens, targets, trac
             from .fsdp import step_on_shards
             step_on_shards(opt)  # DTensor's foreach sharding propagation is slow under fake tensors; same tensors
         for i in range(STEPS):
-            if i > 0:  # each steady step counted alone
+            if i == STEPS - 1:
                 mt.reset_peak()
             pipeline_step(chunks, opt, tokens, targets, layout=layout, pp_rank=pp_rank, p2p=p2p, d=cfg.d)
-            if i > 0 and peaks is not None:
-                peaks.append(mt.peak_bytes)
     return mt
 
 
@@ -584,10 +580,16 @@ def settled_collectives():
     all-gather input, a contiguous copy) is then freed there, at a moment of the thread's choosing, and a
     rank's measured peak varied by up to 64 KiB from run to run under load. Waiting here gives the figure
     the plan counts -- freed when the caller drops it, as the CUDA caching allocator frees a tensor under
-    NCCL -- and costs the CPU lab only overlap it does not measure. DTensor's collectives (TP's) are
-    ``_c10d_functional`` ops, not ``dist``'s: a dispatch mode waits for and settles those."""
+    NCCL -- and costs the CPU lab only overlap it does not measure. The Work holds the very tensor objects it
+    was given, a hold their storage's use count cannot show: so each collective is given fresh aliases
+    (``detach()``: the same storage, one more use while anything holds them), and returns once those uses are
+    gone (an ``async_op`` collective's Work stays with the caller, tensors and all). DTensor's collectives
+    (TP's) are ``_c10d_functional`` ops, not ``dist``'s: a dispatch mode settles those alike."""
     def uses(tensors):
         return [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors]
+
+    def aliased(tree):
+        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t, tree)
 
     def settle(tensors, held):
         deadline = time.monotonic() + 10
@@ -596,14 +598,14 @@ def settled_collectives():
 
     def settled(fn):
         def call(*args, **kwargs):
-            tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
-                       if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
             held = uses(tensors)
-            work = fn(*args, **kwargs)
-            if work is not None:
+            work = fn(*aliased(args), **aliased(kwargs))
+            if work is not None:  # async_op: the caller's Work holds the tensors for as long as the caller keeps it
                 work.wait()
+                return work
             settle(tensors, held)
-            return work
+            return None
         return call
 
     class Functional(TorchDispatchMode):
@@ -614,7 +616,7 @@ def settled_collectives():
                 return func(*args, **(kwargs or {}))
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             held = uses(tensors)
-            out = func(*args, **(kwargs or {}))
+            out = func(*aliased(args), **aliased(kwargs or {}))
             for t in tree_leaves(out):
                 torch.ops._c10d_functional.wait_tensor(t)
             settle(tensors, held)
@@ -638,19 +640,14 @@ def _measure_rank(rank, world, cfg, layout, global_batch, seq):
     device = rank_device()
     tokens, targets = _rank_batch(cfg, layout, global_batch, seq, rank, device)
     mesh = make_mesh(layout, device.type)  # its rank tensors before the count, as the plan makes it
-    peaks = []
     with settled_collectives() if device.type == "cpu" else contextlib.nullcontext():
-        rank_step(cfg, layout, rank, tokens, targets, MemoryTracker(device=device), mesh=mesh, device=device,
-                  peaks=peaks)
-    return min(peaks)
+        mt = rank_step(cfg, layout, rank, tokens, targets, MemoryTracker(device=device), mesh=mesh, device=device)
+    return mt.peak_bytes
 
 
 def measure_layout(cfg: LlamaConfig, layout: Layout, global_batch: int, seq: int, backend: str = "auto") -> list[int]:
     """Each rank's measured peak (the course's ``MemoryTracker``) of the layout's steady step, on real ranks
-    (``backend``: as ``run_ranks``; "gloo" measures on CPU ranks, like the plan, on a machine with GPUs too):
-    the lower of its two steady steps' peaks. The two are equal (every layout of tests/test_planner_parallel.py),
-    but a tensor that gloo's worker thread lets go of late adds to one of them: seen 31 KiB above the plan on
-    one rank in one step of two, after ``settled_collectives`` had waited for every collective it sees."""
+    (``backend``: as ``run_ranks``; "gloo" measures on CPU ranks, like the plan, on a machine with GPUs too)."""
     from ..runtime.launch import run_ranks
     return run_ranks(_measure_rank, layout.world, cfg, layout, global_batch, seq, backend=backend, timeout=600)
 
