@@ -581,7 +581,8 @@ def settled_collectives():
     rank's measured peak varied by up to 64 KiB from run to run under load. Waiting here gives the figure
     the plan counts -- freed when the caller drops it, as the CUDA caching allocator frees a tensor under
     NCCL -- and costs the CPU lab only overlap it does not measure. The Work holds the very tensor objects it
-    was given, a hold their storage's use count cannot show: so each collective is given fresh aliases
+    was given (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp, ``runLoop``: the worker drops it after
+    ``execute()`` has woken the caller), a hold their storage's use count cannot show: so each collective is given fresh aliases
     (``detach()``: the same storage, one more use while anything holds them), and returns once those uses are
     gone (an ``async_op`` collective's Work stays with the caller, tensors and all). DTensor's collectives
     (TP's) are ``_c10d_functional`` ops, not ``dist``'s: a dispatch mode settles those alike."""
